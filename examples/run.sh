@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main-job command: installs what is missing (as tests/run.sh does), builds the default
+# configuration in build/ (CUDA when nvcc is found; only the example's target), then runs the main
+# example with this script's arguments. Build output goes to stderr, the example's to stdout.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source cmake/run_common.sh
+
+# The main example: its CMake target and where the build puts it.
+main_target=basic_cache
+main_binary=build/examples/basic_cache/basic_cache
+
+thinkv_ensure_deps
+read -r -a cuda_args <<<"$(thinkv_default_cuda_args)"
+thinkv_log "configure build/" >&2
+thinkv_configure build "${cuda_args[@]}" >&2
+thinkv_log "build $main_target" >&2
+cmake --build build --parallel "$(thinkv_jobs)" --target "$main_target" >&2
+thinkv_log "run $main_binary $*" >&2
+exec "$main_binary" "$@"

@@ -1,0 +1,295 @@
+#pragma once
+/// \file cpu_backend.hpp
+/// The CPU backend: host-memory pages laid out exactly as CacheLayout says, quantized with the
+/// reference encoders of thinkv/formats. It is the ground truth device backends are tested against.
+///
+/// Page layout of one block at precision P (B = block_size, D = head_dim, g = group_size):
+///   [B x row_bytes(P)] key rows | [B x row_bytes(P)] value rows | [B x D/g] value scales (E4M3)
+/// Key scales live in key-scale records: record r holds D E4M3 scales, one per channel, for the
+/// g tokens of one committed group; every slot names its record (BlockTable::slot_record).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/formats.hpp"
+#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/layout.hpp"
+#include "thinkv/reference/attention.hpp"
+
+namespace thinkv {
+
+class CpuKvBackend {
+ public:
+  [[nodiscard]] std::string_view name() const { return "cpu"; }
+
+  [[nodiscard]] Status init(const CacheConfig& config) {
+    THINKV_RETURN_IF_ERROR(config.validate());
+    config_ = config;
+    layout_ = CacheLayout::from(config);
+    pools_ = PoolMap::from(config);
+    stats_ = {};
+    std::int64_t bytes = 0;
+    for (Precision p : kAllPrecisions) {
+      const auto n = static_cast<std::size_t>(config.pool_blocks[static_cast<int>(p)]) *
+                     static_cast<std::size_t>(layout_.page_bytes(p));
+      // Poison: a read of a never-written byte shows up as garbage in tests, not as zeros.
+      pages_[static_cast<int>(p)].assign(n, 0xA5);
+      bytes += static_cast<std::int64_t>(n);
+    }
+    const auto rec = static_cast<std::size_t>(effective_record_capacity(config));
+    records_.assign(rec * static_cast<std::size_t>(config.head_dim), 0xA5);
+    staging_.assign(static_cast<std::size_t>(config.num_streams) * 2 * config.group_size *
+                        config.head_dim, 0);
+    s2_.assign(static_cast<std::size_t>(config.num_streams) * 2 * kNumPrecisions, 0.0f);
+    bytes += static_cast<std::int64_t>(records_.size() + staging_.size() * 2 + s2_.size() * 4);
+    stats_.bytes_allocated = bytes;
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status stage(int stream, int row, const float* k, const float* v) {
+    std::uint16_t* dst = staging_row(stream, row, 0);
+    std::uint16_t* dv = staging_row(stream, row, 1);
+    for (int c = 0; c < config_.head_dim; ++c) {
+      dst[c] = encode_bf16(k[c]);
+      dv[c] = encode_bf16(v[c]);
+    }
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status read_staged(int stream, int row, float* k, float* v) const {
+    const std::uint16_t* sk = staging_row(stream, row, 0);
+    const std::uint16_t* sv = staging_row(stream, row, 1);
+    for (int c = 0; c < config_.head_dim; ++c) {
+      k[c] = decode_bf16(sk[c]);
+      v[c] = decode_bf16(sv[c]);
+    }
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status commit(const CommitPlan& plan) {
+    const int g = config_.group_size;
+    const int d = config_.head_dim;
+    const Precision p = plan.precision;
+    if (static_cast<int>(plan.slots.size()) != g) {
+      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                         " slots, expected group_size " + std::to_string(g)};
+    }
+    if (p == Precision::kBf16) {
+      for (int i = 0; i < g; ++i) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const std::uint16_t* src = staging_row(plan.stream, i, kv);
+          std::uint8_t* dst = row_ptr(plan.slots[static_cast<std::size_t>(i)], kv);
+          for (int c = 0; c < d; ++c) {
+            dst[2 * c] = static_cast<std::uint8_t>(src[c] & 0xFF);
+            dst[2 * c + 1] = static_cast<std::uint8_t>(src[c] >> 8);
+          }
+        }
+      }
+      ++stats_.groups_quantized;
+      return Status::ok();
+    }
+    // Decode the staged group (g x d) of K and V to FP32.
+    std::vector<float> kf(static_cast<std::size_t>(g) * d), vf(kf.size());
+    for (int i = 0; i < g; ++i) {
+      THINKV_RETURN_IF_ERROR(read_staged(plan.stream, i, kf.data() + i * d, vf.data() + i * d));
+    }
+    float& s2k = s2_ref(plan.stream, 0, p);
+    float& s2v = s2_ref(plan.stream, 1, p);
+    // Second-level scales are fixed by the stream's first nonzero group of this precision. An
+    // all-zero group quantizes to zero codes and scales whatever s2 is, so it fixes nothing.
+    const float amax_k = group_amax(kf.data(), 1, g * d);
+    const float amax_v = group_amax(vf.data(), 1, g * d);
+    if (s2k == 0.0f && amax_k > 0.0f) s2k = choose_stream_scale(p, amax_k);
+    if (s2v == 0.0f && amax_v > 0.0f) s2v = choose_stream_scale(p, amax_v);
+    const float s2k_use = s2k > 0.0f ? s2k : 1.0f;
+    const float s2v_use = s2v > 0.0f ? s2v : 1.0f;
+    std::vector<std::uint8_t> codes(kf.size());
+    // Keys: per channel, a group = the g tokens of one channel.
+    std::uint8_t* rec = records_.data() + static_cast<std::size_t>(plan.record) * d;
+    for (int c = 0; c < d; ++c) {
+      if (group_scale_saturates(p, group_amax(kf.data() + c, d, g), s2k_use)) ++stats_.scale_saturations;
+      rec[c] = quantize_group(p, kf.data() + c, d, g, s2k_use, codes.data() + c, d);
+    }
+    for (int i = 0; i < g; ++i) {
+      std::uint8_t* dst = row_ptr(plan.slots[static_cast<std::size_t>(i)], 0);
+      for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(i * d + c)]);
+    }
+    // Values: per token, a group = g consecutive channels of one token.
+    for (int i = 0; i < g; ++i) {
+      const SlotRef s = plan.slots[static_cast<std::size_t>(i)];
+      std::uint8_t* vs = value_scales_ptr(s);
+      std::uint8_t* dst = row_ptr(s, 1);
+      for (int j = 0; j < d / g; ++j) {
+        const float* x = vf.data() + i * d + j * g;
+        if (group_scale_saturates(p, group_amax(x, 1, g), s2v_use)) ++stats_.scale_saturations;
+        vs[j] = quantize_group(p, x, 1, g, s2v_use, codes.data() + j * g, 1);
+      }
+      for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(c)]);
+    }
+    ++stats_.groups_quantized;
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status reset_stream(int stream) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (Precision p : kAllPrecisions) s2_ref(stream, kv, p) = 0.0f;
+    }
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const {
+    if (slot.block >= pools_.total || slot.slot >= static_cast<std::uint32_t>(config_.block_size)) {
+      return {StatusCode::kOutOfRange, "slot {block " + std::to_string(slot.block) + ", slot " +
+                                           std::to_string(slot.slot) + "} does not exist"};
+    }
+    const int d = config_.head_dim;
+    const Precision p = pools_.precision_of(slot.block);
+    const std::uint8_t* kr = row_ptr(slot, 0);
+    const std::uint8_t* vr = row_ptr(slot, 1);
+    if (p == Precision::kBf16) {
+      for (int c = 0; c < d; ++c) {
+        k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
+        v[c] = decode_bf16(static_cast<std::uint16_t>(vr[2 * c] | (vr[2 * c + 1] << 8)));
+      }
+      return Status::ok();
+    }
+    const std::int32_t owner = table.block_owner(slot.block);
+    const std::uint32_t r = table.slot_record(slot);
+    if (owner == kNoStream || r == kNoRecord) {
+      return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(slot.block) +
+                                                ", slot " + std::to_string(slot.slot) +
+                                                "} holds no token"};
+    }
+    // 0 (unset) only when every group so far was all zero: their codes decode to 0 for any s2.
+    const float s2k = s2_[s2_index(owner, 0, p)];
+    const float s2v = s2_[s2_index(owner, 1, p)];
+    const std::uint8_t* rec = records_.data() + static_cast<std::size_t>(r) * d;
+    const std::uint8_t* vs = value_scales_ptr(slot);
+    const int g = config_.group_size;
+    for (int c = 0; c < d; ++c) {
+      k[c] = dequantize(p, load_code(p, kr, c), rec[c], s2k);
+      v[c] = dequantize(p, load_code(p, vr, c), vs[c / g], s2v);
+    }
+    return Status::ok();
+  }
+
+  /// Reference decode attention: dequantizes each KV head's live slots (block-list order, then
+  /// slot order) and staged tokens once, and attends all the query heads that share it in FP32.
+  [[nodiscard]] Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const {
+    THINKV_RETURN_IF_ERROR(check_attention_args(args, config_.num_streams));
+    const int d = config_.head_dim;
+    for (int h = 0; h < args.num_kv_heads; ++h) {
+      const int s = args.kv_streams[h];
+      if (table.live_slots(s) + table.staged_count(s) == 0) {
+        return {StatusCode::kInvalidArgument,
+                "stream " + std::to_string(s) + " holds no token to attend to"};
+      }
+    }
+    const float scale =
+        args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const int group = args.num_q_heads / args.num_kv_heads;
+    std::vector<float> k, v;
+    for (int h = 0; h < args.num_kv_heads; ++h) {
+      THINKV_RETURN_IF_ERROR(gather(table, args.kv_streams[h], k, v));
+      const int n = static_cast<int>(k.size() / static_cast<std::size_t>(d));
+      reference::attend_tokens(args.q + static_cast<std::ptrdiff_t>(h) * group * d, group, k.data(),
+                               v.data(), n, d, scale, args.out + static_cast<std::ptrdiff_t>(h) * group * d,
+                               args.sparsity ? args.sparsity + static_cast<std::ptrdiff_t>(h) * group : nullptr);
+    }
+    return Status::ok();
+  }
+
+  /// Dequantized K and V ([n, head_dim] each) of a stream's live slots then staged tokens, in
+  /// attention order.
+  [[nodiscard]] Status gather(const BlockTable& table, int stream, std::vector<float>& k,
+                              std::vector<float>& v) const {
+    const int d = config_.head_dim;
+    const auto slots = table.live_slot_list(stream);
+    const int staged = table.staged_count(stream);
+    const std::size_t n = slots.size() + static_cast<std::size_t>(staged);
+    k.resize(n * d);
+    v.resize(n * d);
+    for (std::size_t j = 0; j < slots.size(); ++j) {
+      THINKV_RETURN_IF_ERROR(read_token(table, slots[j], k.data() + j * d, v.data() + j * d));
+    }
+    for (int r = 0; r < staged; ++r) {
+      const std::size_t j = slots.size() + static_cast<std::size_t>(r);
+      THINKV_RETURN_IF_ERROR(read_staged(stream, r, k.data() + j * d, v.data() + j * d));
+    }
+    return Status::ok();
+  }
+
+  [[nodiscard]] BackendStats stats() const { return stats_; }
+
+  /// Second-level scale of (stream, K = 0 / V = 1, precision); 0 until the stream's first group of
+  /// that precision is committed.
+  [[nodiscard]] float stream_scale(int stream, int kv, Precision p) const {
+    return s2_[s2_index(stream, kv, p)];
+  }
+  /// Raw bytes of a block's page (for tests and debugging).
+  [[nodiscard]] std::span<const std::uint8_t> page(std::uint32_t block) const {
+    const Precision p = pools_.precision_of(block);
+    const auto bytes = static_cast<std::size_t>(layout_.page_bytes(p));
+    return {pages_[static_cast<int>(p)].data() + pools_.local_index(block) * bytes, bytes};
+  }
+  /// The head_dim E4M3 key scales of a record.
+  [[nodiscard]] std::span<const std::uint8_t> record_scales(std::uint32_t record) const {
+    return {records_.data() + static_cast<std::size_t>(record) * config_.head_dim,
+            static_cast<std::size_t>(config_.head_dim)};
+  }
+
+ private:
+  [[nodiscard]] std::size_t s2_index(int stream, int kv, Precision p) const {
+    return (static_cast<std::size_t>(stream) * 2 + kv) * kNumPrecisions + static_cast<int>(p);
+  }
+  float& s2_ref(int stream, int kv, Precision p) { return s2_[s2_index(stream, kv, p)]; }
+  [[nodiscard]] std::uint16_t* staging_row(int stream, int row, int kv) {
+    return staging_.data() +
+           ((static_cast<std::size_t>(stream) * 2 + kv) * config_.group_size + row) * config_.head_dim;
+  }
+  [[nodiscard]] const std::uint16_t* staging_row(int stream, int row, int kv) const {
+    return staging_.data() +
+           ((static_cast<std::size_t>(stream) * 2 + kv) * config_.group_size + row) * config_.head_dim;
+  }
+  [[nodiscard]] std::size_t page_offset(std::uint32_t block) const {
+    return pools_.local_index(block) *
+           static_cast<std::size_t>(layout_.page_bytes(pools_.precision_of(block)));
+  }
+  [[nodiscard]] const std::uint8_t* row_ptr(SlotRef s, int kv) const {
+    const Precision p = pools_.precision_of(s.block);
+    const std::size_t rb = static_cast<std::size_t>(layout_.row_bytes(p));
+    return pages_[static_cast<int>(p)].data() + page_offset(s.block) +
+           (static_cast<std::size_t>(kv) * config_.block_size + s.slot) * rb;
+  }
+  std::uint8_t* row_ptr(SlotRef s, int kv) {
+    return const_cast<std::uint8_t*>(std::as_const(*this).row_ptr(s, kv));
+  }
+  [[nodiscard]] const std::uint8_t* value_scales_ptr(SlotRef s) const {
+    const Precision p = pools_.precision_of(s.block);
+    const std::size_t rb = static_cast<std::size_t>(layout_.row_bytes(p));
+    return pages_[static_cast<int>(p)].data() + page_offset(s.block) +
+           2 * static_cast<std::size_t>(config_.block_size) * rb +
+           static_cast<std::size_t>(s.slot) * layout_.value_scale_bytes(p);
+  }
+  std::uint8_t* value_scales_ptr(SlotRef s) {
+    return const_cast<std::uint8_t*>(std::as_const(*this).value_scales_ptr(s));
+  }
+
+  CacheConfig config_{};
+  CacheLayout layout_{};
+  PoolMap pools_{};
+  BackendStats stats_{};
+  std::vector<std::uint8_t> pages_[kNumPrecisions];  // per pool: [blocks, page_bytes]
+  std::vector<std::uint8_t> records_;                // [record_capacity, head_dim] E4M3
+  std::vector<std::uint16_t> staging_;               // [streams, 2, g, head_dim] BF16
+  std::vector<float> s2_;                            // [streams, 2, precisions]
+};
+static_assert(kv_backend<CpuKvBackend>);
+
+}  // namespace thinkv

@@ -1,0 +1,129 @@
+#pragma once
+/// \file kv_backend.hpp
+/// The KV-backend interface: where K/V bytes live and how they are written and read.
+///
+/// The cache (PagedKvCache) owns the host metadata (BlockTable) and decides where data goes; a
+/// backend owns the bytes (pages, key-scale records, staging buffers, second-level scales) and
+/// executes: stage a token, commit a staged group into planned slots, read a token back, attend.
+/// Two forms of the same interface:
+///   - `kv_backend<B>`: a C++20 concept for header-only code (no virtual calls);
+///   - `KvBackend`: one coarse virtual interface for runtimes that choose a backend at run time,
+///     with `DynamicBackend` (a concept model holding a KvBackend) and `BackendModel<B>` (a
+///     KvBackend wrapping any concept model) to go either way.
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <utility>
+
+#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/layout.hpp"
+#include "thinkv/reference/attention.hpp"
+#include "thinkv/status.hpp"
+
+namespace thinkv {
+
+/// Counters a backend keeps.
+struct BackendStats {
+  std::int64_t groups_quantized = 0;   ///< staged groups committed (quantized or copied)
+  std::int64_t scale_saturations = 0;  ///< groups whose E4M3 scale saturated (values clipped)
+  std::int64_t bytes_allocated = 0;    ///< pages + records + staging + scales, at init
+};
+
+/// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
+/// is host memory.
+template <class B>
+concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, int stream, int row,
+                              const float* k, const float* v, float* k_out, float* v_out,
+                              const CommitPlan& plan, const BlockTable& table, SlotRef slot,
+                              const DecodeAttentionArgs& args) {
+  { cb.name() } -> std::convertible_to<std::string_view>;
+  /// Allocates every pool for `config` (already validated).
+  { b.init(config) } -> std::same_as<Status>;
+  /// Writes one token (head_dim floats each, already checked finite) into staging row `row`.
+  { b.stage(stream, row, k, v) } -> std::same_as<Status>;
+  /// Quantizes the stream's full staging group at plan.precision into plan.slots.
+  { b.commit(plan) } -> std::same_as<Status>;
+  /// Forgets a stream's staging and second-level scales (end of sequence).
+  { b.reset_stream(stream) } -> std::same_as<Status>;
+  /// Dequantizes one stored token.
+  { cb.read_token(table, slot, k_out, v_out) } -> std::same_as<Status>;
+  /// Decodes one staged token.
+  { cb.read_staged(stream, row, k_out, v_out) } -> std::same_as<Status>;
+  /// Decode attention over live slots and staged tokens of the given streams.
+  { cb.attend(table, args) } -> std::same_as<Status>;
+  { cb.stats() } -> std::same_as<BackendStats>;
+};
+
+/// The same interface with virtual dispatch, for runtimes that pick a backend at run time.
+class KvBackend {
+ public:
+  virtual ~KvBackend() = default;
+  [[nodiscard]] virtual std::string_view name() const = 0;
+  [[nodiscard]] virtual Status init(const CacheConfig& config) = 0;
+  [[nodiscard]] virtual Status stage(int stream, int row, const float* k, const float* v) = 0;
+  [[nodiscard]] virtual Status commit(const CommitPlan& plan) = 0;
+  [[nodiscard]] virtual Status reset_stream(int stream) = 0;
+  [[nodiscard]] virtual Status read_token(const BlockTable& table, SlotRef slot, float* k,
+                                          float* v) const = 0;
+  [[nodiscard]] virtual Status read_staged(int stream, int row, float* k, float* v) const = 0;
+  [[nodiscard]] virtual Status attend(const BlockTable& table,
+                                      const DecodeAttentionArgs& args) const = 0;
+  [[nodiscard]] virtual BackendStats stats() const = 0;
+};
+
+/// Wraps a concept model B as a KvBackend.
+template <kv_backend B>
+class BackendModel final : public KvBackend {
+ public:
+  explicit BackendModel(B backend = B{}) : b_(std::move(backend)) {}
+  std::string_view name() const override { return b_.name(); }
+  Status init(const CacheConfig& c) override { return b_.init(c); }
+  Status stage(int s, int r, const float* k, const float* v) override { return b_.stage(s, r, k, v); }
+  Status commit(const CommitPlan& p) override { return b_.commit(p); }
+  Status reset_stream(int s) override { return b_.reset_stream(s); }
+  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const override {
+    return b_.read_token(t, s, k, v);
+  }
+  Status read_staged(int s, int r, float* k, float* v) const override {
+    return b_.read_staged(s, r, k, v);
+  }
+  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const override {
+    return b_.attend(t, a);
+  }
+  BackendStats stats() const override { return b_.stats(); }
+  [[nodiscard]] B& get() noexcept { return b_; }
+  [[nodiscard]] const B& get() const noexcept { return b_; }
+
+ private:
+  B b_;
+};
+
+/// A concept model that forwards to a KvBackend chosen at run time (owns it).
+class DynamicBackend {
+ public:
+  DynamicBackend() = default;
+  explicit DynamicBackend(std::unique_ptr<KvBackend> impl) : impl_(std::move(impl)) {}
+  std::string_view name() const { return impl_ ? impl_->name() : "none"; }
+  Status init(const CacheConfig& c) {
+    if (!impl_) return {StatusCode::kInvalidArgument, "DynamicBackend holds no backend"};
+    return impl_->init(c);
+  }
+  Status stage(int s, int r, const float* k, const float* v) { return impl_->stage(s, r, k, v); }
+  Status commit(const CommitPlan& p) { return impl_->commit(p); }
+  Status reset_stream(int s) { return impl_->reset_stream(s); }
+  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const {
+    return impl_->read_token(t, s, k, v);
+  }
+  Status read_staged(int s, int r, float* k, float* v) const { return impl_->read_staged(s, r, k, v); }
+  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const { return impl_->attend(t, a); }
+  BackendStats stats() const { return impl_->stats(); }
+  [[nodiscard]] KvBackend* get() const noexcept { return impl_.get(); }
+
+ private:
+  std::unique_ptr<KvBackend> impl_;
+};
+static_assert(kv_backend<DynamicBackend>);
+
+}  // namespace thinkv

@@ -1,0 +1,170 @@
+#pragma once
+/// \file layout.hpp
+/// Cache configuration, its validation, and the byte layout of pages, metadata and staging.
+/// Every byte count the memory accounting reports is derived here, in one place
+/// (docs/design.md, "Memory accounting", explains each term).
+
+#include <array>
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+#include "thinkv/policy/precision_map.hpp"
+#include "thinkv/policy/retention_schedule.hpp"
+#include "thinkv/status.hpp"
+#include "thinkv/types.hpp"
+
+namespace thinkv {
+
+/// Construction-time configuration of a paged, compressed KV cache.
+/// A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a staging buffer.
+struct CacheConfig {
+  int num_streams = 1;   ///< streams the cache holds (sequences x layers x KV heads)
+  int head_dim = 128;    ///< channels per key/value row
+  int group_size = 16;   ///< g: tokens per key group (per channel), channels per value group
+  int block_size = 16;   ///< slots (tokens) per block
+  PrecisionMap precision{};  ///< TBQ map, R4E4T2 by default
+  /// Capacity in blocks of each precision's pool, indexed by Precision. A pool the map uses must
+  /// have at least one block.
+  std::array<int, kNumPrecisions> pool_blocks{0, 0, 0, 0};
+  /// Key-scale records in the shared record pool; 0 = the worst case (one per quantized slot),
+  /// which can never run out.
+  int record_capacity = 0;
+  /// Live-token budget per stream, used by eviction (TBE); 0 = unlimited.
+  int token_budget = 0;
+  RetentionSchedule retention{};  ///< TBE schedule; the budget may not be below its minimum
+
+  static constexpr int kMaxHeadDim = 1024;
+  static constexpr int kMaxBlockSize = 4096;
+  static constexpr int kMaxStreams = 1 << 24;
+
+  /// Checks every field; the message names the bad value and the allowed range.
+  [[nodiscard]] Status validate() const {
+    auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); };
+    if (num_streams < 1 || num_streams > kMaxStreams) {
+      return bad("num_streams " + std::to_string(num_streams) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxStreams));
+    }
+    if (group_size != 8 && group_size != 16 && group_size != 32) {
+      return bad("group_size " + std::to_string(group_size) + " is not supported; allowed: 8, 16, 32");
+    }
+    if (head_dim < 1 || head_dim > kMaxHeadDim) {
+      return bad("head_dim " + std::to_string(head_dim) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxHeadDim) + " and a multiple of group_size");
+    }
+    if (head_dim % group_size != 0) {
+      return bad("head_dim " + std::to_string(head_dim) + " is not a multiple of the value group size " +
+                 std::to_string(group_size) + "; use a group_size (8, 16 or 32) that divides head_dim" +
+                 (head_dim % 8 == 0 ? " (e.g. group_size 8)" : ""));
+    }
+    if (block_size < 1 || block_size > kMaxBlockSize) {
+      return bad("block_size " + std::to_string(block_size) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxBlockSize));
+    }
+    for (Precision p : kAllPrecisions) {
+      const int n = pool_blocks[static_cast<int>(p)];
+      const std::int64_t max_blocks = (std::int64_t{1} << 31) / block_size;
+      if (n < 0 || n > max_blocks) {
+        return bad("pool_blocks[" + std::string(to_string(p)) + "] " + std::to_string(n) +
+                   " is out of range; allowed: 0.." + std::to_string(max_blocks));
+      }
+      if (precision.uses(p) && n == 0) {
+        return bad("precision map " + precision.to_string() + " stores thoughts as " +
+                   std::string(to_string(p)) + " but pool_blocks[" + std::string(to_string(p)) +
+                   "] is 0; allowed: >= 1");
+      }
+    }
+    if (record_capacity < 0) {
+      return bad("record_capacity " + std::to_string(record_capacity) +
+                 " is negative; allowed: 0 (worst case) or >= 1");
+    }
+    if (token_budget < 0 || (token_budget > 0 && token_budget < retention.min_retention())) {
+      return bad("token_budget " + std::to_string(token_budget) +
+                 " is below the minimum retention " + std::to_string(retention.min_retention()) +
+                 " of the schedule " + retention.to_string() + "; allowed: 0 (no budget) or >= " +
+                 std::to_string(retention.min_retention()));
+    }
+    return Status::ok();
+  }
+
+  friend bool operator==(const CacheConfig&, const CacheConfig&) = default;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
+  return os << "CacheConfig{streams=" << c.num_streams << ", head_dim=" << c.head_dim
+            << ", g=" << c.group_size << ", block=" << c.block_size << ", map=" << c.precision
+            << ", pools={" << c.pool_blocks[0] << "," << c.pool_blocks[1] << "," << c.pool_blocks[2]
+            << "," << c.pool_blocks[3] << "}, records=" << c.record_capacity
+            << ", budget=" << c.token_budget << ", retention=" << c.retention << "}";
+}
+
+/// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the
+/// worst case, one per slot of every quantized pool (a record stays alive while at least one of
+/// its slots is live, so records in use never exceed live quantized slots).
+inline std::int64_t effective_record_capacity(const CacheConfig& c) noexcept {
+  if (c.record_capacity > 0) return c.record_capacity;
+  std::int64_t n = 0;
+  for (Precision p : kAllPrecisions) {
+    if (has_group_scale(p)) n += std::int64_t{c.pool_blocks[static_cast<int>(p)]} * c.block_size;
+  }
+  return n;
+}
+
+/// Byte sizes derived from a validated configuration. All sizes are exact: the CPU backend
+/// allocates exactly these, and a device backend must lay its buffers out the same way.
+struct CacheLayout {
+  int head_dim = 0;
+  int group_size = 0;
+  int block_size = 0;
+
+  /// Bytes per slot of block metadata: key-scale record id (u32), segment id (u32), position (i32).
+  static constexpr int kSlotMetaBytes = 12;
+  /// Bytes of per-block header: thought, precision, fill, live, owner stream, padding.
+  static constexpr int kBlockHeaderBytes = 16;
+  /// Bytes per block-table entry (a u32 block id in the stream's block list).
+  static constexpr int kBlockTableEntryBytes = 4;
+  /// Bytes of a stream's fixed header: staged count, staged thought, next position, flags (8),
+  /// and the FP32 second-level scales for K and V per precision (2 x 4 x 4 = 32).
+  static constexpr int kStreamHeaderBytes = 40;
+  /// Bytes of a key-scale record beyond its head_dim E4M3 scales: refcount (u32), owner (u32).
+  static constexpr int kRecordHeaderBytes = 8;
+
+  static CacheLayout from(const CacheConfig& c) { return {c.head_dim, c.group_size, c.block_size}; }
+
+  /// Packed bytes of one token's key (or value) row at precision p.
+  [[nodiscard]] constexpr int row_bytes(Precision p) const noexcept {
+    return (head_dim * bits_of(p) + 7) / 8;
+  }
+  /// Value-scale bytes per slot: one E4M3 scale per g channels (none for BF16).
+  [[nodiscard]] constexpr int value_scale_bytes(Precision p) const noexcept {
+    return has_group_scale(p) ? head_dim / group_size : 0;
+  }
+  /// Data bytes of one slot: K row + V row + value scales.
+  [[nodiscard]] constexpr int slot_data_bytes(Precision p) const noexcept {
+    return 2 * row_bytes(p) + value_scale_bytes(p);
+  }
+  /// Data bytes of one page (block) at precision p: what the pool allocates per block.
+  [[nodiscard]] constexpr std::int64_t page_bytes(Precision p) const noexcept {
+    return std::int64_t{block_size} * slot_data_bytes(p);
+  }
+  /// 64-bit words of a block's eviction mask.
+  [[nodiscard]] constexpr int evict_mask_words() const noexcept { return (block_size + 63) / 64; }
+  /// Metadata bytes of one block: header + eviction mask + per-slot metadata.
+  [[nodiscard]] constexpr std::int64_t block_meta_bytes() const noexcept {
+    return kBlockHeaderBytes + 8 * evict_mask_words() + std::int64_t{kSlotMetaBytes} * block_size;
+  }
+  /// Bytes of one key-scale record: head_dim E4M3 key scales + header.
+  [[nodiscard]] constexpr std::int64_t record_bytes() const noexcept {
+    return head_dim + kRecordHeaderBytes;
+  }
+  /// Bytes of one stream's staging buffer: g tokens of K and V in BF16.
+  [[nodiscard]] constexpr std::int64_t staging_bytes() const noexcept {
+    return std::int64_t{2} * group_size * head_dim * 2;
+  }
+  /// FullKV FP16 bytes of `tokens` tokens of one stream (K and V, 2 bytes each).
+  [[nodiscard]] constexpr std::int64_t fullkv_fp16_bytes(std::int64_t tokens) const noexcept {
+    return tokens * 2 * head_dim * 2;
+  }
+};
+
+}  // namespace thinkv

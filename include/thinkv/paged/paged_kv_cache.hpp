@@ -1,0 +1,222 @@
+#pragma once
+/// \file paged_kv_cache.hpp
+/// PagedKvCache: the compressed paged KV cache (TBQ quantization + the CT block table) over a
+/// KV backend. A decoder calls append() once per stream per step with the new token's post-RoPE
+/// key and value, and attend() for the step's queries. Eviction marks slots; new tokens of the
+/// same thought type are written into them in place.
+///
+/// Every mutating call is all-or-nothing: a wrong shape, NaN/Inf in K/V, an unknown stream, or a
+/// full pool returns an error and leaves the cache exactly as it was.
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "thinkv/backend/cpu_backend.hpp"
+#include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/layout.hpp"
+#include "thinkv/status.hpp"
+
+namespace thinkv {
+
+/// Exact memory held, per stream or summed over streams. "Physical" counts what is allocated to
+/// the streams: whole pages of held blocks (holes and unwritten slots included), block metadata,
+/// block-table entries, stream headers, key-scale records and staging buffers.
+struct MemoryUsage {
+  std::int64_t live_tokens = 0;         ///< non-evicted tokens in pages + staged tokens
+  std::int64_t staged_tokens = 0;       ///< tokens in staging (full precision)
+  std::int64_t hole_slots = 0;          ///< evicted slots still held (awaiting reuse)
+  std::int64_t blocks_held = 0;
+  std::int64_t records_held = 0;
+  std::int64_t page_bytes = 0;          ///< K/V codes and value scales of held blocks
+  std::int64_t metadata_bytes = 0;      ///< block headers, masks, slot metadata, table, headers
+  std::int64_t scale_record_bytes = 0;  ///< key-scale records
+  std::int64_t staging_bytes = 0;       ///< staging buffers (always allocated per stream)
+  std::int64_t fullkv_fp16_bytes = 0;   ///< what FullKV in FP16 would hold for live_tokens
+
+  [[nodiscard]] std::int64_t physical_bytes() const noexcept {
+    return page_bytes + metadata_bytes + scale_record_bytes + staging_bytes;
+  }
+  /// physical / FullKV-FP16 (0 when no token is live).
+  [[nodiscard]] double ratio() const noexcept {
+    return fullkv_fp16_bytes > 0 ? static_cast<double>(physical_bytes()) /
+                                       static_cast<double>(fullkv_fp16_bytes)
+                                 : 0.0;
+  }
+  MemoryUsage& operator+=(const MemoryUsage& o) noexcept {
+    live_tokens += o.live_tokens;
+    staged_tokens += o.staged_tokens;
+    hole_slots += o.hole_slots;
+    blocks_held += o.blocks_held;
+    records_held += o.records_held;
+    page_bytes += o.page_bytes;
+    metadata_bytes += o.metadata_bytes;
+    scale_record_bytes += o.scale_record_bytes;
+    staging_bytes += o.staging_bytes;
+    fullkv_fp16_bytes += o.fullkv_fp16_bytes;
+    return *this;
+  }
+  friend bool operator==(const MemoryUsage&, const MemoryUsage&) = default;
+};
+
+/// Largest |value| a K/V element may have. Beyond it the FP32 scale arithmetic of the formats
+/// could overflow (docs/formats.md); real keys and values are many orders of magnitude smaller.
+inline constexpr float kMaxKvMagnitude = 0x1p64f;
+
+/// Checks one token's K and V values: finite, representable in the BF16 staging format without
+/// overflowing to Inf, and |x| <= kMaxKvMagnitude. `where` names the destination in messages.
+inline Status check_kv_values(std::span<const float> k, std::span<const float> v,
+                              const std::string& where) {
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::span<const float> x = kv == 0 ? k : v;
+    for (std::size_t c = 0; c < x.size(); ++c) {
+      const float xc = x[c];
+      const std::string name = std::string(kv == 0 ? "k" : "v") + "[" + std::to_string(c) + "]";
+      if (!std::isfinite(xc)) {
+        return {StatusCode::kNonFinite, name + " = " + std::to_string(xc) + " appended to " +
+                                            where + " is not finite; the token was not stored"};
+      }
+      if (!(std::fabs(xc) <= kMaxKvMagnitude)) {
+        return {StatusCode::kNonFinite, name + " = " + std::to_string(xc) + " appended to " +
+                                            where + " exceeds the largest magnitude ThinKV "
+                                            "stores (2^64); the token was not stored"};
+      }
+    }
+  }
+  return Status::ok();
+}
+
+/// The compressed paged KV cache over backend B (the CPU reference backend by default).
+template <kv_backend B = CpuKvBackend>
+class PagedKvCache {
+ public:
+  /// Throws ConfigError when `config` is invalid (the message names the value and the allowed
+  /// range), std::runtime_error when the backend cannot allocate its pools.
+  explicit PagedKvCache(const CacheConfig& config, B backend = B{})
+      : table_(config), backend_(std::move(backend)) {
+    if (Status s = backend_.init(config); !s.is_ok()) {
+      if (s.code() == StatusCode::kInvalidArgument) throw ConfigError(s);
+      throw std::runtime_error("thinkv: backend '" + std::string(backend_.name()) +
+                               "' failed to initialise: " + s.to_string());
+    }
+  }
+
+  [[nodiscard]] const CacheConfig& config() const noexcept { return table_.config(); }
+  [[nodiscard]] const CacheLayout& layout() const noexcept { return table_.layout(); }
+  [[nodiscard]] const BlockTable& table() const noexcept { return table_; }
+  [[nodiscard]] const B& backend() const noexcept { return backend_; }
+  [[nodiscard]] B& backend() noexcept { return backend_; }
+
+  /// Appends one token's post-RoPE key and value (head_dim floats each) to a stream as thought
+  /// `thought`, in thought segment `segment`. The token is staged in BF16; when its staging group
+  /// is full (group_size tokens), the group is quantized at the thought's precision into evicted
+  /// slots of the same thought type first, then into fresh slots.
+  /// Errors (cache unchanged): kOutOfRange (stream), kShapeMismatch (k/v size), kNonFinite (NaN or
+  /// Inf in k/v), kInvalidArgument (thought type changes inside a group), kPoolExhausted.
+  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v,
+                              ThoughtType thought, std::uint32_t segment = 0) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    const int d = config().head_dim;
+    if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
+      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) +
+                                              ": k has " + std::to_string(k.size()) +
+                                              " and v has " + std::to_string(v.size()) +
+                                              " values; expected head_dim = " + std::to_string(d)};
+    }
+    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
+    THINKV_RETURN_IF_ERROR(table_.check_stage(stream, thought));
+    const bool fills_group = table_.staged_count(stream) + 1 == config().group_size;
+    CommitPlan plan;
+    if (fills_group) THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, plan));
+    // From here on nothing can fail but the backend; undo the staging record if it does.
+    THINKV_RETURN_IF_ERROR(backend_.stage(stream, table_.staged_count(stream), k.data(), v.data()));
+    table_.push_staged(stream, thought, segment);
+    if (fills_group) {
+      if (Status s = backend_.commit(plan); !s.is_ok()) {
+        table_.pop_staged(stream);
+        return s;
+      }
+      table_.apply_commit(plan);
+    }
+    return Status::ok();
+  }
+
+  /// Gives the stream's staging group (tokens not yet quantized) thought type `t`. On a thought
+  /// refresh at a position that is a multiple of tau (itself a multiple of group_size) the group
+  /// holds only the token just decoded, so the new type starts exactly at a group boundary.
+  [[nodiscard]] Status relabel_staged(int stream, ThoughtType t) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    table_.relabel_staged(stream, t);
+    return Status::ok();
+  }
+
+  /// Marks live slots of a stream evicted (no data moves). All-or-nothing.
+  [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) {
+    return table_.evict(stream, slots);
+  }
+
+  /// Decode attention of one (sequence, layer) over the streams named in args.
+  [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const {
+    return backend_.attend(table_, args);
+  }
+
+  /// Dequantizes one live slot of the cache.
+  [[nodiscard]] Status read_token(SlotRef slot, std::span<float> k, std::span<float> v) const {
+    if (static_cast<int>(k.size()) != config().head_dim ||
+        static_cast<int>(v.size()) != config().head_dim) {
+      return {StatusCode::kShapeMismatch, "read_token: k and v need head_dim = " +
+                                              std::to_string(config().head_dim) + " floats"};
+    }
+    if (slot.block >= table_.pools().total || !table_.is_live(slot)) {
+      return {StatusCode::kInvalidArgument, "read_token: slot {block " +
+                                                std::to_string(slot.block) + ", slot " +
+                                                std::to_string(slot.slot) + "} is not live"};
+    }
+    return backend_.read_token(table_, slot, k.data(), v.data());
+  }
+
+  /// Releases everything a stream holds (end of its sequence).
+  [[nodiscard]] Status reset_stream(int stream) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    THINKV_RETURN_IF_ERROR(backend_.reset_stream(stream));
+    table_.reset_stream(stream);
+    return Status::ok();
+  }
+
+  /// Exact memory of one stream.
+  [[nodiscard]] MemoryUsage memory(int stream) const {
+    const CacheLayout& L = layout();
+    MemoryUsage m;
+    m.staged_tokens = table_.staged_count(stream);
+    m.live_tokens = table_.live_slots(stream) + m.staged_tokens;
+    m.hole_slots = table_.hole_slots(stream);
+    m.records_held = table_.records_held(stream);
+    for (std::uint32_t b : table_.blocks(stream)) {
+      const Precision p = table_.block_precision(b);
+      ++m.blocks_held;
+      m.page_bytes += L.page_bytes(p);
+      m.metadata_bytes += L.block_meta_bytes() + CacheLayout::kBlockTableEntryBytes;
+    }
+    m.metadata_bytes += CacheLayout::kStreamHeaderBytes;
+    m.scale_record_bytes = m.records_held * L.record_bytes();
+    m.staging_bytes = L.staging_bytes();
+    m.fullkv_fp16_bytes = L.fullkv_fp16_bytes(m.live_tokens);
+    return m;
+  }
+  /// Exact memory summed over all streams.
+  [[nodiscard]] MemoryUsage memory() const {
+    MemoryUsage total;
+    for (int s = 0; s < config().num_streams; ++s) total += memory(s);
+    return total;
+  }
+
+ private:
+  BlockTable table_;
+  B backend_;
+};
+
+}  // namespace thinkv

@@ -1,0 +1,565 @@
+/// \file test_block_table.cpp
+/// The CT block table alone (no K/V data): placement order, pools, records, eviction, and a long
+/// randomized run checked step by step against the independent model of test_util.hpp.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+using namespace thinkv;
+using Catch::Matchers::Contains;
+using tt::CtModel;
+using tt::Diff;
+using tt::chance;
+using tt::uniform01;
+using tt::uniform_int;
+
+namespace {
+
+constexpr ThoughtType R = ThoughtType::kReasoning;
+constexpr ThoughtType E = ThoughtType::kExecution;
+constexpr ThoughtType T = ThoughtType::kTransition;
+
+CacheConfig table_config(int g, int bs, std::array<int, 4> pools, PrecisionMap map = kR4E4T2,
+                         int streams = 2, int records = 0) {
+  CacheConfig c;
+  c.num_streams = streams;
+  c.head_dim = 32;
+  c.group_size = g;
+  c.block_size = bs;
+  c.precision = map;
+  c.pool_blocks = pools;
+  c.record_capacity = records;
+  return c;
+}
+
+bool same_plan(const CommitPlan& a, const CommitPlan& b) {
+  return a.stream == b.stream && a.thought == b.thought && a.precision == b.precision &&
+         a.slots == b.slots && a.new_blocks == b.new_blocks && a.record == b.record &&
+         a.reused_slots == b.reused_slots;
+}
+
+std::string slots_str(const std::vector<SlotRef>& v) {
+  std::string s;
+  for (auto r : v) s += std::to_string(r.block) + ":" + std::to_string(r.slot) + " ";
+  return s;
+}
+
+/// One token through the table, in PagedKvCache::append's order (check_stage, plan when it fills
+/// the group, push, apply), mirrored in the model. Checks the plan against the model.
+Status push_token(BlockTable& t, CtModel& m, int s, ThoughtType th, std::uint32_t seg, Diff& d,
+                  CommitPlan* plan_out = nullptr) {
+  THINKV_RETURN_IF_ERROR(t.check_stage(s, th));
+  const bool fills = t.staged_count(s) + 1 == t.config().group_size;
+  CommitPlan plan;
+  if (fills) {
+    const Status st = t.plan_commit(s, th, plan);
+    if (!st.is_ok()) return st;
+    int fresh = 0;
+    const auto mp = m.plan(s, th, &fresh);
+    int reused = 0;
+    for (const auto& x : mp) reused += x.reused;
+    if (plan.precision != m.prec(th)) d.fail("plan precision ", plan.precision, ", expected ", m.prec(th));
+    if (plan.thought != th || plan.stream != s) d.fail("plan names the wrong stream/thought");
+    if (plan.reused_slots != reused) d.fail("plan reuses ", plan.reused_slots, " slots, model ", reused);
+    if (static_cast<int>(plan.new_blocks.size()) != fresh)
+      d.fail("plan takes ", plan.new_blocks.size(), " fresh blocks, model ", fresh);
+    // every fresh block's slots are in plan.slots, in new_blocks order
+    std::vector<std::uint32_t> seen;
+    for (SlotRef r : plan.slots) {
+      const bool is_new = std::find(plan.new_blocks.begin(), plan.new_blocks.end(), r.block) != plan.new_blocks.end();
+      if (is_new && (seen.empty() || seen.back() != r.block)) seen.push_back(r.block);
+    }
+    if (seen != plan.new_blocks) d.fail("new_blocks do not match the fresh blocks used by the slots");
+  }
+  t.push_staged(s, th, seg);
+  m.stage(s, th, seg);
+  if (fills) {
+    t.apply_commit(plan);
+    m.commit(s, plan.slots, plan.record, d);
+    if (plan_out) *plan_out = plan;
+  }
+  return Status::ok();
+}
+
+/// A whole group of one thought; requires success.
+CommitPlan push_group(BlockTable& t, CtModel& m, int s, ThoughtType th, std::uint32_t seg = 0) {
+  Diff d;
+  CommitPlan plan;
+  for (int i = 0; i < t.config().group_size; ++i) {
+    const Status st = push_token(t, m, s, th, seg, d, &plan);
+    INFO(st.to_string());
+    REQUIRE(st.is_ok());
+  }
+  TT_REQUIRE_OK_DIFF(d);
+  return plan;
+}
+
+void evict_both(BlockTable& t, CtModel& m, int s, const std::vector<SlotRef>& slots) {
+  const Status st = t.evict(s, slots);
+  INFO(st.to_string() << " evicting " << slots_str(slots));
+  REQUIRE(st.is_ok());
+  m.evict(s, slots);
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+}
+
+}  // namespace
+
+TEST_CASE("BlockTable: plan_commit is pure", "[block_table]") {
+  TT_SEEDED_RNG();
+  const int bs = uniform_int(rng, 6, 20);
+  BlockTable t(table_config(8, bs, {0, 0, 8, 8}));
+  CtModel m(t.config());
+  push_group(t, m, 0, R);
+  push_group(t, m, 0, R);
+  // 5 holes in the first block, which keeps at least one live slot
+  std::vector<SlotRef> live;
+  for (SlotRef r : m.live_slots(0))
+    if (r.block == t.blocks(0)[0]) live.push_back(r);
+  std::shuffle(live.begin(), live.end(), rng);
+  live.resize(5);
+  evict_both(t, m, 0, live);
+  Diff d;
+  for (int i = 0; i < 7; ++i) REQUIRE(push_token(t, m, 0, R, 3, d).is_ok());
+  const auto before = tt::snapshot_table(t);
+  CommitPlan a, b;
+  REQUIRE(t.plan_commit(0, R, a).is_ok());
+  REQUIRE(t.plan_commit(0, R, b).is_ok());
+  CHECK(same_plan(a, b));
+  CHECK(a.reused_slots == 5);
+  CHECK(a.slots.size() == 8u);
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+  // A plan for another thought type and for another stream change nothing either.
+  CommitPlan c;
+  REQUIRE(t.plan_commit(1, T, c).is_ok());
+  REQUIRE(t.plan_commit(0, E, c).is_ok());
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+}
+
+TEST_CASE("BlockTable: placement order is holes, then unwritten slots, then fresh blocks", "[block_table]") {
+  BlockTable t(table_config(8, 12, {0, 0, 8, 4}));
+  CtModel m(t.config());
+  const std::uint32_t base = 0;  // the nvfp4 pool is the first non-empty pool: ids 0..7
+  CommitPlan p1 = push_group(t, m, 0, R, 1);
+  CHECK(p1.new_blocks == std::vector<std::uint32_t>{base});
+  CommitPlan p2 = push_group(t, m, 0, R, 2);
+  CHECK(p2.new_blocks == std::vector<std::uint32_t>{base + 1});
+  // b0 slots 0..11 written, b1 slots 0..3 written
+  CHECK(t.block_fill(base) == 12);
+  CHECK(t.block_fill(base + 1) == 4);
+  evict_both(t, m, 0, {{base + 1, 2}, {base, 5}, {base, 1}});
+  CommitPlan p3 = push_group(t, m, 0, R, 3);
+  const std::vector<SlotRef> want3 = {{base, 1}, {base, 5}, {base + 1, 2}, {base + 1, 4},
+                                      {base + 1, 5}, {base + 1, 6}, {base + 1, 7}, {base + 1, 8}};
+  CHECK(slots_str(p3.slots) == slots_str(want3));
+  CHECK(p3.reused_slots == 3);
+  CHECK(p3.new_blocks.empty());
+  CommitPlan p4 = push_group(t, m, 0, R, 4);
+  const std::vector<SlotRef> want4 = {{base + 1, 9}, {base + 1, 10}, {base + 1, 11}, {base + 2, 0},
+                                      {base + 2, 1}, {base + 2, 2}, {base + 2, 3}, {base + 2, 4}};
+  CHECK(slots_str(p4.slots) == slots_str(want4));
+  CHECK(p4.new_blocks == std::vector<std::uint32_t>{base + 2});
+  CHECK(p4.reused_slots == 0);
+  // The reused slots carry the new group's record, segment and position.
+  CHECK(t.slot_record({base, 1}) == p3.record);
+  CHECK(t.slot_segment({base, 1}) == 3u);
+  CHECK(t.slot_position({base, 1}) == 16);
+  CHECK(t.slot_record({base, 0}) == p1.record);
+  CHECK(t.slot_position({base, 0}) == 0);
+  CHECK(p1.record != p3.record);
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+}
+
+TEST_CASE("BlockTable: holes are reused only by the same thought type", "[block_table]") {
+  TT_SEEDED_RNG();
+  // R and E are both NVFP4: they share a pool but never a block.
+  BlockTable t(table_config(8, 16, {0, 0, 8, 4}));
+  CtModel m(t.config());
+  push_group(t, m, 0, R);
+  push_group(t, m, 0, E);
+  const std::uint32_t rb = t.blocks(0)[0], eb = t.blocks(0)[1];
+  REQUIRE(t.block_thought(rb) == R);
+  REQUIRE(t.block_thought(eb) == E);
+  // Holes in both: 1..7 in R's block, one in E's.
+  std::vector<SlotRef> r_holes;
+  for (std::uint32_t i = 0; i < 8; ++i)
+    if (chance(rng, 0.5)) r_holes.push_back({rb, i});
+  if (r_holes.empty()) r_holes.push_back({rb, 0});
+  if (r_holes.size() == 8) r_holes.pop_back();
+  const SlotRef e_hole{eb, static_cast<std::uint32_t>(uniform_int(rng, 0, 7))};
+  std::vector<SlotRef> victims = r_holes;
+  victims.push_back(e_hole);
+  std::shuffle(victims.begin(), victims.end(), rng);
+  evict_both(t, m, 0, victims);
+  const auto r_mask = std::vector<std::uint64_t>(t.evict_mask(rb).begin(), t.evict_mask(rb).end());
+  // E: its own hole first, then its own unwritten slots; never R's holes.
+  const CommitPlan pe = push_group(t, m, 0, E);
+  CHECK(pe.reused_slots == 1);
+  CHECK(pe.slots[0] == e_hole);
+  CHECK(pe.new_blocks.empty());
+  for (SlotRef r : pe.slots) CHECK(r.block == eb);
+  CHECK(t.hole_slots(0) == static_cast<std::int64_t>(r_holes.size()));
+  CHECK(std::vector<std::uint64_t>(t.evict_mask(rb).begin(), t.evict_mask(rb).end()) == r_mask);
+  // R: its holes, then its unwritten slots; E's unwritten slots are not used.
+  const CommitPlan pr = push_group(t, m, 0, R);
+  for (SlotRef r : pr.slots) CHECK(r.block == rb);
+  CHECK(pr.reused_slots == static_cast<int>(r_holes.size()));
+  CHECK(t.hole_slots(0) == 0);
+  // T goes to the ternary pool.
+  const CommitPlan pt = push_group(t, m, 0, T);
+  REQUIRE(pt.new_blocks.size() == 1u);
+  CHECK(t.block_precision(pt.new_blocks[0]) == Precision::kTernary);
+  CHECK(pt.new_blocks[0] >= 8u);
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+}
+
+TEST_CASE("BlockTable: blocks come from the pool of the thought's precision", "[block_table]") {
+  for (const PrecisionMap& map : {kR4E4T2, kR8E4T2, kR8E8T4, kFullKvMap}) {
+    CAPTURE(map);
+    BlockTable t(table_config(8, 8, {3, 4, 5, 6}, map));
+    CtModel m(t.config());
+    const std::uint32_t base[4] = {0, 3, 7, 12};
+    const std::uint32_t count[4] = {3, 4, 5, 6};
+    for (ThoughtType th : kAllThoughtTypes) {
+      const CommitPlan p = push_group(t, m, 1, th);
+      const int pi = static_cast<int>(map.precision_of(th));
+      CHECK(p.precision == map.precision_of(th));
+      REQUIRE(p.new_blocks.size() == 1u);
+      CHECK(p.new_blocks[0] >= base[pi]);
+      CHECK(p.new_blocks[0] < base[pi] + count[pi]);
+      CHECK((p.record == kNoRecord) == (map.precision_of(th) == Precision::kBf16));
+    }
+    TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+  }
+}
+
+TEST_CASE("BlockTable: fresh blocks are taken lowest free id first (design.md)", "[block_table][design]") {
+  // design.md, "Commit placement": "3. fresh blocks from the precision's pool (lowest free id first)".
+  BlockTable t(table_config(8, 8, {0, 0, 6, 2}, kR4E4T2, 1));
+  CtModel m(t.config());
+  m.require_lowest_free_id = true;
+  for (int i = 0; i < 4; ++i) push_group(t, m, 0, R);  // blocks 0,1,2,3
+  REQUIRE(t.blocks(0).size() == 4u);
+  std::vector<SlotRef> b1, b3;
+  for (std::uint32_t i = 0; i < 8; ++i) {
+    b1.push_back({1, i});
+    b3.push_back({3, i});
+  }
+  evict_both(t, m, 0, b1);  // frees block 1
+  evict_both(t, m, 0, b3);  // then block 3
+  Diff d;
+  CommitPlan p;
+  for (int i = 0; i < 8; ++i) REQUIRE(push_token(t, m, 0, R, 0, d, &p).is_ok());
+  INFO(d.msg);
+  CHECK(p.new_blocks == std::vector<std::uint32_t>{1});
+  CHECK(d.ok());
+}
+
+TEST_CASE("BlockTable: a block whose live count reaches 0 returns to its pool", "[block_table]") {
+  TT_SEEDED_RNG();
+  const int bs = uniform_int(rng, 4, 16);
+  BlockTable t(table_config(8, bs, {0, 0, 6, 2}));
+  CtModel m(t.config());
+  push_group(t, m, 0, R);
+  push_group(t, m, 0, R);
+  push_group(t, m, 0, R);
+  const std::uint32_t b0 = t.blocks(0)[0];
+  const std::size_t free_before = t.free_blocks(Precision::kNvfp4);
+  std::vector<SlotRef> slots;
+  for (int i = 0; i < t.block_fill(b0); ++i) slots.push_back({b0, static_cast<std::uint32_t>(i)});
+  std::shuffle(slots.begin(), slots.end(), rng);
+  // All but one: the block stays, holding holes.
+  std::vector<SlotRef> most(slots.begin(), slots.end() - 1);
+  evict_both(t, m, 0, most);
+  CHECK(t.block_owner(b0) == 0);
+  CHECK(t.hole_slots(0) == static_cast<std::int64_t>(most.size()));
+  CHECK(t.free_blocks(Precision::kNvfp4) == free_before);
+  // The last one: the block is freed and its holes are no longer counted.
+  evict_both(t, m, 0, {slots.back()});
+  CHECK(t.block_owner(b0) == kNoStream);
+  CHECK(t.hole_slots(0) == 0);
+  CHECK(t.free_blocks(Precision::kNvfp4) == free_before + 1);
+  CHECK(std::find(t.blocks(0).begin(), t.blocks(0).end(), b0) == t.blocks(0).end());
+  CHECK(t.stats().blocks_freed == 1);
+  CHECK(t.stats().gather_bytes == 0);
+}
+
+TEST_CASE("BlockTable: key-scale records are refcounted and freed with their last live slot", "[block_table]") {
+  TT_SEEDED_RNG();
+  // block_size 5 < g 8: one group spans two blocks, and its record is shared across them.
+  BlockTable t(table_config(8, 5, {0, 0, 8, 2}));
+  CtModel m(t.config());
+  const CommitPlan p = push_group(t, m, 0, R);
+  push_group(t, m, 0, R);
+  REQUIRE(p.record != kNoRecord);
+  CHECK(t.record_refs(p.record) == 8);
+  CHECK(t.record_owner(p.record) == 0);
+  CHECK(t.records_held(0) == 2);
+  const std::size_t free_records = t.free_records();
+  std::vector<SlotRef> group = p.slots;
+  std::shuffle(group.begin(), group.end(), rng);
+  for (int i = 0; i < 7; ++i) {
+    evict_both(t, m, 0, {group[i]});
+    CHECK(t.record_refs(p.record) == 7 - i);
+    CHECK(t.free_records() == free_records);
+  }
+  evict_both(t, m, 0, {group[7]});
+  CHECK(t.record_refs(p.record) == 0);
+  CHECK(t.record_owner(p.record) == kNoStream);
+  CHECK(t.free_records() == free_records + 1);
+  CHECK(t.records_held(0) == 1);
+  CHECK(t.stats().records_freed == 1);
+}
+
+TEST_CASE("BlockTable: evict is all-or-nothing", "[block_table][errors]") {
+  TT_SEEDED_RNG();
+  BlockTable t(table_config(8, 12, {0, 0, 6, 3}, kR4E4T2, 3));
+  CtModel m(t.config());
+  push_group(t, m, 0, R);
+  push_group(t, m, 0, T);
+  push_group(t, m, 1, E);
+  Diff d;
+  for (int i = 0; i < 3; ++i) REQUIRE(push_token(t, m, 0, R, 0, d).is_ok());  // staged, not committed
+  auto live0 = m.live_slots(0);
+  const SlotRef gone = live0[static_cast<std::size_t>(uniform_int(rng, 0, static_cast<int>(live0.size()) - 1))];
+  evict_both(t, m, 0, {gone});
+  live0 = m.live_slots(0);
+  const SlotRef other = m.live_slots(1)[0];
+  const std::uint32_t rblock = t.blocks(0)[0];
+  const std::uint32_t free_block = t.free_blocks(Precision::kNvfp4) > 0 ? 5u : 0u;  // ids 3..5 unheld
+  REQUIRE(t.block_owner(free_block) == kNoStream);
+  struct Case {
+    const char* what;
+    SlotRef bad;
+    StatusCode code;
+  };
+  const Case cases[] = {
+      {"already evicted", gone, StatusCode::kInvalidArgument},
+      {"slot of another stream", other, StatusCode::kInvalidArgument},
+      {"unwritten slot of an own block", {rblock, 11}, StatusCode::kInvalidArgument},
+      {"slot of a free block", {free_block, 0}, StatusCode::kInvalidArgument},
+      {"block out of range", {t.pools().total, 0}, StatusCode::kOutOfRange},
+      {"block far out of range", {0xFFFFFFF0u, 1}, StatusCode::kOutOfRange},
+      {"slot out of range", {rblock, 12}, StatusCode::kOutOfRange},
+      {"slot far out of range", {rblock, 0x80000000u}, StatusCode::kOutOfRange},
+  };
+  const auto before = tt::snapshot_table(t);
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    for (int where : {0, 1, 2}) {  // alone, after valid slots, between valid slots
+      std::vector<SlotRef> batch;
+      if (where == 0) batch = {c.bad};
+      if (where == 1) batch = {live0[0], live0[3], c.bad};
+      if (where == 2) batch = {live0[1], c.bad, live0[2]};
+      const Status st = t.evict(0, batch);
+      CHECK(st.code() == c.code);
+      CHECK_THAT(st.message(), Contains(std::to_string(c.bad.block)));
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+    }
+  }
+  SECTION("duplicate slot") {
+    for (const auto& batch : {std::vector<SlotRef>{live0[2], live0[2]},
+                              std::vector<SlotRef>{live0[0], live0[4], live0[5], live0[4]}}) {
+      const Status st = t.evict(0, batch);
+      CHECK(st.code() == StatusCode::kInvalidArgument);
+      CHECK_THAT(st.message(), Contains("twice"));
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+    }
+  }
+  SECTION("stream out of range") {
+    for (int s : {-1, 3, 1000}) {
+      CHECK(t.evict(s, std::vector<SlotRef>{live0[0]}).code() == StatusCode::kOutOfRange);
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+    }
+  }
+  SECTION("the same slots evicted correctly afterwards") {
+    evict_both(t, m, 0, {live0[0], live0[3]});
+  }
+}
+
+TEST_CASE("BlockTable: pool exhaustion", "[block_table][errors]") {
+  TT_SEEDED_RNG();
+  BlockTable t(table_config(8, 5, {0, 0, 3, 1}, kR4E4T2, 2));
+  CtModel m(t.config());
+  push_group(t, m, 0, R);  // 2 of the 3 NVFP4 blocks (5 + 3 slots)
+  Diff d;
+  for (int i = 0; i < 7; ++i) REQUIRE(push_token(t, m, 1, E, 0, d).is_ok());
+  auto before = tt::snapshot_table(t);
+  CommitPlan plan;
+  plan.record = 12345;
+  Status st = t.plan_commit(1, E, plan);  // needs 2 fresh blocks, 1 free
+  CHECK(st.code() == StatusCode::kPoolExhausted);
+  CHECK_THAT(st.message(), Contains("nvfp4") && Contains("pool_blocks[nvfp4]"));
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+  CHECK(m.fit(1, E) == StatusCode::kPoolExhausted);
+  // R's holes do not help E ...
+  evict_both(t, m, 0, {m.live_slots(0)[0], m.live_slots(0)[1]});
+  before = tt::snapshot_table(t);
+  CHECK(t.plan_commit(1, E, plan).code() == StatusCode::kPoolExhausted);
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+  // ... but freeing R's second block does (1 + 1 free blocks).
+  auto live = m.live_slots(0);
+  std::vector<SlotRef> second;
+  for (SlotRef r : live)
+    if (r.block == t.blocks(0)[1]) second.push_back(r);
+  evict_both(t, m, 0, second);
+  REQUIRE(t.free_blocks(Precision::kNvfp4) == 2u);
+  REQUIRE(push_token(t, m, 1, E, 0, d).is_ok());
+  TT_REQUIRE_OK_DIFF(d);
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+  // The ternary pool is separate: one block of 5 slots, g = 8 needs two.
+  for (int i = 0; i < 7; ++i) REQUIRE(push_token(t, m, 0, T, 0, d).is_ok());
+  before = tt::snapshot_table(t);
+  st = t.plan_commit(0, T, plan);
+  CHECK(st.code() == StatusCode::kPoolExhausted);
+  CHECK_THAT(st.message(), Contains("ternary"));
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+}
+
+TEST_CASE("BlockTable: record pool exhaustion with a small record_capacity", "[block_table][errors]") {
+  // R16E4T2: R is BF16 (no record), E and T need one record per group.
+  const PrecisionMap map(Precision::kBf16, Precision::kNvfp4, Precision::kTernary);
+  BlockTable t(table_config(8, 8, {4, 0, 8, 8}, map, 2, 2));
+  CtModel m(t.config());
+  CHECK(t.record_capacity() == 2);
+  const CommitPlan e1 = push_group(t, m, 0, E);
+  push_group(t, m, 1, T);
+  CHECK(t.free_records() == 0u);
+  Diff d;
+  for (int i = 0; i < 7; ++i) REQUIRE(push_token(t, m, 0, T, 0, d).is_ok());
+  const auto before = tt::snapshot_table(t);
+  CommitPlan plan;
+  const Status st = t.plan_commit(0, T, plan);
+  CHECK(st.code() == StatusCode::kPoolExhausted);
+  CHECK_THAT(st.message(), Contains("record") && Contains("record_capacity"));
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+  // A BF16 group needs no record.
+  const CommitPlan r1 = push_group(t, m, 1, R);
+  CHECK(r1.record == kNoRecord);
+  // Freeing E's group (all 8 slots) frees its record; T then commits.
+  evict_both(t, m, 0, e1.slots);
+  REQUIRE(push_token(t, m, 0, T, 0, d).is_ok());
+  TT_REQUIRE_OK_DIFF(d);
+  CHECK(t.slot_record(m.live_slots(0).back()) == e1.record);
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+}
+
+TEST_CASE("BlockTable: a thought type change inside a staging group is rejected", "[block_table][errors]") {
+  BlockTable t(table_config(8, 8, {0, 0, 4, 4}));
+  CtModel m(t.config());
+  Diff d;
+  for (int i = 0; i < 3; ++i) REQUIRE(push_token(t, m, 0, E, 7, d).is_ok());
+  const auto before = tt::snapshot_table(t);
+  const Status st = t.check_stage(0, T);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(st.message(), Contains("T") && Contains("E") && Contains("group_size (8)"));
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+  CHECK(t.check_stage(0, E).is_ok());
+  CHECK(t.check_stage(1, T).is_ok());  // other streams are independent
+  CHECK(t.check_stage(2, E).code() == StatusCode::kOutOfRange);
+  CHECK(t.check_stage(-1, E).code() == StatusCode::kOutOfRange);
+}
+
+TEST_CASE("BlockTable: randomized invariants against an independent model", "[block_table][random]") {
+  TT_SEEDED_RNG();
+  for (int config_i = 0; config_i < 8; ++config_i) {
+    const int gs[] = {8, 16, 32};
+    const int g = gs[uniform_int(rng, 0, 2)];
+    const int bs_choices[] = {1, 3, 5, 8, 12, 16, 32, 64, 65, 100};
+    const int bs = bs_choices[uniform_int(rng, 0, 9)];
+    const PrecisionMap maps[] = {kR4E4T2, kR8E4T2, kR8E8T4, kFullKvMap,
+                                 PrecisionMap(Precision::kBf16, Precision::kNvfp4, Precision::kTernary)};
+    const PrecisionMap map = maps[uniform_int(rng, 0, 4)];
+    const int streams = uniform_int(rng, 1, 4);
+    std::array<int, 4> pools{};
+    const int need = (g + bs - 1) / bs;  // blocks per group, at least
+    for (Precision p : kAllPrecisions)
+      pools[static_cast<int>(p)] = map.uses(p) ? uniform_int(rng, need, need * 6 + 4) : uniform_int(rng, 0, 2);
+    const int records = chance(rng, 0.3) ? uniform_int(rng, 1, 12) : 0;
+    CacheConfig cfg = table_config(g, bs, pools, map, streams, records);
+    CAPTURE(config_i, cfg);
+    BlockTable t(cfg);
+    CtModel m(cfg);
+    int commits = 0, exhausted = 0, evictions = 0, errors = 0, resets = 0;
+    for (int step = 0; step < 1000; ++step) {
+      CAPTURE(step);
+      const int s = uniform_int(rng, 0, streams - 1);
+      const double a = uniform01(rng);
+      Diff d;
+      if (a < 0.75) {  // append a token (a whole group, most of the time, to keep this fast)
+        const int n = chance(rng, 0.7) ? g - static_cast<int>(m.S(s).staged.size()) : 1;
+        ThoughtType th = tt::next_thought(rng, m, s);
+        for (int i = 0; i < n; ++i) {
+          if (!m.S(s).staged.empty() && chance(rng, 0.02)) {  // a wrong type mid-group
+            const ThoughtType other = kAllThoughtTypes[(static_cast<int>(th) + 1) % 3];
+            REQUIRE(t.check_stage(s, other).code() == StatusCode::kInvalidArgument);
+            ++errors;
+          }
+          const bool fills = static_cast<int>(m.S(s).staged.size()) + 1 == g;
+          const StatusCode predicted = fills ? m.fit(s, th) : StatusCode::kOk;
+          std::vector<std::string> before;
+          const bool snap = fills && ((predicted != StatusCode::kOk && exhausted < 4) || step % 50 == 0);
+          if (snap) before = tt::snapshot_table(t);
+          CommitPlan p1, p2;
+          if (fills) {  // purity: the same plan twice
+            const Status s1 = t.plan_commit(s, th, p1);
+            const Status s2 = t.plan_commit(s, th, p2);
+            REQUIRE(s1.code() == s2.code());
+            if (s1.is_ok()) REQUIRE(same_plan(p1, p2));
+          }
+          const Status st = push_token(t, m, s, th, static_cast<std::uint32_t>(uniform_int(rng, 0, 1000)), d);
+          REQUIRE(st.code() == predicted);
+          if (!st.is_ok()) {
+            ++exhausted;
+            if (snap) TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+            break;
+          }
+          if (snap) {
+            const auto after = tt::snapshot_table(t);
+            REQUIRE(after != before);
+          }
+          commits += fills;
+        }
+      } else if (a < 0.97) {  // evict
+        if (m.live_count(s) == 0) continue;
+        auto batch = tt::random_live_subset(rng, m, s, chance(rng, 0.2) ? 1000 : 2 * g);
+        if (chance(rng, 0.1)) {  // poison the batch: nothing may change
+          const int kind = uniform_int(rng, 0, 3);
+          SlotRef bad{};
+          if (kind == 0) bad = batch[0];                                       // duplicate
+          if (kind == 1) bad = {m.total_blocks() + 3, 0};                      // no such block
+          if (kind == 2) bad = {t.blocks(s)[0], static_cast<std::uint32_t>(bs)};  // no such slot
+          if (kind == 3) {                                                     // not live / not ours
+            bad = {m.total_blocks(), 0};
+            for (std::uint32_t b = 0; b < m.total_blocks(); ++b)
+              if (t.block_owner(b) != s) { bad = {b, 0}; break; }
+            for (const auto& mb : m.S(s).blocks)
+              for (int i = 0; i < mb.fill; ++i)
+                if (mb.slots[i].evicted) bad = {mb.real, static_cast<std::uint32_t>(i)};
+          }
+          batch.insert(batch.begin() + uniform_int(rng, 0, static_cast<int>(batch.size())), bad);
+          REQUIRE_FALSE(t.evict(s, batch).is_ok());
+          ++errors;
+        } else {
+          REQUIRE(t.evict(s, batch).is_ok());
+          m.evict(s, batch);
+          ++evictions;
+        }
+      } else {  // end of sequence
+        t.reset_stream(s);
+        m.reset(s);
+        ++resets;
+      }
+      TT_REQUIRE_OK_DIFF(d);
+      TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+    }
+    CAPTURE(commits, exhausted, evictions, errors, resets);
+    CHECK(commits > 10);
+    CHECK(evictions > 10);
+    CHECK(t.stats().gather_bytes == 0);
+  }
+}
