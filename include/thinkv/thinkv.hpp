@@ -13,4 +13,8 @@
 #include "thinkv/policy/retention_schedule.hpp"
 #include "thinkv/reference/attention.hpp"
 #include "thinkv/status.hpp"
+#include "thinkv/thought/calibration.hpp"
+#include "thinkv/thought/calibration_file.hpp"
+#include "thinkv/thought/classifier.hpp"
+#include "thinkv/thought/trace.hpp"
 #include "thinkv/types.hpp"

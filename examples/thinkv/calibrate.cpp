@@ -1,0 +1,384 @@
+// `thinkv calibrate TRACES... -o calib.json [options]`: reads sparsity traces, runs the offline
+// calibration (thinkv/thought/calibration.hpp), writes the calibration JSON and, when asked, an
+// SVG of the per-layer densities. See docs/calibration.md.
+
+#include "calibrate.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "thinkv/status.hpp"
+#include "thinkv/thought/calibration.hpp"
+#include "thinkv/thought/calibration_file.hpp"
+#include "thinkv/thought/density_plot.hpp"
+#include "thinkv/thought/trace.hpp"
+
+namespace {
+
+constexpr int kExitData = 1;
+constexpr int kExitUsage = 2;
+
+constexpr const char* kUsage =
+    "usage: thinkv calibrate TRACE... -o CALIB.json [--plot DENSITIES.svg] [--types 3|2]\n"
+    "                        [--max-layers N] [--tau N] [--thresholds a[,b]]\n"
+    "                        [--bandwidth-scale X] [--progress] [--quiet] [--verbose]\n";
+
+constexpr const char* kHelp =
+    "\n"
+    "Calibrates ThinKV's thought classifier from sparsity traces (CSV files recorded from a\n"
+    "model, see docs/calibration.md): for each layer and prompt a Gaussian KDE of the decode\n"
+    "steps' attention sparsity; layers whose density shows one mode per thought type on at\n"
+    "least half of the prompts are candidates; the best (up to --max-layers) form L*, and the\n"
+    "density minima between the modes, averaged, are the thresholds.\n"
+    "\n"
+    "  TRACE...               trace files of one model (several files are merged)\n"
+    "  -o, --output PATH      calibration file to write ('-' for stdout)\n"
+    "  --plot PATH            also write an SVG of each layer's mean density, L* and thresholds\n"
+    "  --types 3|2            thought types: 3 = E, R, T (default); 2 = E, T (a fallback when\n"
+    "                         no layer shows three modes)\n"
+    "  --max-layers N         at most N layers in L* (default 4)\n"
+    "  --tau N                classifier refresh interval written to the file (default 128)\n"
+    "  --thresholds a[,b]     use these thresholds (ascending, in (0,1); types-1 values) instead\n"
+    "                         of estimating them; layers are still chosen by the mode rule when\n"
+    "                         possible, else all layers are used\n"
+    "  --bandwidth-scale X    multiply Silverman's KDE bandwidth by X (default 1; > 1 smooths more)\n"
+    "  --progress             show progress even when stderr is not a terminal\n"
+    "  -q, --quiet            no progress and no per-layer report (the summary line stays)\n"
+    "  -v, --verbose          print the per-layer report (modes per prompt, score, depth)\n"
+    "  -h, --help             this help\n"
+    "\n"
+    "Exit status: 0 ok, 1 data error (bad trace, calibration failed, output not writable),\n"
+    "2 usage error.\n"
+    "\n"
+    "Example:\n"
+    "  thinkv calibrate traces/*.csv -o calib.json --plot densities.svg\n"
+    "  rsvg-convert densities.svg -o densities.png   # to look at the densities\n";
+
+struct Args {
+  std::vector<std::string> traces;
+  std::string output;
+  std::string plot;
+  int types = 3;
+  int max_layers = 4;
+  int tau = 128;
+  std::vector<float> thresholds;
+  double bandwidth_scale = 1.0;
+  bool progress = false;
+  bool quiet = false;
+  bool verbose = false;
+  bool help = false;
+};
+
+/// Prints "thinkv calibrate: msg" and the usage; returns the usage exit status.
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "thinkv calibrate: %s\n%sRun `thinkv calibrate --help` for details.\n", msg.c_str(), kUsage);
+  return kExitUsage;
+}
+
+bool parse_int(std::string_view s, int lo, int hi, int& out) {
+  int x = 0;
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), x);
+  if (r.ec != std::errc() || r.ptr != s.data() + s.size() || x < lo || x > hi) return false;
+  out = x;
+  return true;
+}
+
+bool parse_double(std::string_view s, double& out) {
+  double x = 0;
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), x);
+  if (r.ec != std::errc() || r.ptr != s.data() + s.size() || !std::isfinite(x)) return false;
+  out = x;
+  return true;
+}
+
+/// Parses the command line; returns 0 or the usage exit status (message printed).
+int parse_args(int argc, char** argv, Args& a) {
+  bool only_files = false;
+  std::string thresholds_text;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (only_files || arg == "-" || arg.empty() || arg[0] != '-') {
+      a.traces.emplace_back(arg);
+      continue;
+    }
+    if (arg == "--") {
+      only_files = true;
+      continue;
+    }
+    std::string_view name = arg, inline_value;
+    bool has_inline = false;
+    if (arg.starts_with("--")) {
+      if (const auto eq = arg.find('='); eq != std::string_view::npos) {
+        name = arg.substr(0, eq);
+        inline_value = arg.substr(eq + 1);
+        has_inline = true;
+      }
+    }
+    auto value = [&](std::string_view& v) -> bool {
+      if (has_inline) {
+        v = inline_value;
+        return true;
+      }
+      if (i + 1 >= argc) return false;
+      v = argv[++i];
+      return true;
+    };
+    auto flag = [&](bool& b) {
+      if (has_inline) return false;
+      b = true;
+      return true;
+    };
+    std::string_view v;
+    if (name == "-h" || name == "--help") {
+      if (!flag(a.help)) return usage_error(std::string(name) + " takes no value");
+    } else if (name == "-q" || name == "--quiet") {
+      if (!flag(a.quiet)) return usage_error(std::string(name) + " takes no value");
+    } else if (name == "-v" || name == "--verbose") {
+      if (!flag(a.verbose)) return usage_error(std::string(name) + " takes no value");
+    } else if (name == "--progress") {
+      if (!flag(a.progress)) return usage_error(std::string(name) + " takes no value");
+    } else if (name == "-o" || name == "--output") {
+      if (!value(v) || v.empty()) return usage_error(std::string(name) + " needs a file name");
+      a.output = v;
+    } else if (name == "--plot") {
+      if (!value(v) || v.empty()) return usage_error("--plot needs a file name");
+      a.plot = v;
+    } else if (name == "--types") {
+      if (!value(v) || !parse_int(v, 2, 3, a.types)) {
+        return usage_error("--types " + std::string(v) + ": must be 3 (E, R, T) or 2 (E, T)");
+      }
+    } else if (name == "--max-layers") {
+      if (!value(v) || !parse_int(v, 1, thinkv::kMaxTraceLayers, a.max_layers)) {
+        return usage_error("--max-layers " + std::string(v) + ": must be an integer >= 1");
+      }
+    } else if (name == "--tau") {
+      if (!value(v) || !parse_int(v, 1, 1 << 30, a.tau)) {
+        return usage_error("--tau " + std::string(v) + ": must be an integer >= 1");
+      }
+    } else if (name == "--bandwidth-scale") {
+      if (!value(v) || !parse_double(v, a.bandwidth_scale) || !(a.bandwidth_scale > 0.0)) {
+        return usage_error("--bandwidth-scale " + std::string(v) + ": must be a number > 0");
+      }
+    } else if (name == "--thresholds") {
+      if (!value(v) || v.empty()) return usage_error("--thresholds needs values, e.g. --thresholds 0.4,0.7");
+      thresholds_text = v;
+    } else {
+      return usage_error("unknown option '" + std::string(arg) + "'");
+    }
+  }
+  if (a.help) return 0;
+  if (!thresholds_text.empty()) {
+    std::string_view rest = thresholds_text;
+    for (;;) {
+      const auto comma = rest.find(',');
+      double x = 0;
+      if (!parse_double(rest.substr(0, comma), x) || !(x > 0.0 && x < 1.0)) {
+        return usage_error("--thresholds " + thresholds_text + ": '" + std::string(rest.substr(0, comma)) +
+                           "' is not a number in (0,1)");
+      }
+      a.thresholds.push_back(static_cast<float>(x));
+      if (comma == std::string_view::npos) break;
+      rest.remove_prefix(comma + 1);
+    }
+    if (static_cast<int>(a.thresholds.size()) != a.types - 1) {
+      return usage_error("--thresholds " + thresholds_text + ": " + std::to_string(a.types) + " types need " +
+                         std::to_string(a.types - 1) + " threshold" + (a.types == 2 ? "" : "s") + ", found " +
+                         std::to_string(a.thresholds.size()));
+    }
+    for (std::size_t k = 1; k < a.thresholds.size(); ++k) {
+      if (!(a.thresholds[k] > a.thresholds[k - 1])) {
+        return usage_error("--thresholds " + thresholds_text + ": thresholds must be strictly ascending");
+      }
+    }
+  }
+  if (a.traces.empty()) return usage_error("no trace files given");
+  if (a.output.empty()) return usage_error("no output file given (-o calib.json)");
+  return 0;
+}
+
+/// One updating status line on stderr ("\r..."), at most 10 updates a second.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled) {}
+  void update(const std::string& text, bool force = false) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (!force && shown_ && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    std::string line = "calibrate: " + text;
+    const std::size_t len = line.size();
+    if (len < width_) line.append(width_ - len, ' ');
+    width_ = len;
+    std::fprintf(stderr, "\r%s", line.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  /// Clears the line (before any other output).
+  void clear() {
+    if (!enabled_ || !shown_) return;
+    std::fprintf(stderr, "\r%s\r", std::string(width_, ' ').c_str());
+    std::fflush(stderr);
+    shown_ = false;
+    width_ = 0;
+  }
+
+ private:
+  bool enabled_;
+  bool shown_ = false;
+  std::size_t width_ = 0;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+std::string fmt_thresholds(const std::vector<float>& t) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.4f", static_cast<double>(t[i]));
+    s += (i ? ", " : "") + std::string(b);
+  }
+  return s + "]";
+}
+
+std::string fmt_layers(const std::vector<int>& l) {
+  std::string s = "{";
+  for (std::size_t i = 0; i < l.size(); ++i) s += (i ? ", " : "") + std::to_string(l[i]);
+  return s + "}";
+}
+
+void print_layer_report(const thinkv::CalibrationResult& r) {
+  std::fprintf(stderr, "calibrate: layer  score  depth  modes per prompt (count: prompts)\n");
+  for (const auto& rep : r.layer_reports) {
+    std::string hist;
+    for (std::size_t k = 0; k < rep.mode_histogram.size(); ++k) {
+      if (rep.mode_histogram[k] == 0) continue;
+      hist += (hist.empty() ? "" : ", ") + std::to_string(k) + ": " + std::to_string(rep.mode_histogram[k]);
+    }
+    std::fprintf(stderr, "calibrate: %5d  %5.2f  %5.2f  %s%s\n", rep.layer, rep.score, rep.mean_valley_depth,
+                 hist.c_str(), rep.chosen ? "   <- L*" : "");
+  }
+}
+
+/// Writes `content` through `write` to `path` ('-' = stdout). Returns 0 or kExitData.
+template <class Writer>
+int write_output(const std::string& path, const char* what, Writer&& write) {
+  if (path == "-") {
+    const thinkv::Status s = write(std::cout);
+    if (!s.is_ok()) {
+      std::fprintf(stderr, "thinkv calibrate: %s\n", s.message().c_str());
+      return kExitData;
+    }
+    return 0;
+  }
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) {
+    std::fprintf(stderr, "thinkv calibrate: cannot write the %s %s: %s\n", what, path.c_str(), std::strerror(errno));
+    return kExitData;
+  }
+  const thinkv::Status s = write(f);
+  f.close();
+  if (!s.is_ok() || !f) {
+    std::fprintf(stderr, "thinkv calibrate: writing the %s %s failed: %s\n", what, path.c_str(),
+                 s.is_ok() ? "write error (disk full?)" : s.message().c_str());
+    return kExitData;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_calibrate(int argc, char** argv) {
+  Args a;
+  if (const int rc = parse_args(argc, argv, a); rc != 0) return rc;
+  if (a.help) {
+    std::printf("%s%s", kUsage, kHelp);
+    return 0;
+  }
+  Progress progress(!a.quiet && (a.progress || isatty(STDERR_FILENO) != 0));
+
+  // Read and merge the traces.
+  std::vector<thinkv::SparsityTrace> parts(a.traces.size());
+  for (std::size_t i = 0; i < a.traces.size(); ++i) {
+    progress.update("reading " + std::to_string(i + 1) + "/" + std::to_string(a.traces.size()) + " files (" +
+                    a.traces[i] + ") ...");
+    thinkv::Status s;
+    if (a.traces[i] == "-") {
+      s = thinkv::read_sparsity_trace(std::cin, "<stdin>", parts[i]);
+    } else {
+      s = thinkv::read_sparsity_trace(std::filesystem::path(a.traces[i]), parts[i]);
+    }
+    if (!s.is_ok()) {
+      progress.clear();
+      std::fprintf(stderr, "thinkv calibrate: %s\n", s.message().c_str());
+      return kExitData;
+    }
+  }
+  thinkv::SparsityTrace trace;
+  if (const thinkv::Status s = thinkv::merge_traces(parts, a.traces, trace); !s.is_ok()) {
+    progress.clear();
+    std::fprintf(stderr, "thinkv calibrate: %s\n", s.message().c_str());
+    return kExitData;
+  }
+  parts.clear();
+
+  // Calibrate.
+  thinkv::CalibrationOptions opt;
+  opt.num_types = a.types;
+  opt.max_layers = a.max_layers;
+  opt.tau = a.tau;
+  opt.bandwidth_scale = a.bandwidth_scale;
+  opt.user_thresholds = a.thresholds;
+  opt.progress = [&](std::string_view stage, int done, int total) {
+    progress.update(std::string(stage) + " " + std::to_string(done) + "/" + std::to_string(total), done == total);
+  };
+  thinkv::CalibrationResult result;
+  const thinkv::Status cs = thinkv::calibrate(trace, opt, result);
+  progress.clear();
+  if (!cs.is_ok()) {
+    std::fprintf(stderr, "thinkv calibrate: calibration failed for %s (%d layers, %zu prompts, %ld steps): %s\n",
+                 trace.model.c_str(), trace.num_layers, trace.prompts.size(), trace.total_steps(),
+                 cs.message().c_str());
+    return kExitData;
+  }
+
+  if (int rc = write_output(a.output, "calibration file", [&](std::ostream& os) {
+        return thinkv::write_calibration_json(os, result);
+      });
+      rc != 0) {
+    return rc;
+  }
+  if (!a.plot.empty()) {
+    if (int rc = write_output(a.plot, "plot", [&](std::ostream& os) { return thinkv::write_density_svg(os, result); });
+        rc != 0) {
+      return rc;
+    }
+  }
+
+  if (a.verbose && !a.quiet) print_layer_report(result);
+  for (const auto& note : result.notes) std::fprintf(stderr, "calibrate: note: %s\n", note.c_str());
+  std::string bands;
+  for (int i = 0; i < result.num_types; ++i) {
+    bands += std::string(i ? " < " : "") + std::string(thinkv::to_string(result.band_types[static_cast<std::size_t>(i)]));
+  }
+  std::fprintf(stderr,
+               "calibrate: %s (%d layers): L* = %s, thresholds %s (%s by sparsity, %s), %d prompts, %ld steps "
+               "-> %s%s%s\n",
+               result.model.c_str(), result.num_layers, fmt_layers(result.layers).c_str(),
+               fmt_thresholds(result.thresholds).c_str(), bands.c_str(), result.method.c_str(), result.prompts,
+               result.steps, a.output == "-" ? "<stdout>" : a.output.c_str(), a.plot.empty() ? "" : ", ",
+               a.plot.c_str());
+  return 0;
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# CLI test of `thinkv calibrate`: a trimodal trace calibrates (JSON + SVG written, the trimodal
+# layers chosen); a unimodal trace fails with exit 1 and a message naming the modes found; a bad
+# flag exits 2.   calibrate_smoke.sh THINKV MAKE_TRACE WORKDIR
+set -u
+thinkv=$1 make_trace=$2 work=$3
+mkdir -p "$work" && cd "$work" || exit 1
+fail() { echo "FAIL: $*"; exit 1; }
+
+"$make_trace" tri.csv trimodal 7 || fail "could not write the trimodal trace"
+"$make_trace" uni.csv unimodal 7 || fail "could not write the unimodal trace"
+rm -f calib.json densities.svg
+
+"$thinkv" calibrate tri.csv -o calib.json --plot densities.svg 2> tri.err
+rc=$?
+cat tri.err
+[ $rc -eq 0 ] || fail "calibrate on a trimodal trace exited $rc"
+[ -s calib.json ] || fail "calib.json not written"
+grep -q '"format": *"thinkv-calibration"' calib.json || fail "calib.json lacks the format tag"
+tr -d ' \n' < calib.json | grep -q '"layers":\[1,3\]' || fail "calib.json did not choose layers 1 and 3: $(cat calib.json)"
+grep -q '<svg' densities.svg || fail "densities.svg is not an SVG"
+
+"$thinkv" calibrate uni.csv -o uni.json 2> uni.err
+rc=$?
+cat uni.err
+[ $rc -eq 1 ] || fail "calibrate on a unimodal trace exited $rc, expected 1"
+grep -q "mode" uni.err || fail "the unimodal failure does not report the modes found"
+[ ! -e uni.json ] || fail "a failed calibration wrote uni.json"
+
+"$thinkv" calibrate --no-such-flag tri.csv -o x.json 2> bad.err
+rc=$?
+[ $rc -eq 2 ] || fail "a bad flag exited $rc, expected 2"
+echo "1 passed, 0 failed"
