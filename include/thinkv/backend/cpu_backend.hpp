@@ -172,9 +172,20 @@ class CpuKvBackend {
     const std::uint8_t* rec = records_.data() + static_cast<std::size_t>(r) * d;
     const std::uint8_t* vs = value_scales_ptr(slot);
     const int g = config_.group_size;
-    for (int c = 0; c < d; ++c) {
-      k[c] = dequantize(p, load_code(p, kr, c), rec[c], s2k);
-      v[c] = dequantize(p, load_code(p, vr, c), vs[c / g], s2v);
+    // Same expression as dequantize(): element * (decode_e4m3(scale) * s2), via lookup tables
+    // and per-precision unpacking (bit-identical; tests compare against dequantize()).
+    const auto& lut = tables();
+    auto element = [&](const std::uint8_t* row, int c) -> float {
+      switch (p) {
+        case Precision::kFp8E4M3: return lut.e4m3[row[c]];
+        case Precision::kNvfp4: return lut.e2m1[(row[c >> 1] >> ((c & 1) * 4)) & 0xF];
+        default: return lut.ternary[(row[c >> 2] >> ((c & 3) * 2)) & 0x3];
+      }
+    };
+    for (int c = 0; c < d; ++c) k[c] = element(kr, c) * (lut.e4m3[rec[c]] * s2k);
+    for (int j = 0; j < d / g; ++j) {
+      const float scale = lut.e4m3[vs[j]] * s2v;
+      for (int c = j * g; c < (j + 1) * g; ++c) v[c] = element(vr, c) * scale;
     }
     return Status::ok();
   }
@@ -245,6 +256,21 @@ class CpuKvBackend {
   }
 
  private:
+  struct Tables {
+    float e4m3[256];
+    float e2m1[16];
+    float ternary[4];
+  };
+  static const Tables& tables() {
+    static const Tables t = [] {
+      Tables x{};
+      for (int i = 0; i < 256; ++i) x.e4m3[i] = decode_e4m3(static_cast<std::uint8_t>(i));
+      for (int i = 0; i < 16; ++i) x.e2m1[i] = decode_e2m1(static_cast<std::uint8_t>(i));
+      for (int i = 0; i < 4; ++i) x.ternary[i] = decode_element(Precision::kTernary, static_cast<std::uint8_t>(i));
+      return x;
+    }();
+    return t;
+  }
   [[nodiscard]] std::size_t s2_index(int stream, int kv, Precision p) const {
     return (static_cast<std::size_t>(stream) * 2 + kv) * kNumPrecisions + static_cast<int>(p);
   }

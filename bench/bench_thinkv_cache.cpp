@@ -1,0 +1,94 @@
+// ThinKvCache over long decode runs with shifting thought types (CPU reference backend):
+// decode throughput of the cache itself, and the memory it holds. Counters:
+//   live          live tokens per stream at the end (budget-bounded in tbe/thinkv modes)
+//   hole_share    evicted-but-held slots / (held slots written), at the end of the run
+//   hole_peak     the largest hole share seen at any step
+//   ratio         physical bytes held / FullKV FP16 bytes of the live tokens
+//   ratio_seq     physical bytes held / FullKV FP16 bytes of every decoded position (the paper's
+//                 baseline: what an uncompressed cache would hold at the end of the run)
+//   evict_per_step, reused_per_token
+// Thought types come from a calibrated classifier fed by the real sparsity of the attention:
+// every 128-token interval draws a query sharpness (flat, medium, peaked), so R, E and T segments
+// alternate at random, as they do in a reasoning trace.
+//   bench_thinkv_cache --benchmark_filter='ThinKv/.*' --benchmark_counters_tabular=true
+
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "thinkv/thinkv_cache.hpp"
+
+namespace {
+
+void BM_ThinKvLongRun(benchmark::State& state) {
+  const auto mode = static_cast<thinkv::CacheMode>(state.range(0));
+  const int budget = static_cast<int>(state.range(1));
+  const int tokens = static_cast<int>(state.range(2));
+  thinkv::ThinKvConfig c;
+  c.mode = mode;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 8;
+  c.head_dim = 64;
+  c.max_tokens = tokens;
+  c.token_budget = budget;
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 128, 2);
+  double hole_share = 0, hole_peak = 0, ratio = 0, ratio_seq = 0, live = 0, evict_calls = 0, reused = 0;
+  for (auto _ : state) {
+    thinkv::ThinKvCache<> cache(c);
+    std::mt19937 rng(12345);
+    std::normal_distribution<float> normal;
+    const std::size_t kv = static_cast<std::size_t>(c.num_kv_heads * c.head_dim);
+    std::vector<float> k(kv), v(kv), q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), out(q.size());
+    float sharp = 1.0f;
+    hole_peak = 0;
+    for (int t = 0; t < tokens; ++t) {
+      if (t % 128 == 0) sharp = std::vector<float>{0.0f, 0.9f, 4.0f}[rng() % 3];
+      if (!cache.begin_token(0).is_ok()) state.SkipWithError("begin_token failed");
+      for (int l = 0; l < c.num_layers; ++l) {
+        for (auto& x : k) x = normal(rng);
+        for (auto& x : v) x = normal(rng);
+        for (auto& x : q) x = normal(rng) * sharp;
+        if (!cache.append(0, l, k, v).is_ok() || !cache.attend(0, l, q, out).is_ok()) {
+          state.SkipWithError("append/attend failed");
+        }
+      }
+      if (!cache.end_token(0).is_ok()) state.SkipWithError("end_token failed");
+      if (t % 64 == 63) {
+        const auto m = cache.memory();
+        const double held = static_cast<double>(m.live_tokens - m.staged_tokens + m.hole_slots);
+        if (held > 0) hole_peak = std::max(hole_peak, static_cast<double>(m.hole_slots) / held);
+      }
+    }
+    const auto m = cache.memory();
+    const double held = static_cast<double>(m.live_tokens - m.staged_tokens + m.hole_slots);
+    hole_share = held > 0 ? static_cast<double>(m.hole_slots) / held : 0.0;
+    ratio = m.ratio();
+    ratio_seq = static_cast<double>(m.physical_bytes()) / static_cast<double>(cache.fullkv_sequence_bytes(0));
+    live = static_cast<double>(cache.live_tokens(0));
+    evict_calls = static_cast<double>(cache.stats().eviction_calls);
+    reused = static_cast<double>(cache.paged().table().stats().slots_reused);
+  }
+  state.counters["live"] = live;
+  state.counters["hole_share"] = hole_share;
+  state.counters["hole_peak"] = hole_peak;
+  state.counters["ratio"] = ratio;
+  state.counters["ratio_seq"] = ratio_seq;
+  state.counters["evict_per_step"] = evict_calls / tokens;
+  state.counters["reused_per_token"] = reused / (static_cast<double>(tokens) * c.num_layers * c.num_kv_heads);
+  state.SetItemsProcessed(state.iterations() * tokens);
+  state.SetLabel(std::string(thinkv::to_string(mode)));
+}
+
+}  // namespace
+
+BENCHMARK(BM_ThinKvLongRun)
+    ->Name("ThinKv")
+    ->ArgNames({"mode", "budget", "tokens"})
+    ->Args({static_cast<int>(thinkv::CacheMode::kTbq), 0, 2048})
+    ->Args({static_cast<int>(thinkv::CacheMode::kThinKv), 256, 4096})
+    ->Args({static_cast<int>(thinkv::CacheMode::kThinKv), 1024, 4096})
+    ->Args({static_cast<int>(thinkv::CacheMode::kTbe), 256, 4096})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);

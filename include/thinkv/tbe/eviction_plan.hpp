@@ -1,0 +1,119 @@
+#pragma once
+/// \file eviction_plan.hpp
+/// TBE ("think before you evict") planning: a pure function from a stream's thought segments to
+/// the step-downs to apply. Nothing here touches a cache; tests check plans on hand-built
+/// segment histories.
+///
+/// A segment at level 0 keeps all its tokens; after n >= 1 step-downs it keeps at most
+/// schedule.levels()[n-1] tokens (|S| = min(|S|, R_n)); at level schedule.num_levels() it is at
+/// the minimum and never steps further.
+///   Case 1: a new transition thought begins  -> every earlier (closed) segment steps down once.
+///   Case 2: the stream is over its budget     -> the oldest segment of the least important type
+///           (T before E before R) that can still step down steps down; repeated until within
+///           budget or until every closed segment is at the minimum (then budget_unreachable).
+/// Case 2 also runs after case 1 in the same plan when case 1 alone does not meet the budget, so
+/// after every applied plan the stream is within budget whenever that is attainable.
+
+#include <algorithm>
+#include <cstdint>
+#include <ostream>
+#include <span>
+#include <vector>
+
+#include "thinkv/policy/retention_schedule.hpp"
+#include "thinkv/types.hpp"
+
+namespace thinkv {
+
+/// One thought segment of one stream, as the planner sees it.
+struct SegmentState {
+  std::uint32_t id = 0;        ///< segment id (as stored per slot in the block table)
+  ThoughtType type = ThoughtType::kReasoning;
+  std::int32_t start = 0;      ///< position of its first token
+  std::int32_t size = 0;       ///< live tokens it holds now
+  int level = 0;               ///< step-downs so far (0 = untouched)
+  bool closed = false;         ///< a later segment has started; only closed segments are evicted
+  friend bool operator==(const SegmentState&, const SegmentState&) = default;
+};
+
+/// One step-down of one segment.
+struct SegmentStep {
+  std::uint32_t segment = 0;
+  int to_level = 0;
+  std::int32_t from_size = 0;
+  std::int32_t to_size = 0;    ///< tokens the segment keeps after this step
+  friend bool operator==(const SegmentStep&, const SegmentStep&) = default;
+};
+
+struct EvictionPlan {
+  /// Step-downs in order. A segment may appear several times (case 1 then case 2); the last
+  /// entry for a segment holds its final level and size.
+  std::vector<SegmentStep> steps;
+  std::int64_t live_before = 0;
+  std::int64_t live_after = 0;
+  bool transition = false;          ///< case 1 fired
+  bool budget_unreachable = false;  ///< over budget with every closed segment at the minimum
+  [[nodiscard]] bool empty() const noexcept { return steps.empty(); }
+  [[nodiscard]] std::int64_t tokens_evicted() const noexcept { return live_before - live_after; }
+};
+
+inline std::ostream& operator<<(std::ostream& os, const SegmentStep& s) {
+  return os << "{seg " << s.segment << " -> level " << s.to_level << ", " << s.from_size << " -> "
+            << s.to_size << "}";
+}
+
+/// Tokens a segment keeps at `level` given its current size.
+inline std::int32_t retained_size(const RetentionSchedule& r, int level, std::int32_t size) {
+  if (level <= 0) return size;
+  const int idx = std::min(level, r.num_levels()) - 1;
+  return std::min<std::int32_t>(size, r.levels()[static_cast<std::size_t>(idx)]);
+}
+
+/// Plans the step-downs for one stream. `segments` in any order (age = start position);
+/// `live_tokens` counts every live token of the stream (closed + open segments + staged);
+/// `budget` <= 0 means no budget (case 2 never fires).
+inline EvictionPlan plan_eviction(std::span<const SegmentState> segments,
+                                  const RetentionSchedule& schedule, bool new_transition,
+                                  std::int64_t budget, std::int64_t live_tokens) {
+  EvictionPlan plan;
+  plan.live_before = live_tokens;
+  plan.transition = new_transition;
+  std::vector<SegmentState> seg(segments.begin(), segments.end());
+  std::sort(seg.begin(), seg.end(), [](const SegmentState& a, const SegmentState& b) {
+    return a.start != b.start ? a.start < b.start : a.id < b.id;
+  });
+  std::int64_t live = live_tokens;
+  auto step = [&](SegmentState& s) {
+    const int to = s.level + 1;
+    const std::int32_t new_size = retained_size(schedule, to, s.size);
+    plan.steps.push_back({s.id, to, s.size, new_size});
+    live -= s.size - new_size;
+    s.level = to;
+    s.size = new_size;
+  };
+  const int max_level = schedule.num_levels();
+  if (new_transition) {
+    for (SegmentState& s : seg) {
+      if (s.closed && s.level < max_level) step(s);
+    }
+  }
+  if (budget > 0) {
+    while (live > budget) {
+      // Least important type first (T, then E, then R), oldest first within a type.
+      SegmentState* victim = nullptr;
+      for (SegmentState& s : seg) {
+        if (!s.closed || s.level >= max_level) continue;
+        if (victim == nullptr || importance(s.type) < importance(victim->type)) victim = &s;
+      }
+      if (victim == nullptr) {
+        plan.budget_unreachable = true;
+        break;
+      }
+      step(*victim);
+    }
+  }
+  plan.live_after = live;
+  return plan;
+}
+
+}  // namespace thinkv

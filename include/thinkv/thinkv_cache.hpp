@@ -1,0 +1,441 @@
+#pragma once
+/// \file thinkv_cache.hpp
+/// ThinKvCache: the object a decoder uses. It ties thought classification, TBQ quantization,
+/// TBE eviction and in-place reuse (CT) together over a PagedKvCache, for a batch of sequences
+/// of one model (layers x KV heads streams per sequence).
+///
+/// Per decoded token of a sequence:
+///     cache.begin_token(seq);                          // type and segment of this position
+///     for each layer: cache.append(seq, layer, k, v);  // post-RoPE K/V of all KV heads
+///                     cache.attend(seq, layer, q, out);// also records sparsity when wanted
+///     cache.end_token(seq);                            // refresh, relabel, plan + apply TBE
+/// Modes: kFull (BF16 pages, no eviction), kTbq (precision map, no eviction), kTbe (BF16 pages,
+/// eviction), kThinKv (both), so every ablation can be run with the same decoder.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "thinkv/backend/cpu_backend.hpp"
+#include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/tbe/eviction_plan.hpp"
+#include "thinkv/tbe/kmeans.hpp"
+#include "thinkv/thought/classifier.hpp"
+
+namespace thinkv {
+
+enum class CacheMode : std::uint8_t { kFull, kTbq, kTbe, kThinKv };
+
+constexpr std::string_view to_string(CacheMode m) noexcept {
+  switch (m) {
+    case CacheMode::kFull: return "full";
+    case CacheMode::kTbq: return "tbq";
+    case CacheMode::kTbe: return "tbe";
+    case CacheMode::kThinKv: return "thinkv";
+  }
+  return "?";
+}
+/// Parses "full", "tbq", "tbe", "thinkv".
+inline std::optional<CacheMode> parse_cache_mode(std::string_view s) noexcept {
+  for (CacheMode m : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
+    if (s == to_string(m)) return m;
+  }
+  return std::nullopt;
+}
+constexpr bool quantizes(CacheMode m) noexcept { return m == CacheMode::kTbq || m == CacheMode::kThinKv; }
+constexpr bool evicts(CacheMode m) noexcept { return m == CacheMode::kTbe || m == CacheMode::kThinKv; }
+
+struct ThinKvConfig {
+  CacheMode mode = CacheMode::kThinKv;
+  int num_sequences = 1;
+  int num_layers = 1;
+  int num_kv_heads = 1;
+  int num_q_heads = 1;       ///< a multiple of num_kv_heads (GQA)
+  int head_dim = 128;
+  int max_tokens = 4096;     ///< positions per sequence the pools are sized for
+  int group_size = 16;
+  int block_size = 16;
+  PrecisionMap precision{};  ///< used by kTbq and kThinKv (kFull and kTbe store BF16)
+  int token_budget = 1024;   ///< live tokens per stream, used by kTbe and kThinKv (0 = none)
+  int segment_len = 128;     ///< thought segment length (a multiple of group_size)
+  RetentionSchedule retention{};
+  ThoughtClassifier classifier{};  ///< uncalibrated by default: every token R
+  KmeansOptions kmeans{};
+  /// Blocks per precision pool; 0 = sized so that no stream can run out (see pool_blocks()).
+  int pool_blocks = 0;
+  float softmax_scale = 0.0f;  ///< 0 = 1/sqrt(head_dim)
+  bool trace_all_layers = false;  ///< record sparsity of every layer on every step (for traces)
+
+  [[nodiscard]] int streams_per_sequence() const noexcept { return num_layers * num_kv_heads; }
+
+  [[nodiscard]] Status validate() const {
+    auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); };
+    if (num_sequences < 1) return bad("num_sequences " + std::to_string(num_sequences) + " must be >= 1");
+    if (num_layers < 1 || num_layers > kMaxClassifierLayers) {
+      return bad("num_layers " + std::to_string(num_layers) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxClassifierLayers));
+    }
+    if (num_kv_heads < 1) return bad("num_kv_heads " + std::to_string(num_kv_heads) + " must be >= 1");
+    if (num_q_heads < 1 || num_q_heads % num_kv_heads != 0) {
+      return bad("num_q_heads " + std::to_string(num_q_heads) +
+                 " must be a positive multiple of num_kv_heads " + std::to_string(num_kv_heads));
+    }
+    if (max_tokens < 1) return bad("max_tokens " + std::to_string(max_tokens) + " must be >= 1");
+    if (segment_len < group_size || segment_len % group_size != 0) {
+      return bad("segment_len " + std::to_string(segment_len) + " must be a positive multiple of "
+                 "group_size " + std::to_string(group_size));
+    }
+    if (segment_len < retention.levels().front()) {
+      return bad("segment_len " + std::to_string(segment_len) + " is below the first retention "
+                 "level " + std::to_string(retention.levels().front()) + " of " + retention.to_string());
+    }
+    if (classifier.needs_signal() && classifier.num_layers() != num_layers) {
+      return bad("the thought classifier was calibrated for " +
+                 std::to_string(classifier.num_layers()) + " layers; this model has " +
+                 std::to_string(num_layers) + " (recalibrate with `thinkv calibrate`)");
+    }
+    THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
+    if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
+    if (token_budget < 0) return bad("token_budget " + std::to_string(token_budget) + " must be >= 0");
+    return paged_config().validate();
+  }
+
+  /// The paged-cache configuration this maps to.
+  [[nodiscard]] CacheConfig paged_config() const {
+    CacheConfig c;
+    c.num_streams = num_sequences * streams_per_sequence();
+    c.head_dim = head_dim;
+    c.group_size = group_size;
+    c.block_size = block_size;
+    c.precision = quantizes(mode) ? precision : kFullKvMap;
+    c.token_budget = evicts(mode) ? token_budget : 0;
+    c.retention = retention;
+    // Worst case per stream: every position live (no eviction yet) plus one partly filled block
+    // per thought type; holes never exceed what was once live, so this bound holds with eviction.
+    const std::int64_t per_stream = (max_tokens + block_size - 1) / block_size + kNumThoughtTypes;
+    const std::int64_t auto_blocks = per_stream * c.num_streams;
+    const int blocks = pool_blocks > 0 ? pool_blocks
+                                       : static_cast<int>(std::min<std::int64_t>(auto_blocks, (std::int64_t{1} << 31) / block_size));
+    for (Precision p : kAllPrecisions) {
+      if (c.precision.uses(p)) c.pool_blocks[static_cast<int>(p)] = blocks;
+    }
+    return c;
+  }
+};
+
+/// Counters of a ThinKvCache (summed over sequences).
+struct ThinKvStats {
+  std::int64_t steps = 0;                 ///< end_token calls
+  std::int64_t eviction_calls = 0;        ///< plans with at least one step-down, applied
+  std::int64_t transition_events = 0;     ///< case-1 triggers
+  std::int64_t budget_unreachable = 0;    ///< steps over budget with every segment at minimum
+  std::int64_t segment_steps = 0;         ///< segment step-downs applied (per sequence)
+  std::int64_t tokens_evicted = 0;        ///< slots evicted, all streams
+  std::int64_t kmeans_calls = 0;          ///< K-means selections run, all streams
+  std::int64_t refreshes = 0;             ///< thought refreshes
+};
+
+template <kv_backend B = CpuKvBackend>
+class ThinKvCache {
+ public:
+  /// Throws ConfigError naming the bad value.
+  explicit ThinKvCache(const ThinKvConfig& config, B backend = B{})
+      : config_(checked(config)), cache_(config_.paged_config(), std::move(backend)) {
+    seqs_.resize(static_cast<std::size_t>(config_.num_sequences));
+    for (auto& s : seqs_) reset_state(s);
+  }
+
+  [[nodiscard]] const ThinKvConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const PagedKvCache<B>& paged() const noexcept { return cache_; }
+  [[nodiscard]] const ThinKvStats& stats() const noexcept { return stats_; }
+  [[nodiscard]] int stream_of(int seq, int layer, int kv_head) const noexcept {
+    return (seq * config_.num_layers + layer) * config_.num_kv_heads + kv_head;
+  }
+  /// The thought tracker of a sequence (current type, refresh statistics).
+  [[nodiscard]] const ThoughtTracker& tracker(int seq) const { return seq_(seq).tracker; }
+  /// Segments of a sequence (sizes and levels are those of every stream of the sequence).
+  [[nodiscard]] const std::vector<SegmentState>& segments(int seq) const { return seq_(seq).segments; }
+  /// Position of the token being decoded (or next to decode) in a sequence.
+  [[nodiscard]] std::int32_t position(int seq) const { return seq_(seq).position; }
+  /// Per-layer sparsity recorded for the current token ([num_layers]; NaN where not computed).
+  [[nodiscard]] std::span<const float> layer_sparsity(int seq) const { return seq_(seq).layer_sparsity; }
+
+  /// Starts the next token of a sequence: fixes its thought type and segment.
+  [[nodiscard]] Status begin_token(int seq) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (s.in_token) {
+      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) +
+                                                ") called twice without end_token"};
+    }
+    if (s.position >= config_.max_tokens) {
+      return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
+                                           std::to_string(config_.max_tokens)};
+    }
+    s.type = s.tracker.type_for(s.position);
+    const bool boundary = s.position % config_.segment_len == 0 ||
+                          s.tracker.is_refresh_step(s.position);
+    if (boundary) {
+      for (SegmentState& seg : s.segments) seg.closed = true;
+      SegmentState seg;
+      seg.id = s.next_segment++;
+      seg.type = s.type;
+      seg.start = s.position;
+      s.segments.push_back(seg);
+    }
+    ++s.segments.back().size;
+    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    s.in_token = true;
+    return Status::ok();
+  }
+
+  /// True when attend() on this layer computes sparsity for the current token.
+  [[nodiscard]] bool wants_sparsity(int seq, int layer) const {
+    const SeqState& s = seq_(seq);
+    if (config_.trace_all_layers) return true;
+    return s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
+           s.tracker.classifier().uses_layer(layer) && config_.mode != CacheMode::kFull;
+  }
+
+  /// Appends the current token's post-RoPE keys and values of one layer: k and v are
+  /// [num_kv_heads, head_dim]. All-or-nothing across the layer's KV heads.
+  [[nodiscard]] Status append(int seq, int layer, std::span<const float> k, std::span<const float> v) {
+    THINKV_RETURN_IF_ERROR(check_token(seq, layer));
+    const std::size_t n = static_cast<std::size_t>(config_.num_kv_heads) * config_.head_dim;
+    if (k.size() != n || v.size() != n) {
+      return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
+                                              std::to_string(k.size()) + " and v has " +
+                                              std::to_string(v.size()) +
+                                              " values; expected num_kv_heads * head_dim = " +
+                                              std::to_string(n)};
+    }
+    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer)));
+    SeqState& s = seq_(seq);
+    // Pre-check every head's commit so the layer is all-or-nothing (a head's append only fails
+    // on a full pool, which plan_commit detects without changing anything).
+    const std::uint32_t seg = s.segments.back().id;
+    const int d = config_.head_dim;
+    for (int h = 0; h < config_.num_kv_heads; ++h) {
+      const int st = stream_of(seq, layer, h);
+      THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
+      if (cache_.table().staged_count(st) + 1 == config_.group_size) {
+        CommitPlan plan;
+        THINKV_RETURN_IF_ERROR(cache_.table().plan_commit(st, s.type, plan));
+      }
+    }
+    for (int h = 0; h < config_.num_kv_heads; ++h) {
+      THINKV_RETURN_IF_ERROR(cache_.append(stream_of(seq, layer, h), k.subspan(static_cast<std::size_t>(h) * d, d),
+                                           v.subspan(static_cast<std::size_t>(h) * d, d), s.type, seg));
+    }
+    return Status::ok();
+  }
+
+  /// Decode attention of the current token in one layer: q and out are [num_q_heads, head_dim].
+  /// Records the layer's sparsity (mean over query heads) when wants_sparsity(seq, layer).
+  [[nodiscard]] Status attend(int seq, int layer, std::span<const float> q, std::span<float> out) {
+    THINKV_RETURN_IF_ERROR(check_token(seq, layer));
+    const std::size_t n = static_cast<std::size_t>(config_.num_q_heads) * config_.head_dim;
+    if (q.size() != n || out.size() != n) {
+      return {StatusCode::kShapeMismatch, "attend layer " + std::to_string(layer) +
+                                              ": q and out need num_q_heads * head_dim = " +
+                                              std::to_string(n) + " floats"};
+    }
+    streams_.resize(static_cast<std::size_t>(config_.num_kv_heads));
+    for (int h = 0; h < config_.num_kv_heads; ++h) streams_[static_cast<std::size_t>(h)] = stream_of(seq, layer, h);
+    sparsity_.assign(static_cast<std::size_t>(config_.num_q_heads), 0.0f);
+    DecodeAttentionArgs a;
+    a.num_q_heads = config_.num_q_heads;
+    a.num_kv_heads = config_.num_kv_heads;
+    a.kv_streams = streams_.data();
+    a.q = q.data();
+    a.out = out.data();
+    a.softmax_scale = config_.softmax_scale;
+    const bool want = wants_sparsity(seq, layer);
+    a.sparsity = want ? sparsity_.data() : nullptr;
+    THINKV_RETURN_IF_ERROR(cache_.attend(a));
+    if (want) {
+      float sum = 0.0f;
+      for (float x : sparsity_) sum += x;
+      seq_(seq).layer_sparsity[static_cast<std::size_t>(layer)] = sum / static_cast<float>(config_.num_q_heads);
+    }
+    return Status::ok();
+  }
+
+  /// Ends the current token: on refresh steps classifies it and relabels the staging groups;
+  /// in eviction modes plans and applies TBE.
+  [[nodiscard]] Status end_token(int seq) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (!s.in_token) return {StatusCode::kInvalidArgument, "end_token without begin_token"};
+    bool new_transition = false;
+    if (s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
+        config_.mode != CacheMode::kFull) {
+      ThoughtType t{};
+      THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
+      ++stats_.refreshes;
+      const ThoughtType before = s.segments.size() >= 2 ? s.segments[s.segments.size() - 2].type
+                                                        : ThoughtType::kReasoning;
+      if (t != s.type) {
+        for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+          THINKV_RETURN_IF_ERROR(cache_.relabel_staged(st, t));
+        }
+        s.type = t;
+      }
+      s.segments.back().type = t;
+      // A new transition thought: a refresh that yields T after a segment that was not T.
+      new_transition = t == ThoughtType::kTransition && before != ThoughtType::kTransition &&
+                       s.segments.size() >= 2;
+    }
+    ++s.position;
+    s.in_token = false;
+    ++stats_.steps;
+    if (evicts(config_.mode)) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
+    return Status::ok();
+  }
+
+  /// Releases a sequence (all its streams) and resets its state.
+  [[nodiscard]] Status reset_sequence(int seq) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+      THINKV_RETURN_IF_ERROR(cache_.reset_stream(st));
+    }
+    reset_state(seq_(seq));
+    return Status::ok();
+  }
+
+  /// Live tokens of every stream of a sequence (all equal: every stream sees the same plan).
+  [[nodiscard]] std::int64_t live_tokens(int seq) const {
+    const int st = stream_of(seq, 0, 0);
+    return cache_.table().live_slots(st) + cache_.table().staged_count(st);
+  }
+  [[nodiscard]] MemoryUsage memory() const { return cache_.memory(); }
+  /// What FullKV in FP16 would hold for every position a sequence has decoded so far (all its
+  /// streams): the paper's baseline. MemoryUsage::fullkv_fp16_bytes counts live tokens only.
+  [[nodiscard]] std::int64_t fullkv_sequence_bytes(int seq) const {
+    return cache_.layout().fullkv_fp16_bytes(seq_(seq).position) * config_.streams_per_sequence();
+  }
+  [[nodiscard]] MemoryUsage memory(int seq) const {
+    MemoryUsage m;
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) m += cache_.memory(st);
+    return m;
+  }
+
+ private:
+  struct SeqState {
+    ThoughtTracker tracker;
+    std::vector<SegmentState> segments;
+    std::vector<float> layer_sparsity;
+    std::int32_t position = 0;
+    std::uint32_t next_segment = 0;
+    ThoughtType type = ThoughtType::kReasoning;
+    bool in_token = false;
+  };
+
+  static const ThinKvConfig& checked(const ThinKvConfig& c) {
+    if (Status s = c.validate(); !s.is_ok()) throw ConfigError(s);
+    return c;
+  }
+  void reset_state(SeqState& s) const {
+    s = SeqState{};
+    s.tracker = ThoughtTracker(config_.mode == CacheMode::kFull ? ThoughtClassifier{} : config_.classifier);
+    s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
+  }
+  [[nodiscard]] Status check_seq(int seq) const {
+    if (seq < 0 || seq >= config_.num_sequences) {
+      return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " is out of range; allowed: 0.." +
+                                           std::to_string(config_.num_sequences - 1)};
+    }
+    return Status::ok();
+  }
+  [[nodiscard]] Status check_token(int seq, int layer) const {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    if (layer < 0 || layer >= config_.num_layers) {
+      return {StatusCode::kOutOfRange, "layer " + std::to_string(layer) + " is out of range; allowed: 0.." +
+                                           std::to_string(config_.num_layers - 1)};
+    }
+    if (!seq_(seq).in_token) {
+      return {StatusCode::kInvalidArgument, "call begin_token(" + std::to_string(seq) + ") first"};
+    }
+    return Status::ok();
+  }
+  [[nodiscard]] const SeqState& seq_(int seq) const { return seqs_[static_cast<std::size_t>(seq)]; }
+  SeqState& seq_(int seq) { return seqs_[static_cast<std::size_t>(seq)]; }
+
+  /// Plans TBE once per sequence (every stream has the same segment sizes) and applies it to
+  /// every stream, choosing each stream's kept tokens by K-means on that stream's keys.
+  Status run_tbe(int seq, bool new_transition) {
+    SeqState& s = seq_(seq);
+    if (new_transition) ++stats_.transition_events;
+    const EvictionPlan plan = plan_eviction(s.segments, config_.retention, new_transition,
+                                            config_.token_budget, live_tokens(seq));
+    if (plan.budget_unreachable) ++stats_.budget_unreachable;
+    if (plan.empty()) return Status::ok();
+    ++stats_.eviction_calls;
+    stats_.segment_steps += static_cast<std::int64_t>(plan.steps.size());
+    // Final size per segment (the last step for it wins).
+    std::vector<std::pair<std::uint32_t, std::int32_t>> targets;
+    for (const SegmentStep& st : plan.steps) {
+      auto it = std::find_if(targets.begin(), targets.end(), [&](auto& t) { return t.first == st.segment; });
+      if (it == targets.end()) targets.emplace_back(st.segment, st.to_size);
+      else it->second = st.to_size;
+    }
+    const int d = config_.head_dim;
+    std::vector<float> keys, kbuf(static_cast<std::size_t>(d)), vbuf(static_cast<std::size_t>(d));
+    std::vector<SlotRef> slots, victims;
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+      for (const auto& [segment, size] : targets) {
+        slots.clear();
+        for (SlotRef r : cache_.table().live_slot_list(st)) {
+          if (cache_.table().slot_segment(r) == segment) slots.push_back(r);
+        }
+        if (static_cast<std::int32_t>(slots.size()) <= size) continue;
+        keys.resize(slots.size() * static_cast<std::size_t>(d));
+        for (std::size_t j = 0; j < slots.size(); ++j) {
+          THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
+        }
+        KmeansOptions ko = config_.kmeans;
+        std::uint64_t mix = ko.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
+        ko.seed = splitmix64(mix);
+        const std::vector<int> kept = kmeans_select(keys.data(), static_cast<int>(slots.size()), d, size, ko);
+        ++stats_.kmeans_calls;
+        victims.clear();
+        std::size_t ki = 0;
+        for (std::size_t j = 0; j < slots.size(); ++j) {
+          if (ki < kept.size() && kept[ki] == static_cast<int>(j)) {
+            ++ki;
+          } else {
+            victims.push_back(slots[j]);
+          }
+        }
+        THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
+        stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
+      }
+    }
+    // Record the new levels and sizes.
+    for (const SegmentStep& stp : plan.steps) {
+      for (SegmentState& seg : s.segments) {
+        if (seg.id == stp.segment) {
+          seg.level = stp.to_level;
+          seg.size = stp.to_size;
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  ThinKvConfig config_;
+  PagedKvCache<B> cache_;
+  std::vector<SeqState> seqs_;
+  ThinKvStats stats_;
+  std::vector<std::int32_t> streams_;
+  std::vector<float> sparsity_;
+};
+
+}  // namespace thinkv

@@ -1,0 +1,315 @@
+// ThinKvCache: the cache a decoder uses, in all four modes, driven by random decoding with
+// shifting thought types, checking every invariant after every step.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "thinkv/thinkv_cache.hpp"
+
+using thinkv::CacheMode;
+using thinkv::ThoughtType;
+
+namespace {
+unsigned test_seed() {
+  if (const char* s = std::getenv("THINKV_TEST_SEED")) return static_cast<unsigned>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
+
+thinkv::ThinKvConfig small_config(CacheMode mode) {
+  thinkv::ThinKvConfig c;
+  c.mode = mode;
+  c.num_sequences = 2;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 4;
+  c.head_dim = 16;
+  c.group_size = 8;
+  c.block_size = 16;
+  c.max_tokens = 1200;
+  c.segment_len = 64;
+  c.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
+  c.token_budget = 160;
+  c.precision = thinkv::kR4E4T2;
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  return c;
+}
+
+// float64 attention of q rows over explicit tokens.
+std::vector<double> attention_f64(const float* q, int n_q, const std::vector<float>& k,
+                                  const std::vector<float>& v, int d, double scale) {
+  const int n = static_cast<int>(k.size()) / d;
+  std::vector<double> out(static_cast<std::size_t>(n_q * d), 0.0);
+  for (int h = 0; h < n_q; ++h) {
+    std::vector<double> s(static_cast<std::size_t>(n));
+    double m = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+      double a = 0;
+      for (int c = 0; c < d; ++c) a += static_cast<double>(q[h * d + c]) * k[static_cast<std::size_t>(j * d + c)];
+      s[static_cast<std::size_t>(j)] = a * scale;
+      m = std::max(m, s[static_cast<std::size_t>(j)]);
+    }
+    double l = 0;
+    for (auto& x : s) l += (x = std::exp(x - m));
+    for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < d; ++c) out[static_cast<std::size_t>(h * d + c)] += s[static_cast<std::size_t>(j)] / l * v[static_cast<std::size_t>(j * d + c)];
+    }
+  }
+  return out;
+}
+
+// Drives one step of one sequence with random K/V; the query scale `sharp` steers sparsity.
+thinkv::Status step(thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt19937& rng,
+                    std::vector<float>* last_out = nullptr, std::vector<float>* last_q = nullptr) {
+  const auto& c = cache.config();
+  std::normal_distribution<float> normal;
+  THINKV_RETURN_IF_ERROR(cache.begin_token(seq));
+  std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), out(q.size());
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (auto& x : k) x = normal(rng);
+    for (auto& x : v) x = normal(rng);
+    for (auto& x : q) x = normal(rng) * sharp;
+    THINKV_RETURN_IF_ERROR(cache.append(seq, l, k, v));
+    THINKV_RETURN_IF_ERROR(cache.attend(seq, l, q, out));
+    if (last_out && l == 0) *last_out = out;
+    if (last_q && l == 0) *last_q = q;
+  }
+  return cache.end_token(seq);
+}
+}  // namespace
+
+TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_cache]") {
+  const unsigned seed = test_seed();
+  INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
+    INFO("mode " << thinkv::to_string(mode));
+    std::mt19937 rng(seed);
+    const auto cfg = small_config(mode);
+    thinkv::ThinKvCache<> cache(cfg);
+    const auto& table = cache.paged().table();
+    std::int64_t unreachable_before = 0;
+    float sharp = 1.0f;
+    for (int t = 0; t < 1100; ++t) {
+      if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+        const thinkv::Status s = step(cache, seq, sharp, rng);
+        INFO("t " << t << " seq " << seq << ": " << s);
+        REQUIRE(s.is_ok());
+        // Budget (TBE modes): within budget unless the plan said it cannot be met.
+        const std::int64_t live = cache.live_tokens(seq);
+        if (thinkv::evicts(mode)) {
+          const bool flagged = cache.stats().budget_unreachable > unreachable_before;
+          REQUIRE((live <= cfg.token_budget || flagged));
+          unreachable_before = cache.stats().budget_unreachable;
+        } else {
+          REQUIRE(live == t + 1);
+        }
+        // Every stream of the sequence holds the same number of tokens; every live slot sits in
+        // a block of its segment's thought type, and each segment holds what the plan says.
+        std::map<std::uint32_t, const thinkv::SegmentState*> seg_by_id;
+        for (const auto& sg : cache.segments(seq)) seg_by_id[sg.id] = &sg;
+        std::string broken;  // first violated invariant (one REQUIRE per step keeps this fast)
+        for (int l = 0; l < cfg.num_layers && broken.empty(); ++l) {
+          for (int h = 0; h < cfg.num_kv_heads && broken.empty(); ++h) {
+            const int st = cache.stream_of(seq, l, h);
+            if (table.live_slots(st) + table.staged_count(st) != live) {
+              broken = "stream " + std::to_string(st) + " live count differs from stream 0's";
+            }
+            std::map<std::uint32_t, int> per_seg;
+            for (auto r : table.live_slot_list(st)) {
+              const auto id = table.slot_segment(r);
+              ++per_seg[id];
+              if (seg_by_id.count(id) != 1) {
+                broken = "slot names unknown segment " + std::to_string(id);
+              } else if (table.block_thought(r.block) != seg_by_id[id]->type) {
+                broken = "token of segment " + std::to_string(id) + " in a block of another type";
+              }
+            }
+            for (int r = 0; r < table.staged_count(st); ++r) ++per_seg[table.staged_segment(st, r)];
+            for (const auto& [id, n] : per_seg) {
+              if (seg_by_id.count(id) && n != seg_by_id[id]->size) {
+                broken = "segment " + std::to_string(id) + " holds " + std::to_string(n) +
+                         " tokens in stream " + std::to_string(st) + ", plan says " +
+                         std::to_string(seg_by_id[id]->size);
+              }
+            }
+          }
+        }
+        REQUIRE(broken.empty());
+      }
+    }
+    CHECK(table.stats().gather_bytes == 0);
+    const auto m = cache.memory();
+    if (thinkv::evicts(mode)) {
+      CHECK(cache.stats().tokens_evicted > 0);
+      CHECK(cache.stats().eviction_calls > 0);
+      CHECK(table.stats().slots_reused > 0);
+      if (mode == CacheMode::kThinKv) CHECK(cache.stats().refreshes > 0);
+    } else {
+      CHECK(cache.stats().tokens_evicted == 0);
+      CHECK(m.hole_slots == 0);
+    }
+    if (mode == CacheMode::kFull) CHECK(m.ratio() > 1.0);   // BF16 + metadata
+    if (mode == CacheMode::kTbq) CHECK(m.ratio() < 0.6);    // <= 4.5 bits/value + overheads at d=16
+    // Thought types did vary (the test drives sharp and flat attention).
+    if (mode != CacheMode::kFull && mode != CacheMode::kTbe) {
+      const auto& hist = cache.tracker(0).stats().refresh_histogram;
+      CHECK(std::count_if(hist.begin(), hist.end(), [](auto n) { return n > 0; }) >= 2);
+    }
+  }
+}
+
+TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the cache kept",
+          "[thinkv_cache]") {
+  const unsigned seed = test_seed();
+  INFO("seed " << seed);
+  std::mt19937 rng(seed);
+  const auto cfg = small_config(CacheMode::kThinKv);
+  thinkv::ThinKvCache<> cache(cfg);
+  const int d = cfg.head_dim;
+  float sharp = 1.0f;
+  for (int t = 0; t < 700; ++t) {
+    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    std::vector<float> out, q;
+    REQUIRE(step(cache, 0, sharp, rng, &out, &q).is_ok());
+    if (t % 97 != 96) continue;
+    // Rebuild layer 0's attention from the cache's own view of what it kept.
+    const auto& table = cache.paged().table();
+    const int group = cfg.num_q_heads / cfg.num_kv_heads;
+    double err = 0, norm = 0;
+    for (int h = 0; h < cfg.num_kv_heads; ++h) {
+      const int st = cache.stream_of(0, 0, h);
+      std::vector<float> k, v, kb(static_cast<std::size_t>(d)), vb(kb.size());
+      for (auto r : table.live_slot_list(st)) {
+        REQUIRE(cache.paged().read_token(r, kb, vb).is_ok());
+        k.insert(k.end(), kb.begin(), kb.end());
+        v.insert(v.end(), vb.begin(), vb.end());
+      }
+      for (int r = 0; r < table.staged_count(st); ++r) {
+        REQUIRE(cache.paged().backend().read_staged(st, r, kb.data(), vb.data()).is_ok());
+        k.insert(k.end(), kb.begin(), kb.end());
+        v.insert(v.end(), vb.begin(), vb.end());
+      }
+      REQUIRE(static_cast<std::int64_t>(k.size()) / d == cache.live_tokens(0));
+      const auto want = attention_f64(q.data() + h * group * d, group, k, v, d, 1.0 / std::sqrt(d));
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        err = std::max(err, std::abs(out[static_cast<std::size_t>(h * group * d) + i] - want[i]));
+        norm = std::max(norm, std::abs(want[i]));
+      }
+    }
+    INFO("t " << t << " max abs err " << err << " max |out| " << norm);
+    CHECK(err <= 1e-5 * std::max(1.0, norm));  // FP32 accumulation over <= 200 tokens
+  }
+  CHECK(cache.stats().tokens_evicted > 0);
+}
+
+TEST_CASE("ThinKV eviction keeps the kept tokens' bytes and positions untouched", "[thinkv_cache]") {
+  const unsigned seed = test_seed();
+  INFO("seed " << seed);
+  std::mt19937 rng(seed);
+  auto cfg = small_config(CacheMode::kThinKv);
+  cfg.num_sequences = 1;
+  thinkv::ThinKvCache<> cache(cfg);
+  const int d = cfg.head_dim;
+  const auto& table = cache.paged().table();
+  const int st = cache.stream_of(0, 1, 1);
+  std::int64_t checked_evictions = 0;
+  for (int t = 0; t < 900; ++t) {
+    // Snapshot every live token of one stream before the step...
+    std::map<int, std::vector<float>> before;
+    for (auto r : table.live_slot_list(st)) {
+      std::vector<float> kb(static_cast<std::size_t>(d)), vb(kb.size());
+      REQUIRE(cache.paged().read_token(r, kb, vb).is_ok());
+      kb.insert(kb.end(), vb.begin(), vb.end());
+      before[table.slot_position(r)] = kb;
+    }
+    const auto evicted_before = cache.stats().tokens_evicted;
+    REQUIRE(step(cache, 0, (t / 64) % 2 ? 6.0f : 0.5f, rng).is_ok());
+    // ...and every token still live afterwards reads back identically.
+    for (auto r : table.live_slot_list(st)) {
+      const int pos = table.slot_position(r);
+      if (!before.count(pos)) continue;
+      std::vector<float> kb(static_cast<std::size_t>(d)), vb(kb.size());
+      REQUIRE(cache.paged().read_token(r, kb, vb).is_ok());
+      kb.insert(kb.end(), vb.begin(), vb.end());
+      if (kb != before[pos]) FAIL("token at position " << pos << " changed after a step");
+    }
+    checked_evictions += cache.stats().tokens_evicted > evicted_before;
+  }
+  CHECK(checked_evictions > 0);
+}
+
+TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thinkv_cache]") {
+  auto cfg = small_config(CacheMode::kThinKv);
+  thinkv::ThinKvCache<> cache(cfg);
+  std::mt19937 rng(1);
+  for (int t = 0; t < 20; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
+  const auto mem = cache.memory();
+  const auto stats = cache.paged().table().stats();
+  REQUIRE(cache.begin_token(0).is_ok());
+  CHECK(cache.begin_token(0).code() == thinkv::StatusCode::kInvalidArgument);
+  std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim), 0.5f), v(k);
+  std::vector<float> short_k(k.size() - 1, 0.5f);
+  CHECK(cache.append(0, 0, short_k, v).code() == thinkv::StatusCode::kShapeMismatch);
+  k[17] = NAN;
+  const auto s = cache.append(0, 0, k, v);
+  CHECK(s.code() == thinkv::StatusCode::kNonFinite);
+  CHECK(s.message().find("k[17]") != std::string::npos);
+  k[17] = 0.5f;
+  v[3] = INFINITY;
+  CHECK(cache.append(0, 0, k, v).code() == thinkv::StatusCode::kNonFinite);
+  CHECK(cache.append(0, 5, k, v).code() == thinkv::StatusCode::kOutOfRange);
+  CHECK(cache.append(7, 0, k, v).code() == thinkv::StatusCode::kOutOfRange);
+  CHECK(cache.memory() == mem);
+  CHECK(cache.paged().table().stats().commits == stats.commits);
+  std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim)), out(q.size());
+  CHECK(cache.attend(1, 0, q, out).code() == thinkv::StatusCode::kInvalidArgument);  // no begin_token
+  CHECK(cache.end_token(1).code() == thinkv::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
+  auto expect = [](thinkv::ThinKvConfig c, const std::string& needle) {
+    try {
+      thinkv::ThinKvCache<> cache(c);
+      FAIL("accepted a bad config, expected: " << needle);
+    } catch (const thinkv::ConfigError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    }
+  };
+  auto c = small_config(CacheMode::kThinKv);
+  c.segment_len = 60;
+  expect(c, "segment_len 60");
+  c = small_config(CacheMode::kThinKv);
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0}, 64, 32);
+  expect(c, "calibrated for 32 layers; this model has 2");
+  c = small_config(CacheMode::kThinKv);
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0}, 60, 2);
+  expect(c, "tau 60 is not a multiple of group_size 8");
+  c = small_config(CacheMode::kThinKv);
+  c.token_budget = 3;
+  expect(c, "token_budget 3");
+  c = small_config(CacheMode::kThinKv);
+  c.num_q_heads = 3;
+  expect(c, "num_q_heads 3");
+  CHECK(thinkv::parse_cache_mode("thinkv") == CacheMode::kThinKv);
+  CHECK_FALSE(thinkv::parse_cache_mode("fast").has_value());
+}
+
+TEST_CASE("ThinKV memory against FullKV of the whole sequence", "[thinkv_cache]") {
+  auto cfg = small_config(CacheMode::kThinKv);
+  cfg.num_sequences = 1;
+  thinkv::ThinKvCache<> cache(cfg);
+  std::mt19937 rng(3);
+  for (int t = 0; t < 600; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
+  // 600 positions x 4 streams x (K + V) x head_dim x 2 bytes
+  CHECK(cache.fullkv_sequence_bytes(0) == 600LL * 4 * 2 * cfg.head_dim * 2);
+  CHECK(cache.memory().fullkv_fp16_bytes == cache.live_tokens(0) * 4 * 2 * cfg.head_dim * 2);
+  CHECK(cache.memory().physical_bytes() < cache.fullkv_sequence_bytes(0) / 2);
+}
