@@ -9,6 +9,7 @@
 #  - a Catch2 source with its own main (CATCH_CONFIG_MAIN/RUNNER) is discovered the same way;
 #  - a source that does not use Catch2 is one ctest test "<target>" (exit 0 = pass).
 # GPU tests get SKIP_RETURN_CODE 77, so "no CUDA device" reads as skipped, not passed or failed.
+# Any test printing a line "SKIPPED: ..." is reported as skipped too.
 include_guard(GLOBAL)
 
 function(thinkv_add_test_executable target)
@@ -31,7 +32,9 @@ function(thinkv_add_test_executable target)
     endif()
   endforeach()
 
-  set(_props LABELS ${ARG_LABEL})
+  # A test that cannot run here (e.g. the real model files are missing) prints a line starting
+  # "SKIPPED: " with what to fetch; ctest then reports it as skipped, never as passed.
+  set(_props LABELS ${ARG_LABEL} SKIP_REGULAR_EXPRESSION "SKIPPED: ")
   if(ARG_GPU)
     thinkv_cuda_target(${target})
     target_link_libraries(${target} PRIVATE CUDA::cudart)

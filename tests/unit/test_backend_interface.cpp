@@ -5,9 +5,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "test_util.hpp"

@@ -217,9 +217,10 @@ TEST_CASE("PagedKvCache: an all-zero first group does not fix the stream scale",
     TT_REQUIRE_OK_DIFF(diff);
     CHECK(c.backend().stream_scale(0, 0, p) == 0.0f);  // still unset
     CHECK(c.backend().stream_scale(0, 1, p) != 0.0f);
-    // The next group, ~1000x larger or smaller than 1, fixes the key scale; with s2 = 1 kept
-    // from the zero group it would saturate or underflow, and the model would disagree.
-    const double mag = chance(rng, 0.5) ? 1000.0 : 1e-3;
+    // The next group, 1e5 or 1e-3 in magnitude, fixes the key scale (far from s2 = 1, which
+    // needs amax in [8, 16) * Q); with s2 = 1 kept from the zero group it would saturate or
+    // underflow, and the model would disagree.
+    const double mag = chance(rng, 0.5) ? 1e5 : 1e-3;
     for (int i = 0; i < g; ++i) {
       const auto k = tt::random_row(rng, d, mag), v = tt::random_row(rng, d);
       REQUIRE(tt::append_both(c, m, 0, k, v, R, 0, diff).is_ok());
@@ -504,6 +505,35 @@ TEST_CASE("PagedKvCache: finite values that overflow BF16 are rejected or stored
     CHECK_THAT(st.message(), Contains("k[3]"));
     TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(b.cache));
   }
+}
+
+TEST_CASE("PagedKvCache: magnitudes above 2^64 are rejected, 2^64 is accepted", "[paged][errors]") {
+  TT_SEEDED_RNG();
+  Busy b(rng);
+  const float limit = 0x1p64f;
+  const float above = std::nextafter(limit, std::numeric_limits<float>::infinity());
+  for (float bad : {above, -above, 1e30f, -3e38f}) {
+    for (int which = 0; which < 2; ++which) {
+      const auto before = tt::snapshot_cache(b.cache);
+      auto k = tt::random_row(rng, 32), v = tt::random_row(rng, 32);
+      const int ch = uniform_int(rng, 0, 31);
+      (which == 0 ? k : v)[static_cast<std::size_t>(ch)] = bad;
+      CAPTURE(bad, which, ch);
+      const Status st = b.cache.append(0, k, v, E);  // stream 0: this token would commit
+      CHECK(st.code() == StatusCode::kNonFinite);
+      CHECK_THAT(st.message(), Contains(std::string(which == 0 ? "k[" : "v[") + std::to_string(ch) + "]") &&
+                                   Contains("2^64"));
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(b.cache));
+    }
+  }
+  // Exactly 2^64 (and -2^64) is stored, and read back as the model says.
+  auto k = tt::random_row(rng, 32), v = tt::random_row(rng, 32);
+  k[7] = limit;
+  v[9] = -limit;
+  Diff d;
+  REQUIRE(tt::append_both(b.cache, b.model, 0, k, v, E, 0, d).is_ok());
+  TT_REQUIRE_OK_DIFF(d);
+  TT_REQUIRE_OK_DIFF(tt::check_cache(b.cache, b.model));
 }
 
 TEST_CASE("PagedKvCache: an out-of-range stream is rejected", "[paged][errors]") {

@@ -14,6 +14,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -211,9 +212,9 @@ class CtModel {
   std::map<int, MGroup> groups;
   int next_group = 0;
   MStats st;
-  /// When true, a fresh block must be the lowest free id of its pool (design.md); otherwise any
-  /// free block of the pool is accepted.
-  bool require_lowest_free_id = false;
+  /// When true (design.md, "Commit placement": lowest free id first), a fresh block must be the
+  /// lowest free id of its pool; when false any free block of the pool is accepted.
+  bool require_lowest_free_id = true;
 
   MStream& S(int s) { return streams[static_cast<std::size_t>(s)]; }
   const MStream& S(int s) const { return streams[static_cast<std::size_t>(s)]; }

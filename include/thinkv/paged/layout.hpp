@@ -74,6 +74,12 @@ struct CacheConfig {
                    "] is 0; allowed: >= 1");
       }
     }
+    std::int64_t total_slots = 0;
+    for (int n : pool_blocks) total_slots += std::int64_t{n} * block_size;
+    if (total_slots >= std::int64_t{1} << 31) {
+      return bad("the pools hold " + std::to_string(total_slots) +
+                 " slots in all; allowed: less than 2^31 (block and record ids are 32-bit)");
+    }
     if (record_capacity < 0) {
       return bad("record_capacity " + std::to_string(record_capacity) +
                  " is negative; allowed: 0 (worst case) or >= 1");

@@ -8,6 +8,7 @@
 /// Every mutating call is all-or-nothing: a wrong shape, NaN/Inf in K/V, an unknown stream, or a
 /// full pool returns an error and leaves the cache exactly as it was.
 
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -187,8 +188,9 @@ class PagedKvCache {
     return Status::ok();
   }
 
-  /// Exact memory of one stream.
+  /// Exact memory of one stream. Precondition: 0 <= stream < num_streams (check_stream()).
   [[nodiscard]] MemoryUsage memory(int stream) const {
+    assert(table_.check_stream(stream).is_ok());
     const CacheLayout& L = layout();
     MemoryUsage m;
     m.staged_tokens = table_.staged_count(stream);
