@@ -113,36 +113,40 @@ TEST_CASE("tracker holds the type between refreshes and counts", "[classifier]")
   thinkv::ThoughtTracker tr(ThoughtClassifier::three_types(0.3f, 0.6f, {0}, 16, 1));
   CHECK(tr.current() == ThoughtType::kReasoning);
   const std::vector<float> hi = {0.9f}, lo = {0.1f}, mid = {0.5f};
-  // Refresh on a non-refresh step is refused and changes nothing.
-  (void)tr.type_for(0);
-  REQUIRE(tr.refresh(0, hi).is_ok());  // -> T
+  // Position 0 is not a refresh step (the first token sees only itself): 0..15 stay R.
+  CHECK_FALSE(tr.is_refresh_step(0));
+  CHECK(tr.refresh(0, hi).code() == thinkv::StatusCode::kInvalidArgument);
+  for (int p = 0; p < 16; ++p) CHECK(tr.type_for(p) == ThoughtType::kReasoning);
+  (void)tr.type_for(16);
+  REQUIRE(tr.refresh(16, hi).is_ok());  // -> T
   CHECK(tr.current() == ThoughtType::kTransition);
-  for (int p = 1; p < 16; ++p) CHECK(tr.type_for(p) == ThoughtType::kTransition);
+  for (int p = 17; p < 32; ++p) CHECK(tr.type_for(p) == ThoughtType::kTransition);
+  // A refresh on a non-refresh step is refused and changes nothing.
   const auto before = tr.stats();
-  CHECK(tr.refresh(5, lo).code() == thinkv::StatusCode::kInvalidArgument);
+  CHECK(tr.refresh(21, lo).code() == thinkv::StatusCode::kInvalidArgument);
   CHECK(tr.stats().refreshes == before.refreshes);
   CHECK(tr.current() == ThoughtType::kTransition);
   // Bad signals are refused too.
-  (void)tr.type_for(16);
-  CHECK(tr.refresh(16, std::vector<float>{NAN}).code() == thinkv::StatusCode::kNonFinite);
-  CHECK(tr.refresh(16, std::vector<float>{}).code() == thinkv::StatusCode::kShapeMismatch);
-  CHECK(tr.current() == ThoughtType::kTransition);
-  REQUIRE(tr.refresh(16, lo).is_ok());  // -> E
-  for (int p = 17; p < 32; ++p) (void)tr.type_for(p);
   (void)tr.type_for(32);
-  REQUIRE(tr.refresh(32, lo).is_ok());  // E again: no change
+  CHECK(tr.refresh(32, std::vector<float>{NAN}).code() == thinkv::StatusCode::kNonFinite);
+  CHECK(tr.refresh(32, std::vector<float>{}).code() == thinkv::StatusCode::kShapeMismatch);
+  CHECK(tr.current() == ThoughtType::kTransition);
+  REQUIRE(tr.refresh(32, lo).is_ok());  // -> E
+  for (int p = 33; p < 48; ++p) (void)tr.type_for(p);
   (void)tr.type_for(48);
-  REQUIRE(tr.refresh(48, mid).is_ok());  // -> R
+  REQUIRE(tr.refresh(48, lo).is_ok());  // E again: no change
+  (void)tr.type_for(64);
+  REQUIRE(tr.refresh(64, mid).is_ok());  // -> R
   const auto& st = tr.stats();
   CHECK(st.refreshes == 4);
   CHECK(st.changes == 3);  // R->T, T->E, E->R
   CHECK(st.refresh_histogram[static_cast<int>(ThoughtType::kTransition)] == 1);
   CHECK(st.refresh_histogram[static_cast<int>(ThoughtType::kExecution)] == 2);
   CHECK(st.refresh_histogram[static_cast<int>(ThoughtType::kReasoning)] == 1);
-  // tokens: 0..15 T (16), 16..32 E (17), 48 R (1)
+  // tokens: 0..15 R (16), 16..31 T (16), 32..48 E (17), 64 R (1)
+  CHECK(st.tokens[static_cast<int>(ThoughtType::kReasoning)] == 17);
   CHECK(st.tokens[static_cast<int>(ThoughtType::kTransition)] == 16);
   CHECK(st.tokens[static_cast<int>(ThoughtType::kExecution)] == 17);
-  CHECK(st.tokens[static_cast<int>(ThoughtType::kReasoning)] == 1);
   CHECK(st.refresh_ns >= 0);
 }
 
@@ -196,7 +200,7 @@ TEST_CASE("tracker-driven decoding never mixes thought types in a quantization g
             cfg.precision.precision_of(expected.at(pos)));
     }
   }
-  CHECK(tr.stats().refreshes == (600 + tau - 1) / tau);
+  CHECK(tr.stats().refreshes == (600 - 1) / tau);  // positions tau, 2 tau, ... < 600
 }
 
 #include "thinkv/thought/calibration_file.hpp"

@@ -161,9 +161,11 @@ class ThoughtClassifier {
     return false;
   }
 
-  /// Refresh steps: positions that are multiples of tau.
+  /// Refresh steps: positive multiples of tau. Position 0 is not one: the first token attends
+  /// only to itself, so its sparsity is 0 whatever the model does; the first tau tokens keep the
+  /// tracker's initial type (R, the most important).
   [[nodiscard]] bool is_refresh_step(std::int64_t position) const noexcept {
-    return position % tau_ == 0;
+    return position > 0 && position % tau_ == 0;
   }
 
   /// The token signal: mean over L* of per-layer sparsity (`layer_sparsity` indexed by layer,
