@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source cmake/run_common.sh
 
-# The main example: its CMake target and where the build puts it.
-main_target=basic_cache
-main_binary=build/examples/basic_cache/basic_cache
+# The main job: the `thinkv` CLI decoding stories260K with its KV cache held by ThinKV (thinkv
+# mode: TBQ + TBE), compared against a FullKV run of the same model. Arguments given to this
+# script are appended to `thinkv generate` (later flags win, e.g. --budget 64 or --mode tbq).
+main_target=thinkv
+main_binary=build/examples/thinkv/thinkv
+main_args=(generate --model stories260K.bin --steps 256 --mode thinkv --compare full)
 
 thinkv_ensure_deps
 read -r -a cuda_args <<<"$(thinkv_default_cuda_args)"
@@ -16,5 +19,5 @@ thinkv_log "configure build/" >&2
 thinkv_configure build "${cuda_args[@]}" >&2
 thinkv_log "build $main_target" >&2
 cmake --build build --parallel "$(thinkv_jobs)" --target "$main_target" >&2
-thinkv_log "run $main_binary $*" >&2
-exec "$main_binary" "$@"
+thinkv_log "run $main_binary ${main_args[*]} $*" >&2
+exec "$main_binary" "${main_args[@]}" "$@"

@@ -6,6 +6,8 @@
 #include <string_view>
 
 #include "calibrate.hpp"
+#include "generate.hpp"
+#include "trace.hpp"
 
 namespace {
 
@@ -16,7 +18,10 @@ struct Subcommand {
 };
 
 constexpr Subcommand kSubcommands[] = {
+    {"generate", "decode on a Llama model (llama2.c .bin / GGUF) with the KV cache in full/tbq/tbe/thinkv mode", run_generate},
+    {"trace", "record per-layer attention sparsity traces for `thinkv calibrate`", run_trace},
     {"calibrate", "calibrate the thought classifier from sparsity traces (writes calib.json)", run_calibrate},
+    {"sweep", "fidelity vs KV memory over cache modes and budgets (docs/results.md)", run_sweep},
 };
 
 void print_help(std::FILE* out) {

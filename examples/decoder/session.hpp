@@ -1,0 +1,220 @@
+#pragma once
+/// \file session.hpp
+/// Decoding loops over a Transformer and a ThinKvCache, shared by `thinkv generate`,
+/// `thinkv trace` and the tests:
+///  - run_sequence: prompt, then `steps` generated tokens (greedy, sampled, or teacher-forced),
+///    with per-step hooks and the cache statistics the CLI reports;
+///  - measure_fidelity: a mode against FullKV on the same prompt: greedy token agreement
+///    (both free-running), mean KL(full || mode) of the next-token distribution teacher-forced
+///    on the FullKV tokens, and the first step where the greedy tokens differ.
+///
+/// Step convention (llama2.c's): a prompt of P tokens (BOS first) and N generated tokens take
+/// P + N - 1 forward passes; the logits of the pass at position P - 1 + i choose generated
+/// token i. Generation stops early when BOS or EOS is chosen (run.c stops at BOS; EOS ends a
+/// text too), unless `stop_at_bos_eos` is off.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model.hpp"
+#include "sampler.hpp"
+#include "thinkv/thinkv_cache.hpp"
+#include "transformer.hpp"
+
+namespace thinkv::decoder {
+
+struct RunOptions {
+  int steps = 0;             ///< tokens to generate
+  float temperature = 0.0f;  ///< 0 = greedy
+  std::uint64_t seed = 0;
+  /// Teacher forcing: when set, generated token i is forced[i] (the run has forced->size()
+  /// steps at most and `steps` is ignored); the logits are still computed and reported.
+  const std::vector<int>* forced = nullptr;
+  bool stop_at_bos_eos = true;
+  int bos_id = 1;
+  int eos_id = 2;
+  int threads = 1;
+  KvHook kv_hook;
+  /// Called with each generated token (after it is chosen) and the token before it.
+  std::function<void(int prev, int token)> on_token;
+  /// Called with the logits that choose generated token `step`.
+  std::function<void(int step, std::span<const float> logits)> on_logits;
+  /// Called after every forward pass that produced logits for generated token `step`.
+  std::function<Status(int step, const ThinKvCache<>& cache)> after_step;
+};
+
+struct RunStats {
+  std::vector<int> tokens;  ///< generated tokens
+  int prompt_tokens = 0;
+  int forward_passes = 0;
+  double seconds = 0.0;  ///< wall time of all forward passes
+  MemoryUsage final_memory;
+  std::int64_t peak_physical_bytes = 0;
+  std::int64_t max_live_tokens = 0;
+  std::int64_t steps_over_budget = 0;  ///< steps that ended with more live tokens than the budget
+  ThinKvStats cache_stats;
+  BlockTableStats table_stats;
+  ThoughtStats thought_stats;
+  /// FullKV FP16 bytes of every position the sequence holds (what an uncompressed cache keeps).
+  std::int64_t fullkv_fp16_bytes_all_positions = 0;
+};
+
+/// FP16 bytes of K and V for `positions` tokens in every layer and KV head.
+inline std::int64_t fullkv_fp16_bytes(const ModelConfig& c, std::int64_t positions) {
+  return positions * c.n_layers * c.n_kv_heads * 2 * std::int64_t{c.head_dim} * 2;
+}
+
+/// Runs one sequence from `prompt` (non-empty) on a fresh cache built from `cfg`.
+inline Status run_sequence(const Model& model, const ThinKvConfig& cfg,
+                           const std::vector<int>& prompt, const RunOptions& opt, RunStats& out) {
+  if (prompt.empty())
+    return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
+  std::unique_ptr<ThinKvCache<>> cache;
+  try {
+    cache = std::make_unique<ThinKvCache<>>(cfg);
+  } catch (const ConfigError& e) {
+    return e.status();
+  }
+  Transformer tf(model, opt.threads);
+  if (opt.kv_hook) tf.set_kv_hook(opt.kv_hook);
+  const int steps = opt.forced != nullptr ? static_cast<int>(opt.forced->size()) : opt.steps;
+  const int P = static_cast<int>(prompt.size());
+  if (P + steps - 1 > cfg.max_tokens) {
+    return {StatusCode::kInvalidArgument,
+            "prompt (" + std::to_string(P) + " tokens) + " + std::to_string(steps) +
+                " steps exceed the cache's max_tokens " + std::to_string(cfg.max_tokens)};
+  }
+  RunStats st;
+  st.prompt_tokens = P;
+  std::vector<float> logits(static_cast<std::size_t>(model.config.vocab_size));
+  Sampler sampler(opt.temperature, opt.seed);
+  const bool evicting = evicts(cfg.mode) && cfg.token_budget > 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  int token = prompt[0];
+  for (int pos = 0; steps > 0; ++pos) {
+    THINKV_RETURN_IF_ERROR(tf.forward(*cache, 0, token, logits));
+    ++st.forward_passes;
+    if (pos < P - 1) {
+      token = prompt[static_cast<std::size_t>(pos + 1)];
+      continue;
+    }
+    const int step = pos - (P - 1);
+    if (opt.on_logits) opt.on_logits(step, logits);
+    const MemoryUsage mem = cache->memory(0);
+    st.peak_physical_bytes = std::max(st.peak_physical_bytes, mem.physical_bytes());
+    const std::int64_t live = cache->live_tokens(0);
+    st.max_live_tokens = std::max(st.max_live_tokens, live);
+    if (evicting && live > cfg.token_budget) ++st.steps_over_budget;
+    if (opt.after_step) THINKV_RETURN_IF_ERROR(opt.after_step(step, *cache));
+    const int next = opt.forced != nullptr ? (*opt.forced)[static_cast<std::size_t>(step)]
+                                           : sampler.sample(logits);
+    if (opt.forced == nullptr && opt.stop_at_bos_eos && (next == opt.bos_id || next == opt.eos_id))
+      break;
+    st.tokens.push_back(next);
+    if (opt.on_token) opt.on_token(token, next);
+    token = next;
+    if (static_cast<int>(st.tokens.size()) >= steps) break;
+  }
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.final_memory = cache->memory(0);
+  st.cache_stats = cache->stats();
+  st.table_stats = cache->paged().table().stats();
+  st.thought_stats = cache->tracker(0).stats();
+  st.fullkv_fp16_bytes_all_positions = fullkv_fp16_bytes(model.config, cache->position(0));
+  out = std::move(st);
+  return Status::ok();
+}
+
+struct Fidelity {
+  int steps = 0;  ///< generated tokens of the FullKV run (the reference length)
+  double token_agreement =
+      0.0;  ///< share of steps i < steps where both greedy runs chose the same token
+  double mean_kl =
+      0.0;  ///< mean over steps of KL(full || mode), teacher-forced on the FullKV tokens
+  double max_kl = 0.0;
+  int first_divergence = -1;  ///< first step where the greedy tokens differ (-1: none)
+  std::vector<int> full_tokens;
+  std::vector<int> mode_tokens;
+  std::vector<double> kl;  ///< per step
+};
+
+/// Compares `mode_cfg` with `full_cfg` (FullKV) on `prompt` for `steps` greedy tokens. The
+/// FullKV run and the mode run teacher-forced on its tokens go in lockstep (no logits are
+/// stored); the mode's own free-running greedy tokens come from `mode_tokens` when the caller
+/// already has them (a greedy run of the same configuration), else from a third pass.
+inline Status measure_fidelity(const Model& model, const ThinKvConfig& full_cfg,
+                               const ThinKvConfig& mode_cfg, const std::vector<int>& prompt,
+                               int steps, const RunOptions& base,
+                               const std::vector<int>* mode_tokens, Fidelity& out) {
+  if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens"};
+  if (steps < 1) return {StatusCode::kInvalidArgument, "fidelity needs at least one step"};
+  std::unique_ptr<ThinKvCache<>> full, mode;
+  try {
+    full = std::make_unique<ThinKvCache<>>(full_cfg);
+    mode = std::make_unique<ThinKvCache<>>(mode_cfg);
+  } catch (const ConfigError& e) {
+    return e.status();
+  }
+  Transformer tf(model, base.threads);
+  Transformer tm(model, base.threads);
+  if (base.kv_hook) tm.set_kv_hook(base.kv_hook);
+  Fidelity f;
+  std::vector<float> lf(static_cast<std::size_t>(model.config.vocab_size)), lm(lf.size());
+  const int P = static_cast<int>(prompt.size());
+  int token = prompt[0];
+  double kl_sum = 0.0;
+  for (int pos = 0;; ++pos) {
+    THINKV_RETURN_IF_ERROR(tf.forward(*full, 0, token, lf));
+    THINKV_RETURN_IF_ERROR(tm.forward(*mode, 0, token, lm));
+    if (pos < P - 1) {
+      token = prompt[static_cast<std::size_t>(pos + 1)];
+      continue;
+    }
+    const double kl = kl_divergence(lf, lm);
+    f.kl.push_back(kl);
+    kl_sum += kl;
+    f.max_kl = std::max(f.max_kl, kl);
+    const int next = argmax(lf);
+    if (base.stop_at_bos_eos && (next == base.bos_id || next == base.eos_id)) break;
+    f.full_tokens.push_back(next);
+    token = next;
+    if (static_cast<int>(f.full_tokens.size()) >= steps) break;
+  }
+  f.steps = static_cast<int>(f.full_tokens.size());
+  f.mean_kl = f.kl.empty() ? 0.0 : kl_sum / static_cast<double>(f.kl.size());
+  if (mode_tokens != nullptr) {
+    f.mode_tokens = *mode_tokens;
+  } else {
+    RunOptions o = base;
+    o.steps = steps;
+    o.temperature = 0.0f;
+    o.forced = nullptr;
+    o.on_token = nullptr;
+    o.on_logits = nullptr;
+    o.after_step = nullptr;
+    RunStats rs;
+    THINKV_RETURN_IF_ERROR(run_sequence(model, mode_cfg, prompt, o, rs));
+    f.mode_tokens = std::move(rs.tokens);
+  }
+  int same = 0;
+  const std::size_t n = std::max(f.full_tokens.size(), f.mode_tokens.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const bool both = i < f.full_tokens.size() && i < f.mode_tokens.size();
+    if (both && f.full_tokens[i] == f.mode_tokens[i]) {
+      if (i < f.full_tokens.size()) ++same;
+    } else if (f.first_divergence < 0) {
+      f.first_divergence = static_cast<int>(i);
+    }
+  }
+  f.token_agreement = f.steps > 0 ? static_cast<double>(same) / f.steps : 1.0;
+  out = std::move(f);
+  return Status::ok();
+}
+
+}  // namespace thinkv::decoder

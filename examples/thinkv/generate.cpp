@@ -1,0 +1,937 @@
+// `thinkv generate`: decode on a real Llama model with the KV cache in mode full / tbq / tbe /
+// thinkv; `thinkv sweep`: fidelity vs memory over modes and budgets (docs/results.md).
+// Flags and JSON fields: examples/thinkv/README.md. The decoder itself is header-only in
+// examples/decoder/ (the attention runs inside thinkv::ThinKvCache).
+
+#include "generate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "../decoder/cli_util.hpp"
+#include "../decoder/decoder.hpp"
+#include "thinkv/thought/calibration_file.hpp"
+#include "thinkv/util/json.hpp"
+
+namespace {
+
+using namespace thinkv;
+using namespace thinkv::decoder;
+using namespace thinkv::decoder::cli;
+
+constexpr const char* kGenerateUsage =
+    "usage: thinkv generate --model PATH --steps N [--prompt TEXT] [--mode full|tbq|tbe|thinkv]\n"
+    "                       [--budget K] [--tokenizer PATH] [--temperature T] [--seed S]\n"
+    "                       [--compare full] [--calibration calib.json] [--group G] [--segment L]\n"
+    "                       [--tau T] [--precision R4E4T2] [--threads N] [--json] [--progress]\n";
+
+constexpr const char* kGenerateHelp =
+    "\n"
+    "Decodes on a Llama model (llama2.c .bin, llama2.c v2 Q8_0 .bin, or GGUF 'llama' in F32/F16/\n"
+    "BF16/Q8_0) with every attention inside ThinKV's KV cache. Without --prompt, decoding starts\n"
+    "from BOS as llama2.c does. The generated text goes to stdout as it is decoded; the summary\n"
+    "(speed, KV memory vs FullKV FP16, eviction and reuse counters, fidelity) goes to stderr.\n"
+    "\n"
+    "  --model PATH         model file; a bare file name is also looked up in $THINKV_MODELS,\n"
+    "                       ./models and ../shared/models\n"
+    "  --tokenizer PATH     llama2.c tokenizer.bin (default: the GGUF's own, or tok<vocab>.bin /\n"
+    "                       tokenizer.bin next to a .bin model)\n"
+    "  --prompt TEXT        prompt (default: none, start from BOS)\n"
+    "  --steps N            tokens to generate (prompt + steps must fit the model's context)\n"
+    "  --mode M             full (BF16 pages), tbq (thought-based quantization), tbe "
+    "(thought-based\n"
+    "                       eviction), thinkv (both; default)\n"
+    "  --budget K           live tokens per KV stream for tbe/thinkv (default: context / 4)\n"
+    "  --group G            quantization group 8, 16 or 32 (default 16; 8 when head_dim % 16 != "
+    "0)\n"
+    "  --segment L          thought segment length (default min(128, context/4), a multiple of G)\n"
+    "  --tau T              classifier refresh period (default: the calibration's, else "
+    "--segment)\n"
+    "  --precision MAP      TBQ bits per thought, e.g. R4E4T2 (default), R8E4T2, R8E8T4\n"
+    "  --calibration FILE   thought classifier from `thinkv calibrate` (default: uncalibrated,\n"
+    "                       every token R)\n"
+    "  --temperature T      0 = greedy (default); > 0 samples softmax(logits / T)\n"
+    "  --seed S             sampling seed (default 42)\n"
+    "  --compare full       also run FullKV on the same prompt and report fidelity: share of\n"
+    "                       identical greedy tokens, mean KL(full || mode) teacher-forced on the\n"
+    "                       FullKV tokens, first divergent step\n"
+    "  --threads N          threads for the matrix products (default: all cores, or "
+    "$THINKV_THREADS)\n"
+    "  --json               print one JSON object as the last line of stdout\n"
+    "  --progress           progress line on stderr (default: only when stderr is a terminal and\n"
+    "                       stdout is not)\n"
+    "\n"
+    "Exit status: 0 ok, 1 data error (missing or corrupt file, cache error), 2 usage error.\n"
+    "\n"
+    "Example:\n"
+    "  thinkv generate --model stories260K.bin --steps 200 --mode full\n"
+    "  thinkv generate --model stories260K.bin --steps 300 --mode thinkv --budget 64 --compare "
+    "full --json\n";
+
+int usage_error(const char* cmd, const char* usage, const std::string& msg) {
+  std::fprintf(stderr, "thinkv %s: %s\n%sRun `thinkv %s --help` for details.\n", cmd, msg.c_str(),
+               usage, cmd);
+  return kExitUsage;
+}
+
+/// Cache flags shared by generate and sweep.
+struct CacheFlags {
+  int budget = 0;
+  int group = 0;
+  int segment = 0;
+  int tau = 0;
+  PrecisionMap precision{};
+  std::string calibration;
+};
+
+/// Parses one cache flag at the scanner's position. Returns 1 when handled, 0 when not a cache
+/// flag, -1 after printing a usage error.
+int parse_cache_flag(Options& o, CacheFlags& c, const char* cmd, const char* usage, int& rc) {
+  const std::string_view n = o.name();
+  std::string_view v;
+  auto need = [&](const char* what) {
+    if (!o.value(v) || v.empty()) {
+      rc = usage_error(cmd, usage, std::string(n) + " needs " + what);
+      return false;
+    }
+    return true;
+  };
+  if (n == "--budget") {
+    if (!need("a token count")) return -1;
+    if (!parse_int(v, 1, 1 << 30, c.budget)) {
+      rc = usage_error(cmd, usage, "--budget " + std::string(v) + ": must be an integer >= 1");
+      return -1;
+    }
+  } else if (n == "--group") {
+    if (!need("8, 16 or 32")) return -1;
+    if (!parse_int(v, 1, 1024, c.group) || (c.group != 8 && c.group != 16 && c.group != 32)) {
+      rc = usage_error(cmd, usage, "--group " + std::string(v) + ": must be 8, 16 or 32");
+      return -1;
+    }
+  } else if (n == "--segment") {
+    if (!need("a length")) return -1;
+    if (!parse_int(v, 1, 1 << 30, c.segment)) {
+      rc = usage_error(cmd, usage, "--segment " + std::string(v) + ": must be an integer >= 1");
+      return -1;
+    }
+  } else if (n == "--tau") {
+    if (!need("a period")) return -1;
+    if (!parse_int(v, 1, 1 << 30, c.tau)) {
+      rc = usage_error(cmd, usage, "--tau " + std::string(v) + ": must be an integer >= 1");
+      return -1;
+    }
+  } else if (n == "--precision") {
+    if (!need("a map like R4E4T2")) return -1;
+    if (Status s = PrecisionMap::parse(v, c.precision); !s.is_ok()) {
+      rc = usage_error(cmd, usage, "--precision: " + s.message());
+      return -1;
+    }
+  } else if (n == "--calibration") {
+    if (!need("a file")) return -1;
+    c.calibration = v;
+  } else {
+    return 0;
+  }
+  return 1;
+}
+
+/// Loads --calibration into a classifier (checked against the model). Prints and returns the
+/// exit status on error, 0 on success.
+int load_classifier(const char* cmd, const CacheFlags& c, const Model& m, ThoughtClassifier& out) {
+  if (c.calibration.empty()) return 0;
+  CalibrationFile f;
+  if (Status s = read_calibration_json(std::filesystem::path(c.calibration), f); !s.is_ok()) {
+    std::fprintf(stderr, "thinkv %s: %s\n", cmd, s.message().c_str());
+    return kExitData;
+  }
+  if (Status s = check_model(f, m.config.n_layers, m.name); !s.is_ok()) {
+    std::fprintf(stderr, "thinkv %s: %s\n", cmd, s.message().c_str());
+    return kExitData;
+  }
+  try {
+    std::vector<ThoughtType> bands(f.band_types.begin(), f.band_types.begin() + f.num_types);
+    out = ThoughtClassifier(f.thresholds, f.layers, f.tau, bands, f.num_layers);
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "thinkv %s: %s: %s\n", cmd, c.calibration.c_str(), e.what());
+    return kExitData;
+  }
+  return 0;
+}
+
+CacheOptions cache_options(const CacheFlags& c, CacheMode mode, int max_tokens,
+                           const ThoughtClassifier& cl) {
+  CacheOptions o;
+  o.mode = mode;
+  o.max_tokens = max_tokens;
+  o.budget = c.budget;
+  o.group_size = c.group;
+  o.segment_len = c.segment;
+  o.tau = c.tau;
+  o.precision = c.precision;
+  o.classifier = cl;
+  return o;
+}
+
+std::string fmt(const char* f, double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, x);
+  return b;
+}
+
+std::string human_bytes(std::int64_t n) {
+  if (n < 10 * 1024) return std::to_string(n) + " B";
+  if (n < 10 * 1024 * 1024) return fmt("%.1f KiB", static_cast<double>(n) / 1024.0);
+  if (n < std::int64_t{10} * 1024 * 1024 * 1024)
+    return fmt("%.1f MiB", static_cast<double>(n) / (1024.0 * 1024.0));
+  return fmt("%.2f GiB", static_cast<double>(n) / (1024.0 * 1024.0 * 1024.0));
+}
+
+std::string precision_text(const ThinKvConfig& k) {
+  return quantizes(k.mode) ? k.precision.to_string() : std::string("BF16");
+}
+
+/// Reads prompts (one per line; blank lines and lines starting with '#' are skipped).
+bool read_prompts(const std::string& path, std::vector<std::string>& out, std::string& err) {
+  std::ifstream f(path);
+  if (!f) {
+    err = path + ": cannot open the prompts file";
+    return false;
+  }
+  std::string line;
+  while (std::getline(f, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty() || line[0] == '#') continue;
+    out.push_back(line);
+  }
+  if (out.empty()) {
+    err = path + ": no prompts (one per line; blank lines and '#' lines are skipped)";
+    return false;
+  }
+  return true;
+}
+
+// ---- generate --------------------------------------------------------------------------------
+
+struct GenerateArgs {
+  std::string model, tokenizer, prompt;
+  bool have_prompt = false;
+  int steps = -1;
+  CacheMode mode = CacheMode::kThinKv;
+  CacheFlags cache;
+  float temperature = 0.0f;
+  std::uint64_t seed = 42;
+  bool compare = false;
+  bool json = false;
+  bool progress = default_progress();
+  bool help = false;
+  int threads = 0;
+};
+
+int parse_generate(int argc, char** argv, GenerateArgs& a) {
+  const char* cmd = "generate";
+  Options o(argc, argv);
+  int rc = 0;
+  while (o.next()) {
+    const std::string_view n = o.name();
+    std::string_view v;
+    const int c = parse_cache_flag(o, a.cache, cmd, kGenerateUsage, rc);
+    if (c < 0) return rc;
+    if (c > 0) continue;
+    auto need = [&](const char* what) {
+      return o.value(v) && (!v.empty() || std::string_view(what) == "text");
+    };
+    if (n == "-h" || n == "--help") {
+      a.help = true;
+    } else if (n == "--model") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--model needs a file");
+      a.model = v;
+    } else if (n == "--tokenizer") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--tokenizer needs a file");
+      a.tokenizer = v;
+    } else if (n == "--prompt") {
+      if (!need("text")) return usage_error(cmd, kGenerateUsage, "--prompt needs text");
+      a.prompt = v;
+      a.have_prompt = true;
+    } else if (n == "--steps") {
+      if (!need("a count") || !parse_int(v, 1, 1 << 30, a.steps)) {
+        return usage_error(cmd, kGenerateUsage,
+                           "--steps " + std::string(v) + ": must be an integer >= 1");
+      }
+    } else if (n == "--mode") {
+      if (!need("a mode"))
+        return usage_error(cmd, kGenerateUsage, "--mode needs full, tbq, tbe or thinkv");
+      const auto m = parse_cache_mode(v);
+      if (!m)
+        return usage_error(cmd, kGenerateUsage,
+                           "--mode " + std::string(v) + ": must be full, tbq, tbe or thinkv");
+      a.mode = *m;
+    } else if (n == "--temperature") {
+      if (!need("a number") || !parse_float(v, a.temperature) || a.temperature < 0.0f) {
+        return usage_error(cmd, kGenerateUsage,
+                           "--temperature " + std::string(v) + ": must be a number >= 0");
+      }
+    } else if (n == "--seed") {
+      if (!need("a number") || !parse_u64(v, a.seed)) {
+        return usage_error(cmd, kGenerateUsage,
+                           "--seed " + std::string(v) + ": must be an unsigned integer");
+      }
+    } else if (n == "--compare") {
+      if (!need("full") || v != "full") {
+        return usage_error(cmd, kGenerateUsage,
+                           "--compare " + std::string(v) + ": only `--compare full` is supported");
+      }
+      a.compare = true;
+    } else if (n == "--threads") {
+      if (!need("a count") || !parse_int(v, 1, 1024, a.threads)) {
+        return usage_error(cmd, kGenerateUsage,
+                           "--threads " + std::string(v) + ": must be an integer in 1..1024");
+      }
+    } else if (n == "--json") {
+      if (!o.is_flag()) return usage_error(cmd, kGenerateUsage, "--json takes no value");
+      a.json = true;
+    } else if (n == "--progress") {
+      if (!o.is_flag()) return usage_error(cmd, kGenerateUsage, "--progress takes no value");
+      a.progress = true;
+    } else {
+      return usage_error(cmd, kGenerateUsage, "unknown option '" + std::string(o.arg()) + "'");
+    }
+  }
+  if (a.help) return 0;
+  if (a.model.empty()) return usage_error(cmd, kGenerateUsage, "no model given (--model PATH)");
+  if (a.steps < 0) return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
+  return 0;
+}
+
+json::Value fidelity_json(const Fidelity& f) {
+  return json::Value::object({
+      {"reference", json::Value::string("full")},
+      {"steps", json::Value::integer(f.steps)},
+      {"token_agreement", json::Value::number(f.token_agreement)},
+      {"mean_kl", json::Value::number(f.mean_kl)},
+      {"max_kl", json::Value::number(f.max_kl)},
+      {"first_divergence", json::Value::integer(f.first_divergence)},
+  });
+}
+
+}  // namespace
+
+int run_generate(int argc, char** argv) {
+  const char* cmd = "generate";
+  GenerateArgs a;
+  if (const int rc = parse_generate(argc, argv, a); rc != 0) return rc;
+  if (a.help) {
+    std::printf("%s%s", kGenerateUsage, kGenerateHelp);
+    return 0;
+  }
+  Model model;
+  Tokenizer tok;
+  if (const int rc = load_model_and_tokenizer("thinkv generate", a.model, a.tokenizer, model, tok);
+      rc != 0)
+    return rc;
+  const ModelConfig& mc = model.config;
+  const std::vector<int> prompt = tok.encode(a.prompt, true, false);
+  const int P = static_cast<int>(prompt.size());
+  if (P + a.steps - 1 > mc.seq_len) {
+    return usage_error(cmd, kGenerateUsage,
+                       "the prompt (" + std::to_string(P) + " tokens with BOS) + " +
+                           std::to_string(a.steps) + " steps need " +
+                           std::to_string(P + a.steps - 1) + " positions; " + model.name +
+                           " has a context of " + std::to_string(mc.seq_len) + " (use --steps " +
+                           std::to_string(std::max(1, mc.seq_len - P + 1)) + " or fewer)");
+  }
+  ThoughtClassifier classifier;
+  if (const int rc = load_classifier(cmd, a.cache, model, classifier); rc != 0) return rc;
+  ThinKvConfig cfg;
+  if (Status s =
+          make_cache_config(mc, cache_options(a.cache, a.mode, P + a.steps, classifier), cfg);
+      !s.is_ok()) {
+    return usage_error(
+        cmd, kGenerateUsage,
+        "cache configuration for " + model.name + " (" + mc.to_string() + "): " + s.message());
+  }
+  const int threads = a.threads > 0 ? a.threads : default_threads();
+
+  // The run: text to stdout as it is decoded.
+  Progress progress(a.progress, "thinkv generate: ");
+  RunOptions ro;
+  ro.steps = a.steps;
+  ro.temperature = a.temperature;
+  ro.seed = a.seed;
+  ro.bos_id = tok.bos_id;
+  ro.eos_id = tok.eos_id;
+  ro.threads = threads;
+  const auto t_start = std::chrono::steady_clock::now();
+  ro.on_token = [&](int prev, int t) {
+    const std::string piece = tok.decode_piece(prev, t);
+    progress.clear();
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+  };
+  ro.after_step = [&](int step, const ThinKvCache<>&) {
+    if (progress.enabled()) {
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      progress.update("step " + std::to_string(step + 1) + "/" + std::to_string(a.steps) + ", " +
+                      fmt("%.1f", s > 0 ? (step + 1) / s : 0.0) + " tok/s");
+    }
+    return Status::ok();
+  };
+  RunStats st;
+  if (Status s = run_sequence(model, cfg, prompt, ro, st); !s.is_ok()) {
+    progress.clear();
+    std::fprintf(stderr, "\nthinkv generate: %s\n", s.to_string().c_str());
+    return kExitData;
+  }
+  progress.clear();
+  std::printf("\n");
+  std::fflush(stdout);
+
+  Fidelity fid;
+  if (a.compare) {
+    ThinKvConfig full_cfg;
+    if (Status s = make_cache_config(
+            mc, cache_options(a.cache, CacheMode::kFull, P + a.steps, ThoughtClassifier{}),
+            full_cfg);
+        !s.is_ok()) {
+      std::fprintf(stderr, "thinkv generate: FullKV configuration: %s\n", s.to_string().c_str());
+      return kExitData;
+    }
+    RunOptions fo = ro;
+    fo.on_token = nullptr;
+    fo.after_step = nullptr;
+    progress.update("comparing with FullKV...", true);
+    const bool greedy = !(a.temperature > 0.0f);
+    if (Status s = measure_fidelity(model, full_cfg, cfg, prompt, a.steps, fo,
+                                    greedy ? &st.tokens : nullptr, fid);
+        !s.is_ok()) {
+      progress.clear();
+      std::fprintf(stderr, "thinkv generate: fidelity run: %s\n", s.to_string().c_str());
+      return kExitData;
+    }
+    progress.clear();
+  }
+
+  // Summary (stderr).
+  const int gen = static_cast<int>(st.tokens.size());
+  const double tps = st.seconds > 0 ? (st.forward_passes) / st.seconds : 0.0;
+  const MemoryUsage& mem = st.final_memory;
+  const std::int64_t positions = st.forward_passes;  // tokens the cache holds positions for
+  const double ratio = st.fullkv_fp16_bytes_all_positions > 0
+                           ? static_cast<double>(mem.physical_bytes()) /
+                                 static_cast<double>(st.fullkv_fp16_bytes_all_positions)
+                           : 0.0;
+  const int streams = cfg.streams_per_sequence();
+  const bool calibrated = cfg.classifier.needs_signal();
+  const ThoughtStats& ts = st.thought_stats;
+  std::fprintf(stderr, "thinkv generate: %s (%s, %s weights, %s)\n", model.name.c_str(),
+               model.format.c_str(), to_string(model.weight_type), mc.to_string().c_str());
+  std::fprintf(
+      stderr, "  cache: mode %s, precision %s, budget %s, group %d, segment %d, tau %d, block %d\n",
+      std::string(to_string(cfg.mode)).c_str(), precision_text(cfg).c_str(),
+      evicts(cfg.mode) ? std::to_string(cfg.token_budget).c_str() : "none (no eviction)",
+      cfg.group_size, cfg.segment_len, cfg.classifier.tau(), cfg.block_size);
+  if (cfg.mode == CacheMode::kFull) {
+    std::fprintf(stderr, "  classifier: not used in mode full\n");
+  } else if (calibrated) {
+    std::fprintf(stderr, "  classifier: %s from %s; refreshes %lld, tokens R/E/T %lld/%lld/%lld\n",
+                 cfg.classifier.to_string().c_str(), a.cache.calibration.c_str(),
+                 static_cast<long long>(ts.refreshes), static_cast<long long>(ts.tokens[0]),
+                 static_cast<long long>(ts.tokens[1]), static_cast<long long>(ts.tokens[2]));
+  } else {
+    std::fprintf(stderr,
+                 "  classifier: uncalibrated (every token R); calibrate with `thinkv trace` + "
+                 "`thinkv calibrate` and pass --calibration\n");
+  }
+  std::fprintf(stderr,
+               "  speed: %d tokens generated (prompt %d) in %.3f s: %.1f tokens/s (%d forward "
+               "passes, %d threads)\n",
+               gen, P, st.seconds, tps, st.forward_passes, threads);
+  std::fprintf(
+      stderr,
+      "  KV memory: %s held (peak %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n"
+      "             live tokens %lld per stream (max %lld; %d streams), hole slots %lld\n",
+      human_bytes(mem.physical_bytes()).c_str(), human_bytes(st.peak_physical_bytes).c_str(),
+      human_bytes(st.fullkv_fp16_bytes_all_positions).c_str(), static_cast<long long>(positions),
+      100.0 * ratio, static_cast<long long>(mem.live_tokens / std::max(1, streams)),
+      static_cast<long long>(st.max_live_tokens), streams, static_cast<long long>(mem.hole_slots));
+  const double ev_per_step =
+      gen > 0 ? static_cast<double>(st.cache_stats.eviction_calls) / (st.forward_passes) : 0.0;
+  std::fprintf(stderr,
+               "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means), "
+               "slots reused %lld, "
+               "gather bytes %lld, budget unreachable on %lld steps\n",
+               ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
+               static_cast<long long>(st.cache_stats.tokens_evicted),
+               static_cast<long long>(st.cache_stats.kmeans_calls),
+               static_cast<long long>(st.table_stats.slots_reused),
+               static_cast<long long>(st.table_stats.gather_bytes),
+               static_cast<long long>(st.cache_stats.budget_unreachable));
+  if (a.compare) {
+    std::fprintf(stderr,
+                 "  fidelity vs full (greedy, %d steps): token agreement %.1f %%, mean KL(full || "
+                 "%s) %.4g nats "
+                 "(max %.3g), first divergence at step %d\n",
+                 fid.steps, 100.0 * fid.token_agreement, std::string(to_string(cfg.mode)).c_str(),
+                 fid.mean_kl, fid.max_kl, fid.first_divergence);
+  }
+
+  if (a.json) {
+    json::Value::Object o{
+        {"model", json::Value::string(model.name)},
+        {"model_path", json::Value::string(model.path)},
+        {"format", json::Value::string(model.format)},
+        {"weights", json::Value::string(to_string(model.weight_type))},
+        {"mode", json::Value::string(std::string(to_string(cfg.mode)))},
+        {"precision", json::Value::string(precision_text(cfg))},
+        {"budget", json::Value::integer(evicts(cfg.mode) ? cfg.token_budget : 0)},
+        {"group_size", json::Value::integer(cfg.group_size)},
+        {"segment_len", json::Value::integer(cfg.segment_len)},
+        {"tau", json::Value::integer(cfg.classifier.tau())},
+        {"calibrated", json::Value::boolean(calibrated && cfg.mode != CacheMode::kFull)},
+        {"temperature", json::Value::number(a.temperature)},
+        {"seed", json::Value::integer(static_cast<long long>(a.seed))},
+        {"prompt_tokens", json::Value::integer(P)},
+        {"steps", json::Value::integer(a.steps)},
+        {"generated_tokens", json::Value::integer(gen)},
+        {"forward_passes", json::Value::integer(st.forward_passes)},
+        {"seconds", json::Value::number(st.seconds)},
+        {"tokens_per_s", json::Value::number(tps)},
+        {"threads", json::Value::integer(threads)},
+        {"kv_bytes", json::Value::integer(mem.physical_bytes())},
+        {"kv_bytes_peak", json::Value::integer(st.peak_physical_bytes)},
+        {"fullkv_fp16_bytes", json::Value::integer(st.fullkv_fp16_bytes_all_positions)},
+        {"kv_ratio", json::Value::number(ratio)},
+        {"live_tokens", json::Value::integer(mem.live_tokens / std::max(1, streams))},
+        {"max_live_tokens", json::Value::integer(st.max_live_tokens)},
+        {"hole_slots", json::Value::integer(mem.hole_slots)},
+        {"eviction_calls", json::Value::integer(st.cache_stats.eviction_calls)},
+        {"eviction_calls_per_step", json::Value::number(ev_per_step)},
+        {"tokens_evicted", json::Value::integer(st.cache_stats.tokens_evicted)},
+        {"slots_reused", json::Value::integer(st.table_stats.slots_reused)},
+        {"gather_bytes", json::Value::integer(st.table_stats.gather_bytes)},
+        {"budget_unreachable_steps", json::Value::integer(st.cache_stats.budget_unreachable)},
+        {"refreshes", json::Value::integer(ts.refreshes)},
+        {"thought_tokens", json::Value::object({{"R", json::Value::integer(ts.tokens[0])},
+                                                {"E", json::Value::integer(ts.tokens[1])},
+                                                {"T", json::Value::integer(ts.tokens[2])}})},
+        {"fidelity", a.compare ? fidelity_json(fid) : json::Value::null()},
+    };
+    std::printf("%s\n", json::write(json::Value::object(std::move(o)), 0).c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+// ---- sweep ------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr const char* kSweepUsage =
+    "usage: thinkv sweep --model PATH [--tokenizer PATH] [--prompts FILE] [--steps N]\n"
+    "                    [--modes full,tbq,tbe,thinkv] [--budgets 32,64,128,256] [--group G]\n"
+    "                    [--segment L] [--tau T] [--precision MAP] [--calibration FILE]\n"
+    "                    [--md TABLE.md] [--svg PLOT.svg] [--threads N] [--progress]\n";
+
+constexpr const char* kSweepHelp =
+    "\n"
+    "Fidelity vs memory: for every mode and budget (budgets only matter for tbe and thinkv) and\n"
+    "every prompt, decodes `--steps` greedy tokens and compares with FullKV on the same prompt\n"
+    "(token agreement, mean KL(full || mode) teacher-forced on the FullKV tokens, first\n"
+    "divergence), and measures the KV bytes held at the end against FullKV FP16 for the same\n"
+    "positions. Prints a markdown table (to stdout, or --md FILE) and writes an SVG plot (--svg).\n"
+    "\n"
+    "  --prompts FILE   one prompt per line ('#' lines and blank lines skipped); default: five\n"
+    "                   built-in story openings\n"
+    "  --steps N        tokens per prompt (default 300)\n"
+    "  --modes LIST     default full,tbq,tbe,thinkv\n"
+    "  --budgets LIST   default 32,64,128,256\n"
+    "  other cache flags as in `thinkv generate`\n";
+
+const std::vector<std::string> kDefaultPrompts = {
+    "Once upon a time, there was a little dog",
+    "Tom and his sister went to the park",
+    "One day, a big bird flew",
+    "Lily wanted to bake a cake for her mom",
+    "The sun was shining and the children",
+};
+
+struct SweepArgs {
+  std::string model, tokenizer, prompts_file, md, svg;
+  int steps = 300;
+  std::vector<CacheMode> modes{CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe,
+                               CacheMode::kThinKv};
+  std::vector<int> budgets{32, 64, 128, 256};
+  CacheFlags cache;
+  int threads = 0;
+  bool progress = false;
+  bool help = false;
+};
+
+int parse_sweep(int argc, char** argv, SweepArgs& a) {
+  const char* cmd = "sweep";
+  Options o(argc, argv);
+  int rc = 0;
+  a.progress = ::isatty(2) != 0;
+  while (o.next()) {
+    const std::string_view n = o.name();
+    std::string_view v;
+    const int c = parse_cache_flag(o, a.cache, cmd, kSweepUsage, rc);
+    if (c < 0) return rc;
+    if (c > 0) {
+      if (n == "--budget") return usage_error(cmd, kSweepUsage, "use --budgets LIST in a sweep");
+      continue;
+    }
+    auto need = [&]() { return o.value(v) && !v.empty(); };
+    if (n == "-h" || n == "--help") {
+      a.help = true;
+    } else if (n == "--model") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--model needs a file");
+      a.model = v;
+    } else if (n == "--tokenizer") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--tokenizer needs a file");
+      a.tokenizer = v;
+    } else if (n == "--prompts") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--prompts needs a file");
+      a.prompts_file = v;
+    } else if (n == "--md") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--md needs a file");
+      a.md = v;
+    } else if (n == "--svg") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--svg needs a file");
+      a.svg = v;
+    } else if (n == "--steps") {
+      if (!need() || !parse_int(v, 1, 1 << 30, a.steps))
+        return usage_error(cmd, kSweepUsage, "--steps must be an integer >= 1");
+    } else if (n == "--threads") {
+      if (!need() || !parse_int(v, 1, 1024, a.threads))
+        return usage_error(cmd, kSweepUsage, "--threads must be in 1..1024");
+    } else if (n == "--budgets") {
+      if (!need() || !parse_int_list(v, 1, 1 << 30, a.budgets)) {
+        return usage_error(
+            cmd, kSweepUsage,
+            "--budgets " + std::string(v) + ": a comma-separated list of integers >= 1");
+      }
+    } else if (n == "--modes") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--modes needs a list");
+      a.modes.clear();
+      std::string_view rest = v;
+      while (true) {
+        const auto comma = rest.find(',');
+        const auto m = parse_cache_mode(rest.substr(0, comma));
+        if (!m)
+          return usage_error(cmd, kSweepUsage,
+                             "--modes: '" + std::string(rest.substr(0, comma)) +
+                                 "' is not full, tbq, tbe or thinkv");
+        a.modes.push_back(*m);
+        if (comma == std::string_view::npos) break;
+        rest.remove_prefix(comma + 1);
+      }
+    } else if (n == "--progress") {
+      a.progress = true;
+    } else {
+      return usage_error(cmd, kSweepUsage, "unknown option '" + std::string(o.arg()) + "'");
+    }
+  }
+  if (a.help) return 0;
+  if (a.model.empty()) return usage_error(cmd, kSweepUsage, "no model given (--model PATH)");
+  return 0;
+}
+
+struct Cell {
+  CacheMode mode{};
+  int budget = 0;  ///< 0 for modes without eviction
+  double memory = 0, memory_peak = 0, agreement = 0, kl = 0, agreement_min = 1, agreement_max = 0;
+  double ev_per_step = 0, unreachable = 0;
+  std::vector<int> divergences;
+  int prompts = 0;
+};
+
+const char* mode_color(CacheMode m) {
+  switch (m) {
+    case CacheMode::kFull:
+      return "#444444";
+    case CacheMode::kTbq:
+      return "#1f77b4";
+    case CacheMode::kTbe:
+      return "#ff7f0e";
+    case CacheMode::kThinKv:
+      return "#2ca02c";
+  }
+  return "#000000";
+}
+
+/// The sweep plot: token agreement and mean KL against memory share, one colour per mode,
+/// points labelled with their budget.
+std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) {
+  const int W = 980, H = 430, pw = 400, ph = 300, top = 70, left0 = 70, gap = 90;
+  double xmax = 0;
+  double klmin = 1e9, klmax = 0;
+  for (const Cell& c : cells) {
+    xmax = std::max(xmax, 100.0 * c.memory);
+    if (c.kl > 0) {
+      klmin = std::min(klmin, c.kl);
+      klmax = std::max(klmax, c.kl);
+    }
+  }
+  double xstep = 10;  // x ticks at a round step, at most 8 of them
+  for (double st : {10.0, 20.0, 25.0, 50.0, 100.0, 200.0}) {
+    xstep = st;
+    if (std::ceil(xmax / st) <= 8) break;
+  }
+  xmax = std::max(xstep, std::ceil(xmax / xstep) * xstep);
+  const int xticks = static_cast<int>(std::lround(xmax / xstep));
+  if (klmax <= 0) {
+    klmin = 1e-4;
+    klmax = 1;
+  }
+  const double lo = std::floor(std::log10(std::max(klmin, 1e-6))),
+               hi = std::ceil(std::log10(klmax));
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
+       "fill=\"white\"/>\n";
+  s << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << title
+    << "</text>\n";
+  for (int panel = 0; panel < 2; ++panel) {
+    const int x0 = left0 + panel * (pw + gap), y0 = top;
+    auto px = [&](double mem) { return x0 + pw * (100.0 * mem) / xmax; };
+    auto py = [&](const Cell& c) {
+      if (panel == 0) return y0 + ph * (1.0 - c.agreement);
+      const double v = std::log10(std::max(c.kl, std::pow(10.0, lo)));
+      return y0 + ph * (1.0 - (v - lo) / std::max(1e-9, hi - lo));
+    };
+    s << "<rect x=\"" << x0 << "\" y=\"" << y0 << "\" width=\"" << pw << "\" height=\"" << ph
+      << "\" fill=\"none\" stroke=\"#000\"/>\n";
+    for (int t = 0; t <= xticks; ++t) {  // x ticks
+      const double xv = xstep * t;
+      const double xx = x0 + pw * xv / xmax;
+      s << "<line x1=\"" << xx << "\" y1=\"" << y0 + ph << "\" x2=\"" << xx << "\" y2=\""
+        << y0 + ph + 5 << "\" stroke=\"#000\"/><text x=\"" << xx << "\" y=\"" << y0 + ph + 18
+        << "\" text-anchor=\"middle\">" << fmt("%.0f", xv) << "</text>\n";
+      s << "<line x1=\"" << xx << "\" y1=\"" << y0 << "\" x2=\"" << xx << "\" y2=\"" << y0 + ph
+        << "\" stroke=\"#eee\"/>\n";
+    }
+    s << "<text x=\"" << x0 + pw / 2 << "\" y=\"" << y0 + ph + 36
+      << "\" text-anchor=\"middle\">KV memory held / FullKV FP16 (%)</text>\n";
+    if (panel == 0) {
+      for (int t = 0; t <= 5; ++t) {
+        const double yy = y0 + ph * (1.0 - t / 5.0);
+        s << "<line x1=\"" << x0 - 5 << "\" y1=\"" << yy << "\" x2=\"" << x0 << "\" y2=\"" << yy
+          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4
+          << "\" text-anchor=\"end\">" << 20 * t << "</text>\n";
+      }
+      s << "<text transform=\"translate(" << x0 - 45 << "," << y0 + ph / 2
+        << ") rotate(-90)\" text-anchor=\"middle\">greedy token agreement with FullKV (%)</text>\n";
+    } else {
+      for (double e = lo; e <= hi + 1e-9; e += 1.0) {
+        const double yy = y0 + ph * (1.0 - (e - lo) / std::max(1e-9, hi - lo));
+        s << "<line x1=\"" << x0 - 5 << "\" y1=\"" << yy << "\" x2=\"" << x0 << "\" y2=\"" << yy
+          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4
+          << "\" text-anchor=\"end\">1e" << fmt("%.0f", e) << "</text>\n";
+        s << "<line x1=\"" << x0 << "\" y1=\"" << yy << "\" x2=\"" << x0 + pw << "\" y2=\"" << yy
+          << "\" stroke=\"#eee\"/>\n";
+      }
+      s << "<text transform=\"translate(" << x0 - 50 << "," << y0 + ph / 2
+        << ") rotate(-90)\" text-anchor=\"middle\">mean KL(full || mode), nats (log)</text>\n";
+      s << "<text x=\"" << x0 + pw - 4 << "\" y=\"" << y0 + ph - 6
+        << "\" text-anchor=\"end\" font-size=\"10\" fill=\"#555\">KL = 0 (full) drawn on the "
+           "bottom axis</text>\n";
+    }
+    // Lines through each mode's budgets, then the points.
+    for (CacheMode m : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
+      std::vector<const Cell*> pts;
+      for (const Cell& c : cells) {
+        if (c.mode == m) pts.push_back(&c);
+      }
+      if (pts.size() > 1) {
+        s << "<polyline fill=\"none\" stroke=\"" << mode_color(m)
+          << "\" stroke-opacity=\"0.5\" points=\"";
+        for (const Cell* c : pts) s << px(c->memory) << "," << py(*c) << " ";
+        s << "\"/>\n";
+      }
+      for (std::size_t i = 0; i < pts.size(); ++i) {
+        const Cell* c = pts[i];
+        s << "<circle cx=\"" << px(c->memory) << "\" cy=\"" << py(*c) << "\" r=\"4.5\" fill=\""
+          << mode_color(m) << "\"/>\n";
+        if (c->budget > 0) {  // labels alternate above and below the point
+          s << "<text x=\"" << px(c->memory) + 6 << "\" y=\"" << py(*c) + (i % 2 ? 14 : -6)
+            << "\" font-size=\"10\" fill=\"" << mode_color(m) << "\">" << c->budget << "</text>\n";
+        }
+      }
+    }
+  }
+  int lx = left0;
+  for (CacheMode m : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
+    s << "<circle cx=\"" << lx << "\" cy=\"48\" r=\"5\" fill=\"" << mode_color(m)
+      << "\"/><text x=\"" << lx + 9 << "\" y=\"52\">" << to_string(m) << "</text>\n";
+    lx += 90;
+  }
+  s << "<text x=\"" << lx + 20 << "\" y=\"52\" fill=\"#555\">(labels: token budget)</text>\n";
+  s << "</svg>\n";
+  return s.str();
+}
+
+}  // namespace
+
+int run_sweep(int argc, char** argv) {
+  const char* cmd = "sweep";
+  SweepArgs a;
+  if (const int rc = parse_sweep(argc, argv, a); rc != 0) return rc;
+  if (a.help) {
+    std::printf("%s%s", kSweepUsage, kSweepHelp);
+    return 0;
+  }
+  std::vector<std::string> prompts = kDefaultPrompts;
+  if (!a.prompts_file.empty()) {
+    prompts.clear();
+    std::string err;
+    if (!read_prompts(a.prompts_file, prompts, err)) {
+      std::fprintf(stderr, "thinkv sweep: %s\n", err.c_str());
+      return kExitData;
+    }
+  }
+  Model model;
+  Tokenizer tok;
+  if (const int rc = load_model_and_tokenizer("thinkv sweep", a.model, a.tokenizer, model, tok);
+      rc != 0)
+    return rc;
+  ThoughtClassifier classifier;
+  if (const int rc = load_classifier(cmd, a.cache, model, classifier); rc != 0) return rc;
+  const int threads = a.threads > 0 ? a.threads : default_threads();
+  Progress progress(a.progress, "thinkv sweep: ");
+
+  std::vector<Cell> cells;
+  for (CacheMode m : a.modes) {
+    const std::vector<int> budgets = evicts(m) ? a.budgets : std::vector<int>{0};
+    for (int b : budgets) {
+      Cell cell;
+      cell.mode = m;
+      cell.budget = b;
+      for (std::size_t p = 0; p < prompts.size(); ++p) {
+        const std::vector<int> ptoks = tok.encode(prompts[p], true, false);
+        const int P = static_cast<int>(ptoks.size());
+        if (P + a.steps - 1 > model.config.seq_len) {
+          std::fprintf(stderr,
+                       "thinkv sweep: prompt %zu (%d tokens) + %d steps exceed the context %d\n", p,
+                       P, a.steps, model.config.seq_len);
+          return kExitUsage;
+        }
+        CacheFlags cf = a.cache;
+        cf.budget = b;
+        ThinKvConfig cfg, full_cfg;
+        Status s =
+            make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier), cfg);
+        if (s.is_ok())
+          s = make_cache_config(
+              model.config, cache_options(cf, CacheMode::kFull, P + a.steps, ThoughtClassifier{}),
+              full_cfg);
+        if (!s.is_ok()) return usage_error(cmd, kSweepUsage, "cache configuration: " + s.message());
+        progress.update(std::string(to_string(m)) +
+                        (b ? " budget " + std::to_string(b) : std::string()) + ", prompt " +
+                        std::to_string(p + 1) + "/" + std::to_string(prompts.size()));
+        RunOptions ro;
+        ro.steps = a.steps;
+        ro.threads = threads;
+        ro.bos_id = tok.bos_id;
+        ro.eos_id = tok.eos_id;
+        // Fixed-length runs: a story model emits BOS/EOS between stories; keep decoding so every
+        // cell covers the same number of positions.
+        ro.stop_at_bos_eos = false;
+        RunStats st;
+        if (s = run_sequence(model, cfg, ptoks, ro, st); !s.is_ok()) {
+          progress.clear();
+          std::fprintf(stderr, "thinkv sweep: %s\n", s.to_string().c_str());
+          return kExitData;
+        }
+        Fidelity f;
+        if (s = measure_fidelity(model, full_cfg, cfg, ptoks, a.steps, ro, &st.tokens, f);
+            !s.is_ok()) {
+          progress.clear();
+          std::fprintf(stderr, "thinkv sweep: %s\n", s.to_string().c_str());
+          return kExitData;
+        }
+        const double mem =
+            static_cast<double>(st.final_memory.physical_bytes()) /
+            static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
+        const double peak =
+            static_cast<double>(st.peak_physical_bytes) /
+            static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
+        cell.memory += mem;
+        cell.memory_peak += peak;
+        cell.agreement += f.token_agreement;
+        cell.agreement_min = std::min(cell.agreement_min, f.token_agreement);
+        cell.agreement_max = std::max(cell.agreement_max, f.token_agreement);
+        cell.kl += f.mean_kl;
+        cell.ev_per_step +=
+            static_cast<double>(st.cache_stats.eviction_calls) / std::max(1, st.forward_passes);
+        cell.unreachable += static_cast<double>(st.cache_stats.budget_unreachable);
+        cell.divergences.push_back(f.first_divergence);
+        ++cell.prompts;
+      }
+      const double n = std::max(1, cell.prompts);
+      cell.memory /= n;
+      cell.memory_peak /= n;
+      cell.agreement /= n;
+      cell.kl /= n;
+      cell.ev_per_step /= n;
+      cell.unreachable /= n;
+      cells.push_back(cell);
+    }
+  }
+  progress.clear();
+
+  std::ostringstream md;
+  md << "| mode | budget | KV held / FullKV FP16 (end) | peak | token agreement (mean, min-max) | "
+        "mean KL(full‖mode) "
+        "(nats) | first divergence (median step) | eviction calls / step | budget-unreachable "
+        "steps |\n";
+  md << "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (Cell& c : cells) {
+    std::vector<int> d = c.divergences;
+    for (int& x : d) {
+      if (x < 0) x = a.steps;  // never diverged: count as the full length
+    }
+    std::sort(d.begin(), d.end());
+    const int med = d.empty() ? -1 : d[d.size() / 2];
+    md << "| " << to_string(c.mode) << " | "
+       << (c.budget > 0 ? std::to_string(c.budget) : std::string("–")) << " | "
+       << fmt("%.1f %%", 100 * c.memory) << " | " << fmt("%.1f %%", 100 * c.memory_peak) << " | "
+       << fmt("%.1f %%", 100 * c.agreement) << " (" << fmt("%.0f", 100 * c.agreement_min) << "–"
+       << fmt("%.0f", 100 * c.agreement_max) << ") | " << fmt("%.4f", c.kl) << " | "
+       << (med >= a.steps ? std::string("none (") + std::to_string(a.steps) + ")"
+                          : std::to_string(med))
+       << " | " << fmt("%.3f", c.ev_per_step) << " | " << fmt("%.0f", c.unreachable) << " |\n";
+  }
+  if (a.md.empty()) {
+    std::printf("%s", md.str().c_str());
+  } else {
+    std::ofstream f(a.md);
+    f << md.str();
+    if (!f) {
+      std::fprintf(stderr, "thinkv sweep: cannot write %s\n", a.md.c_str());
+      return kExitData;
+    }
+    std::fprintf(stderr, "thinkv sweep: wrote %s\n", a.md.c_str());
+  }
+  if (!a.svg.empty()) {
+    const std::string title = model.name + ": fidelity vs KV memory, " +
+                              std::to_string(prompts.size()) + " prompts x " +
+                              std::to_string(a.steps) + " greedy steps";
+    std::ofstream f(a.svg);
+    f << sweep_svg(cells, title);
+    if (!f) {
+      std::fprintf(stderr, "thinkv sweep: cannot write %s\n", a.svg.c_str());
+      return kExitData;
+    }
+    std::fprintf(stderr, "thinkv sweep: wrote %s\n", a.svg.c_str());
+  }
+  return 0;
+}
