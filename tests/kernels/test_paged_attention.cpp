@@ -1,0 +1,372 @@
+// GPU test: paged decode attention (thinkv::kernels::launch_paged_decode_attention) against the
+// CPU reference PagedKvCache::attend. Fresh random inputs per run (seed printed; THINKV_TEST_SEED
+// pins it): random thought types per group, random evictions followed by in-place reuse, staged
+// tokens left in every stream; output and sparsity poisoned (NaN) before the launch.
+//
+// Tolerances.
+//  - Output: max |gpu - cpu| <= 1e-5 * max|cpu| + 1e-6 per case. Both sides dequantize K/V
+//    bit-identically and compute bit-identical scores; what differs is FP32 rounding of the
+//    softmax: the GPU uses an online softmax (running max, rescaled sums, FMA in P.V), the CPU a
+//    two-pass one, and expf vs std::exp may differ by an ulp or two. Each output is a convex
+//    combination of V rows, so those relative errors of order n_tiles * eps (n_tiles <= ~100)
+//    stay far below 1e-5 relative; the measured worst ratio err / max|cpu| is printed per case.
+//  - Sparsity: scores are bit-identical by construction (channels summed in order with
+//    __fmul_rn/__fadd_rn on the GPU; the host reference is compiled as ISO C++ without -march,
+//    so no FMA contraction either) and the max is order-independent, so the counts should be
+//    exactly equal. The test still allows a difference of at most the number of tokens whose
+//    s - m lies within 4 ulps of the threshold (computed here from the CPU's own scores), and
+//    prints both the observed difference and that count, so an exactness regression shows.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "device_cache_upload.hpp"
+#include "thinkv/kernels/format_kernels.hpp"
+#include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/thinkv.hpp"
+
+namespace {
+
+int failures = 0;
+
+#define CHECK_CUDA(expr)                                                                        \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+#define CHECK_OK(expr)                                                                 \
+  do {                                                                                 \
+    thinkv::Status s_ = (expr);                                                        \
+    if (!s_.is_ok()) {                                                                 \
+      std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, s_.to_string().c_str()); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+struct Case {
+  const char* name;
+  int head_dim, group_size, block_size, num_q_heads, num_kv_heads, layers;
+  thinkv::PrecisionMap map;
+  int min_tokens, max_tokens;
+  float q_spread;  // scales queries: larger = peakier softmax, more sparse tokens
+  float softmax_scale;  // 0 = 1/sqrt(head_dim)
+};
+
+/// Number of representable floats between a and b (a, b finite).
+long ulp_distance(float a, float b) {
+  auto key = [](float x) {
+    std::int32_t i;
+    std::memcpy(&i, &x, 4);
+    return i < 0 ? static_cast<long>(std::int32_t{INT32_MIN}) - i : static_cast<long>(i);
+  };
+  return std::labs(key(a) - key(b));
+}
+
+thinkv::ThoughtType random_thought(std::mt19937& rng) {
+  return static_cast<thinkv::ThoughtType>(std::uniform_int_distribution<int>(0, 2)(rng));
+}
+
+/// Appends `n` tokens to a stream: thought types change only at group boundaries.
+void append_tokens(thinkv::PagedKvCache<>& cache, int stream, int n, std::mt19937& rng) {
+  const int d = cache.config().head_dim;
+  const int g = cache.config().group_size;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
+  thinkv::ThoughtType t = random_thought(rng);
+  for (int i = 0; i < n; ++i) {
+    const int staged = cache.table().staged_count(stream);
+    if (staged == 0 && (rng() % 3 == 0)) t = random_thought(rng);
+    if (staged > 0) t = cache.table().staged_thought(stream);
+    const float amp = 0.5f + static_cast<float>(rng() % 4);  // varying magnitudes across tokens
+    for (int c = 0; c < d; ++c) {
+      k[static_cast<std::size_t>(c)] = nd(rng) * amp;
+      v[static_cast<std::size_t>(c)] = nd(rng) * amp;
+    }
+    CHECK_OK(cache.append(stream, k, v, t));
+  }
+  (void)g;
+}
+
+void evict_random(thinkv::PagedKvCache<>& cache, int stream, double share, std::mt19937& rng) {
+  auto live = cache.table().live_slot_list(stream);
+  std::shuffle(live.begin(), live.end(), rng);
+  live.resize(static_cast<std::size_t>(static_cast<double>(live.size()) * share));
+  CHECK_OK(cache.evict(stream, live));
+}
+
+void run_case(const Case& cs, std::mt19937& rng) {
+  using namespace thinkv;
+  const int d = cs.head_dim;
+  const int streams = cs.layers * cs.num_kv_heads;
+  CacheConfig cfg;
+  cfg.num_streams = streams;
+  cfg.head_dim = d;
+  cfg.group_size = cs.group_size;
+  cfg.block_size = cs.block_size;
+  cfg.precision = cs.map;
+  const int blocks = streams * (2 * cs.max_tokens / cs.block_size + 8);
+  for (int p = 0; p < kNumPrecisions; ++p) cfg.pool_blocks[p] = cs.map.uses(static_cast<Precision>(p)) ? blocks : 0;
+  PagedKvCache<> cache(cfg);
+
+  // Fill, evict part, refill (evicted slots are reused in place), leave some tokens staged.
+  // THINKV_TEST_SMALL (set by bench/run_gpu_suite.sh under compute-sanitizer): 1/4 the tokens.
+  const int div = std::getenv("THINKV_TEST_SMALL") != nullptr ? 4 : 1;
+  std::uniform_int_distribution<int> ntok(cs.min_tokens / div, cs.max_tokens / div);
+  for (int s = 0; s < streams; ++s) {
+    if (cs.max_tokens == 0) {  // staged tokens only: no block at all
+      append_tokens(cache, s, 1 + static_cast<int>(rng() % (cs.group_size - 1)), rng);
+      continue;
+    }
+    append_tokens(cache, s, ntok(rng), rng);
+    evict_random(cache, s, 0.3 + 0.4 * std::uniform_real_distribution<double>(0, 1)(rng), rng);
+    append_tokens(cache, s, ntok(rng) / 2 + 1, rng);
+    evict_random(cache, s, 0.1, rng);
+    const int staged = cache.table().staged_count(s);
+    append_tokens(cache, s, (cs.group_size - staged) % cs.group_size + 1 + static_cast<int>(rng() % (cs.group_size - 1)), rng);
+  }
+  std::int64_t reused = cache.table().stats().slots_reused;
+
+  // One layer's KV heads, in a shuffled order of streams from a random layer.
+  const int layer = static_cast<int>(rng() % cs.layers);
+  std::vector<std::int32_t> kv_streams(static_cast<std::size_t>(cs.num_kv_heads));
+  for (int h = 0; h < cs.num_kv_heads; ++h) kv_streams[static_cast<std::size_t>(h)] = layer * cs.num_kv_heads + h;
+  std::shuffle(kv_streams.begin(), kv_streams.end(), rng);
+
+  std::normal_distribution<float> nd(0.0f, cs.q_spread);
+  std::vector<float> q(static_cast<std::size_t>(cs.num_q_heads) * d);
+  for (auto& x : q) x = nd(rng);
+  std::vector<float> want(q.size()), want_sp(static_cast<std::size_t>(cs.num_q_heads));
+  DecodeAttentionArgs args;
+  args.num_q_heads = cs.num_q_heads;
+  args.num_kv_heads = cs.num_kv_heads;
+  args.kv_streams = kv_streams.data();
+  args.q = q.data();
+  args.out = want.data();
+  args.sparsity = want_sp.data();
+  args.softmax_scale = cs.softmax_scale;
+  CHECK_OK(cache.attend(args));
+
+  // Tokens within 4 ulps of the sparsity threshold, from the CPU's own scores.
+  const float scale =
+      cs.softmax_scale > 0.0f ? cs.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  const int group = cs.num_q_heads / cs.num_kv_heads;
+  std::vector<int> near(static_cast<std::size_t>(cs.num_q_heads), 0), ntokens(near.size(), 0);
+  for (int h = 0; h < cs.num_kv_heads; ++h) {
+    std::vector<float> k, v;
+    CHECK_OK(cache.backend().gather(cache.table(), kv_streams[static_cast<std::size_t>(h)], k, v));
+    const int n = static_cast<int>(k.size()) / d;
+    for (int r = 0; r < group; ++r) {
+      const int qh = h * group + r;
+      std::vector<float> sc(static_cast<std::size_t>(n));
+      float m = -INFINITY;
+      for (int j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (int c = 0; c < d; ++c) s += q[static_cast<std::size_t>(qh) * d + c] * k[static_cast<std::size_t>(j) * d + c];
+        sc[static_cast<std::size_t>(j)] = s * scale;
+        m = std::fmax(m, sc[static_cast<std::size_t>(j)]);
+      }
+      for (int j = 0; j < n; ++j) near[static_cast<std::size_t>(qh)] += ulp_distance(sc[static_cast<std::size_t>(j)] - m, kSparsityLogThreshold) <= 4;
+      ntokens[static_cast<std::size_t>(qh)] = n;
+    }
+  }
+
+  test::DeviceCacheUpload up;
+  CHECK_CUDA(up.upload(cache));
+  float *dq = nullptr, *dout = nullptr, *dsp = nullptr;
+  std::int32_t* dstreams = nullptr;
+  CHECK_CUDA(cudaMalloc(&dq, q.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dout, q.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dsp, want_sp.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dstreams, kv_streams.size() * sizeof(std::int32_t)));
+  CHECK_CUDA(cudaMemcpy(dq, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dstreams, kv_streams.data(), kv_streams.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));  // poison: NaN
+  CHECK_CUDA(cudaMemset(dsp, 0xFF, want_sp.size() * sizeof(float)));
+  kernels::DecodeAttentionParams prm;
+  prm.num_q_heads = cs.num_q_heads;
+  prm.num_kv_heads = cs.num_kv_heads;
+  prm.head_dim = d;
+  prm.group_size = cs.group_size;
+  prm.block_size = cs.block_size;
+  prm.streams = dstreams;
+  prm.q = dq;
+  prm.out = dout;
+  prm.sparsity = dsp;
+  prm.softmax_scale = cs.softmax_scale;
+  CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got(q.size()), got_sp(want_sp.size());
+  CHECK_CUDA(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_sp.data(), dsp, got_sp.size() * sizeof(float), cudaMemcpyDeviceToHost));
+
+  // And once more without sparsity (the one-pass path): same output bits expected.
+  CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
+  prm.sparsity = nullptr;
+  CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got2(q.size());
+  CHECK_CUDA(cudaMemcpy(got2.data(), dout, got2.size() * sizeof(float), cudaMemcpyDeviceToHost));
+
+  double max_ref = 0.0, max_err = 0.0;
+  bool finite = true;
+  int same_bits = 1;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    finite = finite && std::isfinite(got[i]);
+    max_ref = std::fmax(max_ref, std::fabs(static_cast<double>(want[i])));
+    max_err = std::fmax(max_err, std::fabs(static_cast<double>(got[i]) - want[i]));
+    same_bits &= std::memcmp(&got[i], &got2[i], 4) == 0;
+  }
+  const double tol = 1e-5 * max_ref + 1e-6;
+  int sp_diff_max = 0, near_max = 0, sp_bad = 0, sparse_total = 0;
+  for (int h = 0; h < cs.num_q_heads; ++h) {
+    const int n = ntokens[static_cast<std::size_t>(h)];
+    const int want_c = static_cast<int>(std::lround(want_sp[static_cast<std::size_t>(h)] * n));
+    const int got_c = static_cast<int>(std::lround(got_sp[static_cast<std::size_t>(h)] * n));
+    const int diff = std::abs(want_c - got_c);
+    sparse_total += want_c;
+    sp_diff_max = std::max(sp_diff_max, diff);
+    near_max = std::max(near_max, near[static_cast<std::size_t>(h)]);
+    sp_bad += !std::isfinite(got_sp[static_cast<std::size_t>(h)]) || diff > near[static_cast<std::size_t>(h)];
+    // Equal counts must give the very same float (same division on both sides).
+    if (diff == 0 && got_sp[static_cast<std::size_t>(h)] != want_sp[static_cast<std::size_t>(h)]) ++sp_bad;
+  }
+  const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits;
+  std::printf(
+      "%s %-34s map=%-7s tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
+      "  sparsity: %d sparse, max count diff %d (near-threshold allowance %d)%s\n",
+      ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), ntokens[0],
+      static_cast<long long>(reused), max_err, max_err / max_ref, max_ref, tol, sparse_total,
+      sp_diff_max, near_max, same_bits ? "" : "  [output differs with sparsity off]");
+  failures += !ok;
+  CHECK_CUDA(cudaFree(dq));
+  CHECK_CUDA(cudaFree(dout));
+  CHECK_CUDA(cudaFree(dsp));
+  CHECK_CUDA(cudaFree(dstreams));
+}
+
+/// Parameters the launcher must refuse before launching anything.
+void check_refusals() {
+  using namespace thinkv::kernels;
+  float dummy_f[1] = {};
+  std::int32_t dummy_i[1] = {};
+  std::uint8_t dummy_b[1] = {};
+  std::uint16_t dummy_h[1] = {};
+  std::uint32_t dummy_u[1] = {};
+  std::uint64_t dummy_w[1] = {};
+  PagedKvView v;
+  v.num_streams = 1;
+  v.pages[0] = dummy_b;
+  v.pool_count[0] = 1;
+  v.total_blocks = 1;
+  v.pool_base[1] = v.pool_base[2] = v.pool_base[3] = 1;  // PoolMap: consecutive pools
+  v.s2 = dummy_f;
+  v.block_fill = dummy_h;
+  v.evict_mask = dummy_w;
+  v.slot_record = dummy_u;
+  v.block_indptr = dummy_i;
+  v.block_indices = dummy_u;
+  v.staging = dummy_h;
+  v.staged_count = dummy_i;
+  DecodeAttentionParams good;
+  good.num_q_heads = 4;
+  good.num_kv_heads = 2;
+  good.head_dim = 64;
+  good.group_size = 16;
+  good.block_size = 16;
+  good.streams = dummy_i;
+  good.q = dummy_f;
+  good.out = dummy_f;
+  int bad = 0;
+  if (check_paged_decode_attention(v, good) != cudaSuccess) {
+    std::printf("FAIL valid parameters refused\n");
+    ++bad;
+  }
+  auto refuse = [&](const char* what, auto mutate) {
+    DecodeAttentionParams p = good;
+    PagedKvView vv = v;
+    mutate(p, vv);
+    const cudaError_t e = launch_paged_decode_attention(vv, p, nullptr);
+    if (e != cudaErrorInvalidValue) {
+      std::printf("FAIL refusal: %s -> %s\n", what, cudaGetErrorString(e));
+      ++bad;
+    }
+  };
+  refuse("head_dim 96", [](auto& p, auto&) { p.head_dim = 96; });
+  refuse("head_dim 32", [](auto& p, auto&) { p.head_dim = 32; });
+  refuse("group_size 4", [](auto& p, auto&) { p.group_size = 4; });
+  refuse("group_size 16 with head_dim 8", [](auto& p, auto&) { p.head_dim = 8; });
+  refuse("block_size 0", [](auto& p, auto&) { p.block_size = 0; });
+  refuse("block_size 4097", [](auto& p, auto&) { p.block_size = 4097; });
+  refuse("num_q_heads 3 over 2", [](auto& p, auto&) { p.num_q_heads = 3; });
+  refuse("18 q heads per kv head", [](auto& p, auto&) { p.num_q_heads = 36; });
+  refuse("num_kv_heads 0", [](auto& p, auto&) { p.num_kv_heads = 0; });
+  refuse("negative scale", [](auto& p, auto&) { p.softmax_scale = -1.0f; });
+  refuse("NaN scale", [](auto& p, auto&) { p.softmax_scale = NAN; });
+  refuse("Inf scale", [](auto& p, auto&) { p.softmax_scale = INFINITY; });
+  refuse("null q", [](auto& p, auto&) { p.q = nullptr; });
+  refuse("null out", [](auto& p, auto&) { p.out = nullptr; });
+  refuse("null streams", [](auto& p, auto&) { p.streams = nullptr; });
+  refuse("null s2", [](auto&, auto& w) { w.s2 = nullptr; });
+  refuse("null staging", [](auto&, auto& w) { w.staging = nullptr; });
+  refuse("null page of a used pool", [](auto&, auto& w) { w.pages[0] = nullptr; });
+  refuse("quantized pool without key scales", [](auto&, auto& w) {
+    w.pool_base[2] = 1;
+    w.pool_base[3] = 2;
+    w.pool_count[2] = 1;
+    w.total_blocks = 2;
+    w.pages[2] = w.pages[0];
+  });
+  refuse("pool map not consecutive", [](auto&, auto& w) { w.pool_base[1] = 5; });
+  refuse("num_streams 0", [](auto&, auto& w) { w.num_streams = 0; });
+  // Nothing was launched: no error is pending.
+  if (cudaGetLastError() != cudaSuccess) {
+    std::printf("FAIL a CUDA error is pending after the refusals\n");
+    ++bad;
+  }
+  std::printf("%s bad parameters refused before launch (cudaErrorInvalidValue)\n", bad ? "FAIL" : "ok  ");
+  failures += bad != 0;
+}
+
+}  // namespace
+
+int main() {
+  if (thinkv::kernels::cuda_device_count() == 0) {
+    std::printf("no CUDA device: GPU tests skipped (run bench/run_gpu_suite.sh on a GPU machine)\n");
+    return 77;
+  }
+  unsigned seed = std::random_device{}();
+  if (const char* s = std::getenv("THINKV_TEST_SEED")) seed = static_cast<unsigned>(std::strtoul(s, nullptr, 10));
+  std::printf("seed %u (THINKV_TEST_SEED=%u reproduces)\n", seed, seed);
+  std::mt19937 rng(seed);
+  check_refusals();
+  using thinkv::kR4E4T2;
+  using thinkv::kR8E4T2;
+  using thinkv::kFullKvMap;
+  for (const thinkv::PrecisionMap& map : {kR4E4T2, kR8E4T2, kFullKvMap}) {
+    // name, D, g, B, Hq, Hkv, layers, map, tokens min..max, q spread
+    run_case({"stories260K D=8 g=8 8q/4kv B=16", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f}, rng);
+    run_case({"stories260K D=8 g=8 8q/4kv B=64", 8, 8, 64, 8, 4, 1, map, 50, 300, 3.0f, 0.0f}, rng);
+    run_case({"Llama-3-8B D=128 g=16 32q/8kv B=16", 128, 16, 16, 32, 8, 2, map, 300, 1200, 1.0f, 0.0f}, rng);
+    run_case({"Llama-3-8B D=128 g=16 32q/8kv B=128", 128, 16, 128, 32, 8, 1, map, 300, 900, 2.0f, 0.0f}, rng);
+    run_case({"D=64 g=32 16q/2kv B=32", 64, 32, 32, 16, 2, 2, map, 100, 500, 1.5f, 0.0f}, rng);
+    run_case({"D=256 g=16 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f}, rng);
+    run_case({"D=128 g=8 8q/1kv B=100", 128, 8, 100, 8, 1, 1, map, 500, 2000, 1.0f, 0.0f}, rng);
+    run_case({"D=64 g=16 8q/4kv B=16 scale=0.2", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.2f}, rng);
+    run_case({"D=128 g=16 32q/8kv staged only", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f}, rng);
+  }
+  std::printf("%s\n", failures ? "FAILED" : "all paged attention checks passed");
+  return failures ? 1 : 0;
+}
