@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "thinkv/util/utf8.hpp"
 #include "model_file.hpp"
 #include "thinkv/status.hpp"
 
@@ -239,23 +240,6 @@ struct Tokenizer {
 
   // ---- byte-level BPE ----------------------------------------------------------------------
 
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
   /// Decodes one UTF-8 code point at s[i] (a stray byte is returned as itself); advances i.
   static std::uint32_t next_cp(std::string_view s, std::size_t& i) {
     const auto c = static_cast<unsigned char>(s[i]);
@@ -289,7 +273,7 @@ struct Tokenizer {
     unicode_to_byte_.clear();
     for (int b = 0; b < 256; ++b) {
       byte_to_piece_[static_cast<std::size_t>(b)].clear();
-      append_utf8(byte_to_piece_[static_cast<std::size_t>(b)], cs[static_cast<std::size_t>(b)]);
+      ::thinkv::append_utf8(byte_to_piece_[static_cast<std::size_t>(b)], cs[static_cast<std::size_t>(b)]);
       unicode_to_byte_.emplace(cs[static_cast<std::size_t>(b)], static_cast<std::uint8_t>(b));
     }
   }

@@ -21,6 +21,7 @@
 #include <system_error>
 #include <vector>
 
+#include "../decoder/progress.hpp"
 #include "thinkv/status.hpp"
 #include "thinkv/thought/calibration.hpp"
 #include "thinkv/thought/calibration_file.hpp"
@@ -210,39 +211,6 @@ int parse_args(int argc, char** argv, Args& a) {
   return 0;
 }
 
-/// One updating status line on stderr ("\r..."), at most 10 updates a second.
-class Progress {
- public:
-  explicit Progress(bool enabled) : enabled_(enabled) {}
-  void update(const std::string& text, bool force = false) {
-    if (!enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (!force && shown_ && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
-    std::string line = "calibrate: " + text;
-    const std::size_t len = line.size();
-    if (len < width_) line.append(width_ - len, ' ');
-    width_ = len;
-    std::fprintf(stderr, "\r%s", line.c_str());
-    std::fflush(stderr);
-    shown_ = true;
-  }
-  /// Clears the line (before any other output).
-  void clear() {
-    if (!enabled_ || !shown_) return;
-    std::fprintf(stderr, "\r%s\r", std::string(width_, ' ').c_str());
-    std::fflush(stderr);
-    shown_ = false;
-    width_ = 0;
-  }
-
- private:
-  bool enabled_;
-  bool shown_ = false;
-  std::size_t width_ = 0;
-  std::chrono::steady_clock::time_point last_{};
-};
-
 std::string fmt_thresholds(const std::vector<float>& t) {
   std::string s = "[";
   for (std::size_t i = 0; i < t.size(); ++i) {
@@ -307,7 +275,7 @@ int run_calibrate(int argc, char** argv) {
     std::printf("%s%s", kUsage, kHelp);
     return 0;
   }
-  Progress progress(!a.quiet && (a.progress || isatty(STDERR_FILENO) != 0));
+  thinkv::cli::Progress progress(!a.quiet && (a.progress || isatty(STDERR_FILENO) != 0), "calibrate: ");
 
   // Read and merge the traces.
   std::vector<thinkv::SparsityTrace> parts(a.traces.size());

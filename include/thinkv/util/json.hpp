@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "thinkv/util/utf8.hpp"
 #include "thinkv/status.hpp"
 
 namespace thinkv::json {
@@ -379,24 +380,6 @@ class Parser {
     i_ += 4;
     return v;
   }
-  static void append_utf8(std::string& out, unsigned long cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
   bool parse_string(std::string& out) {
     const std::size_t start = i_;
     ++i_;  // opening quote
@@ -447,7 +430,7 @@ class Parser {
             cp = 0x10000 + ((static_cast<unsigned long>(hi) - 0xD800) << 10) +
                  (static_cast<unsigned long>(lo) - 0xDC00);
           }
-          append_utf8(out, cp);
+          ::thinkv::append_utf8(out, cp);
           break;
         }
         default:

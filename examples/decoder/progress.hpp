@@ -1,0 +1,44 @@
+#pragma once
+// One updating status line on stderr, shared by the thinkv CLI subcommands.
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace thinkv::cli {
+
+/// One updating status line on stderr, at most 10 updates a second.
+class Progress {
+ public:
+  Progress(bool enabled, std::string prefix) : enabled_(enabled), prefix_(std::move(prefix)) {}
+  [[nodiscard]] bool enabled() const noexcept { return enabled_; }
+  void update(const std::string& text, bool force = false) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (!force && shown_ && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    std::string line = prefix_ + text;
+    const std::size_t len = line.size();
+    if (len < width_) line.append(width_ - len, ' ');
+    width_ = len;
+    std::fprintf(stderr, "\r%s", line.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void clear() {
+    if (!enabled_ || !shown_) return;
+    std::fprintf(stderr, "\r%s\r", std::string(width_, ' ').c_str());
+    std::fflush(stderr);
+    shown_ = false;
+    width_ = 0;
+  }
+
+ private:
+  bool enabled_;
+  std::string prefix_;
+  bool shown_ = false;
+  std::size_t width_ = 0;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace thinkv::cli
