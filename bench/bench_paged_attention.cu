@@ -1,0 +1,390 @@
+/// \file bench_paged_attention.cu
+/// Google Benchmark of thinkv::kernels::launch_paged_decode_attention (decode, one token per
+/// query head) on a synthetic compressed paged cache of Llama-3-8B attention shapes:
+/// 32 query heads, 8 KV heads, head_dim 128, group 16, block 16.
+///
+/// Batch: DecodeAttentionParams covers one launch of num_kv_heads CTAs, KV head h reading cache
+/// stream streams[h] with its own GQA group of query heads. A batch of B sequences is therefore
+/// ONE launch with num_kv_heads = 8 * B, num_q_heads = 32 * B, streams[h] = h (each KV head's
+/// query group is independent, so this is exactly B sequences' decode attention of one layer).
+///
+/// The cache is built directly on the device (no CPU PagedKvCache appends): pages are filled
+/// with random bytes that decode to finite values (BF16 in +-[0.5, 2), E4M3 codes with the
+/// exponent's top bit cleared, E4M3 scales in [0.5, 1)); s2 = 1; one key-scale record per 16
+/// consecutive slots of a stream; block ids shuffled inside each pool (paged, not contiguous).
+/// Eviction: 0% or 50% of every block's slots (exactly 8 of 16, random); the number of LIVE
+/// tokens per stream is the benchmark argument, so 50% eviction doubles the slots walked.
+/// No staged tokens (staged_count = 0). Sparsity output not requested.
+///
+/// Timing: CUDA events around each launch (UseManualTime); before each launch, outside the timed
+/// region, a 2 x L2 (120 MiB) buffer is written with cudaMemsetAsync so every launch reads the
+/// cache from HBM. Repetitions(5) + ReportAggregatesOnly: use the *_median rows.
+/// Counters: bytes = bytes the kernel reads + writes (see bytes_moved() and docs/perf.md),
+/// GBps = bytes / median event time of the repetition, frac_4p3TBs = GBps / 4300.
+/// Exits 77 (skip) when no CUDA device is present.
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/types.hpp"
+
+namespace {
+
+using thinkv::kNumPrecisions;
+using thinkv::Precision;
+namespace tk = thinkv::kernels;
+
+constexpr int kD = 128;
+constexpr int kG = 16;   // group size
+constexpr int kB = 16;   // block size
+constexpr int kQPerSeq = 32;
+constexpr int kKvPerSeq = 8;
+constexpr std::size_t kL2FlushBytes = 2ull * 60 * 1024 * 1024;
+constexpr double kCeilingGBps = 4300.0;
+
+struct NoGpuSkip {  // runs before benchmark_main's main()
+  NoGpuSkip() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+      std::fprintf(stderr, "bench_paged_attention: no CUDA device, skipping (exit 77)\n");
+      std::exit(77);
+    }
+  }
+} const g_no_gpu_skip;
+
+// Precision modes of the benchmark (argument 2).
+enum Mode : int { kModeBf16 = 0, kModeFp8, kModeNvfp4, kModeTernary, kModeR4E4T2, kNumModes };
+const char* const kModeName[kNumModes] = {"BF16", "R8E8T8", "R4E4T4", "R2E2T2", "R4E4T2"};
+
+int bits_of(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
+std::size_t row_bytes(int p) { return static_cast<std::size_t>(kD * bits_of(p) / 8); }
+std::size_t page_bytes(int p) { return kB * (2 * row_bytes(p) + (p == 0 ? 0 : kD / kG)); }
+
+/// Block precision of the k-th block of a stream in a mode. R4E4T2: every third block ternary
+/// (transition thoughts), the others NVFP4.
+int block_precision(int mode, std::size_t k) {
+  switch (mode) {
+    case kModeBf16: return 0;
+    case kModeFp8: return 1;
+    case kModeNvfp4: return 2;
+    case kModeTernary: return 3;
+    default: return k % 3 == 2 ? 3 : 2;
+  }
+}
+
+std::uint64_t splitmix(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__device__ std::uint32_t hash32(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<std::uint32_t>(x);
+}
+
+/// Random page bytes that decode to finite values; E4M3 scale bytes in [0.5, 1).
+__global__ void fill_pages(std::uint8_t* pages, std::size_t n, std::size_t pb, std::size_t data_bytes,
+                           int precision, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t r = hash32(seed ^ (i * 0x9E3779B97F4A7C15ull));
+    const std::size_t off = i % pb;
+    std::uint8_t b;
+    if (off >= data_bytes) {
+      b = static_cast<std::uint8_t>(0x30 | (r & 0x07));  // E4M3 exponent 6: [0.5, 1)
+    } else if (precision == 0) {
+      // little-endian BF16: high byte = sign | 0x3F -> exponent 0x7E or 0x7F, |x| in [0.5, 2)
+      b = (off & 1) ? static_cast<std::uint8_t>((r & 0x80) | 0x3F) : static_cast<std::uint8_t>(r);
+    } else if (precision == 1) {
+      b = static_cast<std::uint8_t>(r & 0xBF);  // E4M3, exponent top bit cleared: never NaN
+    } else {
+      b = static_cast<std::uint8_t>(r);  // E2M1 / ternary codes: all finite
+    }
+    pages[i] = b;
+  }
+}
+
+__global__ void fill_bytes_sane_e4m3(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    p[i] = static_cast<std::uint8_t>(0x30 | (hash32(seed ^ (i * 0x9E3779B97F4A7C15ull)) & 0x07));
+  }
+}
+
+#define BENCH_CUDA(call)                                                                 \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      return e_;                                                                         \
+    }                                                                                    \
+  } while (0)
+
+/// The synthetic cache, the launch parameters and the byte count of one configuration.
+struct Setup {
+  long tokens = 0, batch = 0, mode = 0, evict_pct = 0;
+  std::vector<void*> allocs;
+  tk::PagedKvView view{};
+  tk::DecodeAttentionParams prm{};
+  double bytes_read = 0, bytes_written = 0;
+  void* flush = nullptr;
+
+  ~Setup() {
+    for (void* p : allocs) (void)cudaFree(p);
+  }
+  template <typename T>
+  cudaError_t alloc(T*& dst, std::size_t count) {
+    void* p = nullptr;
+    BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(count * sizeof(T), 1)));
+    allocs.push_back(p);
+    dst = static_cast<T*>(p);
+    return cudaSuccess;
+  }
+  template <typename T>
+  cudaError_t put(const T*& dst, const std::vector<T>& h) {
+    T* p = nullptr;
+    BENCH_CUDA(alloc(p, h.size()));
+    BENCH_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    dst = p;
+    return cudaSuccess;
+  }
+
+  cudaError_t build() {
+    std::uint64_t rng = 0x5EEDull + static_cast<std::uint64_t>(tokens * 131 + batch * 17 + mode * 7 + evict_pct);
+    const int S = static_cast<int>(batch * kKvPerSeq);
+    const int live_per_block = evict_pct == 50 ? kB / 2 : kB;
+    const std::size_t blocks_per_stream = static_cast<std::size_t>((tokens + live_per_block - 1) / live_per_block);
+    // Blocks per precision over all streams.
+    std::size_t count[kNumPrecisions] = {};
+    std::vector<std::uint8_t> bprec(static_cast<std::size_t>(S) * blocks_per_stream);
+    for (int s = 0; s < S; ++s) {
+      for (std::size_t k = 0; k < blocks_per_stream; ++k) {
+        const int p = block_precision(static_cast<int>(mode), k);
+        bprec[static_cast<std::size_t>(s) * blocks_per_stream + k] = static_cast<std::uint8_t>(p);
+        ++count[p];
+      }
+    }
+    view.num_streams = S;
+    std::uint32_t base = 0;
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      view.pool_base[p] = base;
+      view.pool_count[p] = static_cast<std::uint32_t>(count[p]);
+      base += static_cast<std::uint32_t>(count[p]);
+      if (count[p] > 0) {
+        std::uint8_t* pg = nullptr;
+        const std::size_t n = count[p] * page_bytes(p);
+        BENCH_CUDA(alloc(pg, n));
+        fill_pages<<<2048, 256>>>(pg, n, page_bytes(p), 2 * kB * row_bytes(p), p, splitmix(rng));
+        BENCH_CUDA(cudaGetLastError());
+        view.pages[p] = pg;
+      }
+    }
+    const std::uint32_t N = base;
+    view.total_blocks = N;
+    // Shuffled block ids inside each pool.
+    std::vector<std::vector<std::uint32_t>> free_ids(kNumPrecisions);
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      free_ids[p].resize(count[p]);
+      std::iota(free_ids[p].begin(), free_ids[p].end(), view.pool_base[p]);
+      for (std::size_t i = free_ids[p].size(); i > 1; --i) {
+        std::swap(free_ids[p][i - 1], free_ids[p][splitmix(rng) % i]);
+      }
+    }
+    std::vector<std::int32_t> indptr(static_cast<std::size_t>(S) + 1, 0);
+    std::vector<std::uint32_t> indices(static_cast<std::size_t>(S) * blocks_per_stream);
+    std::vector<std::uint16_t> fill(N, kB);
+    std::vector<std::uint64_t> mask(N, 0);
+    std::vector<std::uint32_t> slot_rec(static_cast<std::size_t>(N) * kB, 0xFFFFFFFFu);
+    std::uint32_t records = 0;
+    std::size_t live_slots = 0, quant_live_slots = 0, blocks_total = 0;
+    std::size_t pos[kNumPrecisions] = {};
+    for (int s = 0; s < S; ++s) {
+      long remaining = tokens;
+      const std::uint32_t rec_base = records;
+      std::size_t slot_in_stream = 0;
+      bool quant_stream = false;
+      for (std::size_t k = 0; k < blocks_per_stream; ++k) {
+        const int p = bprec[static_cast<std::size_t>(s) * blocks_per_stream + k];
+        const std::uint32_t b = free_ids[p][pos[p]++];
+        indices[static_cast<std::size_t>(s) * blocks_per_stream + k] = b;
+        // Slots of the block: all 16 written; live = min(live_per_block, remaining) of them.
+        const int live = static_cast<int>(std::min<long>(live_per_block, remaining));
+        remaining -= live;
+        std::uint64_t m = 0;
+        if (live < kB) {  // evict kB - live random slots
+          int slots[kB];
+          std::iota(slots, slots + kB, 0);
+          for (int i = kB; i > 1; --i) std::swap(slots[i - 1], slots[splitmix(rng) % i]);
+          for (int i = 0; i < kB - live; ++i) m |= 1ull << slots[i];
+        }
+        mask[b] = m;
+        for (int i = 0; i < kB; ++i, ++slot_in_stream) {
+          if (p != 0) {
+            slot_rec[static_cast<std::size_t>(b) * kB + i] =
+                rec_base + static_cast<std::uint32_t>(slot_in_stream / kG);
+            quant_stream = true;
+          }
+        }
+        live_slots += live;
+        if (p != 0) quant_live_slots += live;
+        bytes_read += static_cast<double>(live) * (2.0 * row_bytes(p) + (p == 0 ? 0 : kD / kG));
+        ++blocks_total;
+      }
+      if (quant_stream) records += static_cast<std::uint32_t>((slot_in_stream + kG - 1) / kG);
+      indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>((s + 1) * blocks_per_stream);
+    }
+    // Key scales: every record has a live slot (a record spans 16 slots, at most 8 evicted).
+    // Records of all-BF16 streams are never read; R4E4T2 streams read only their quantized blocks'
+    // records (those spanning a BF16 block do not exist there: no BF16 blocks in any mode but BF16).
+    if (records > 0) {
+      std::uint8_t* ks = nullptr;
+      BENCH_CUDA(alloc(ks, static_cast<std::size_t>(records) * kD));
+      fill_bytes_sane_e4m3<<<1024, 256>>>(ks, static_cast<std::size_t>(records) * kD, splitmix(rng));
+      BENCH_CUDA(cudaGetLastError());
+      view.key_scales = ks;
+    }
+    bytes_read += static_cast<double>(records) * kD;
+    std::vector<float> s2(static_cast<std::size_t>(S) * 2 * kNumPrecisions, 1.0f);
+    std::vector<std::uint16_t> staging(static_cast<std::size_t>(S) * 2 * kG * kD, 0x3F80);
+    std::vector<std::int32_t> staged(static_cast<std::size_t>(S), 0);
+    BENCH_CUDA(put(view.s2, s2));
+    BENCH_CUDA(put(view.block_fill, fill));
+    BENCH_CUDA(put(view.evict_mask, mask));
+    BENCH_CUDA(put(view.slot_record, slot_rec));
+    BENCH_CUDA(put(view.block_indptr, indptr));
+    BENCH_CUDA(put(view.block_indices, indices));
+    BENCH_CUDA(put(view.staging, staging));
+    BENCH_CUDA(put(view.staged_count, staged));
+    // Metadata the kernel reads: per live slot its record id (u32, read for every live slot,
+    // BF16 too); per block its list entry (u32), fill (u16), evict-mask word (u64); per KV head
+    // indptr[s], indptr[s + 1], staged_count[s], streams[h], s2 K and V of its precisions.
+    const int precisions_used = mode == kModeR4E4T2 ? 2 : 1;
+    bytes_read += static_cast<double>(live_slots) * 4 + static_cast<double>(blocks_total) * (4 + 2 + 8) +
+                  static_cast<double>(S) * (8 + 4 + 4 + 8.0 * precisions_used);
+    (void)quant_live_slots;
+
+    const int Hq = static_cast<int>(batch * kQPerSeq);
+    std::vector<float> q(static_cast<std::size_t>(Hq) * kD);
+    for (auto& x : q) x = static_cast<float>(static_cast<double>(splitmix(rng) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    std::vector<std::int32_t> streams(static_cast<std::size_t>(S));
+    std::iota(streams.begin(), streams.end(), 0);
+    float* out = nullptr;
+    BENCH_CUDA(alloc(out, static_cast<std::size_t>(Hq) * kD));
+    prm.num_q_heads = Hq;
+    prm.num_kv_heads = S;
+    prm.head_dim = kD;
+    prm.group_size = kG;
+    prm.block_size = kB;
+    BENCH_CUDA(put(prm.streams, streams));
+    BENCH_CUDA(put(prm.q, q));
+    prm.out = out;
+    bytes_read += static_cast<double>(Hq) * kD * 4;      // q
+    bytes_written = static_cast<double>(Hq) * kD * 4;   // out
+    BENCH_CUDA(alloc(reinterpret_cast<std::uint8_t*&>(flush), kL2FlushBytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
+    // Warm-up launch, and a finiteness check of its output.
+    BENCH_CUDA(tk::launch_paged_decode_attention(view, prm, nullptr));
+    BENCH_CUDA(cudaDeviceSynchronize());
+    std::vector<float> h(static_cast<std::size_t>(Hq) * kD);
+    BENCH_CUDA(cudaMemcpy(h.data(), out, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    for (float x : h) {
+      if (!(x == x) || x > 1e30f || x < -1e30f) {
+        std::fprintf(stderr, "bench_paged_attention: non-finite output\n");
+        return cudaErrorUnknown;
+      }
+    }
+    return cudaSuccess;
+  }
+};
+
+std::unique_ptr<Setup> g_setup;  // kept across the repetitions of one configuration
+
+void BM_PagedDecodeAttention(benchmark::State& state) {
+  const long tokens = state.range(0), batch = state.range(1), mode = state.range(2), ev = state.range(3);
+  if (!g_setup || g_setup->tokens != tokens || g_setup->batch != batch || g_setup->mode != mode ||
+      g_setup->evict_pct != ev) {
+    g_setup.reset();
+    (void)cudaGetLastError();
+    auto s = std::make_unique<Setup>();
+    s->tokens = tokens;
+    s->batch = batch;
+    s->mode = mode;
+    s->evict_pct = ev;
+    if (cudaError_t e = s->build(); e != cudaSuccess) {
+      state.SkipWithError(cudaGetErrorString(e));
+      (void)cudaGetLastError();
+      return;
+    }
+    g_setup = std::move(s);
+  }
+  Setup& su = *g_setup;
+  cudaEvent_t t0, t1;
+  (void)cudaEventCreate(&t0);
+  (void)cudaEventCreate(&t1);
+  std::vector<float> ms_all;
+  int salt = 0;
+  for (auto _ : state) {
+    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, nullptr);  // flush L2, untimed
+    (void)cudaEventRecord(t0, nullptr);
+    const cudaError_t e = tk::launch_paged_decode_attention(su.view, su.prm, nullptr);
+    (void)cudaEventRecord(t1, nullptr);
+    const cudaError_t e2 = cudaEventSynchronize(t1);
+    if (e != cudaSuccess || e2 != cudaSuccess) {
+      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
+      break;
+    }
+    float ms = 0;
+    (void)cudaEventElapsedTime(&ms, t0, t1);
+    ms_all.push_back(ms);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  (void)cudaEventDestroy(t0);
+  (void)cudaEventDestroy(t1);
+  if (ms_all.empty()) return;
+  std::sort(ms_all.begin(), ms_all.end());
+  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
+  const double bytes = su.bytes_read + su.bytes_written;
+  state.counters["bytes"] = bytes;
+  state.counters["med_us"] = med_s * 1e6;
+  state.counters["GBps"] = bytes / med_s * 1e-9;
+  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
+  state.counters["ctas"] = static_cast<double>(su.prm.num_kv_heads);
+  state.SetLabel(kModeName[mode] + std::string(ev ? " evict50" : " evict0"));
+}
+
+void Args(benchmark::internal::Benchmark* b) {
+  for (long t : {512L, 4096L, 32768L}) {
+    for (long batch : {1L, 8L, 32L}) {
+      for (long mode = 0; mode < kNumModes; ++mode) {
+        for (long ev : {0L, 50L}) b->Args({t, batch, mode, ev});
+      }
+    }
+  }
+}
+
+BENCHMARK(BM_PagedDecodeAttention)
+    ->ArgNames({"tokens", "batch", "mode", "evict"})
+    ->Apply(Args)
+    ->UseManualTime()
+    ->Iterations(10)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace

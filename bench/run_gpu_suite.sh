@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# One whole GPU round on a GPU machine (the lent H200): configure + build the CUDA targets
+# (thinkv_kernels, the GPU tests, the oracle tests) for sm_90a, run the GPU and oracle tests, then
+# every GPU test executable under compute-sanitizer memcheck and racecheck. Logs go to $OUT when
+# set (the device tool brings them back), else to build-gpu-suite/logs. Exit status: 0 when all
+# passed, 1 otherwise.
+#
+# Catch2 (needed to configure the tests) is not installed on the H200. On a machine that has it,
+#   bash bench/run_gpu_suite.sh --prepare
+# copies Debian's Catch2 v2 (header + relocatable CMake package) into .gpu-deps/ (ignored through
+# .git/info/exclude); carry ".gpu-deps" with the run. Then on the GPU machine, from the repo root:
+#   bash bench/run_gpu_suite.sh
+# Environment: THINKV_CUDA_ARCHITECTURES (default 90a), THINKV_GPU_BUILD_DIR (build-gpu-suite),
+# THINKV_TEST_SEED (pins the random tests' seed).
+#
+# The full round ends with the decode-attention benchmark (bench/bench_paged_attention.cu, Google
+# Benchmark; JSON in $LOGS/bench_paged_attention.json); THINKV_GPU_SKIP_BENCH=1 leaves it out.
+#   bash bench/run_gpu_suite.sh --bench
+# runs only that benchmark (its own build dir, $THINKV_GPU_BUILD_DIR-bench); extra arguments after
+# --bench go to the benchmark (e.g. --benchmark_filter=...).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+DEPS=$ROOT/.gpu-deps
+
+prepare() {
+  local src_h=/usr/include/catch2/catch.hpp src_c=/usr/lib/cmake/Catch2
+  if [[ ! -f $src_h || ! -d $src_c ]]; then
+    echo "prepare: Catch2 v2 not found ($src_h, $src_c); apt-get install catch2" >&2
+    return 1
+  fi
+  mkdir -p "$DEPS/include/catch2" "$DEPS/lib/cmake"
+  cp "$src_h" "$DEPS/include/catch2/catch.hpp"
+  # A minimal package: the header-only target Catch2::Catch2 (all thinkv uses) and the
+  # catch_discover_tests scripts; Debian's own config also imports a prebuilt library.
+  rm -rf "$DEPS/lib/cmake/Catch2"
+  mkdir -p "$DEPS/lib/cmake/Catch2"
+  cp "$src_c/Catch.cmake" "$src_c/CatchAddTests.cmake" "$src_c/Catch2ConfigVersion.cmake" \
+    "$DEPS/lib/cmake/Catch2/"
+  cat >"$DEPS/lib/cmake/Catch2/Catch2Config.cmake" <<'CMAKE'
+# Minimal relocatable Catch2 v2 package written by bench/run_gpu_suite.sh --prepare.
+if(NOT TARGET Catch2::Catch2)
+  list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
+  get_filename_component(_catch2_prefix "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
+  add_library(Catch2::Catch2 INTERFACE IMPORTED)
+  set_target_properties(Catch2::Catch2 PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${_catch2_prefix}/include")
+  unset(_catch2_prefix)
+endif()
+set(Catch2_FOUND TRUE)
+CMAKE
+  local excl
+  excl=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)
+  mkdir -p "$(dirname "$excl")"
+  grep -qxF '/.gpu-deps/' "$excl" 2>/dev/null || echo '/.gpu-deps/' >>"$excl"
+  echo "prepare: Catch2 copied into $DEPS"
+}
+
+if [[ ${1:-} == --prepare ]]; then
+  prepare
+  exit $?
+fi
+BENCH_ONLY=0
+BENCH_ARGS=()
+if [[ ${1:-} == --bench ]]; then
+  BENCH_ONLY=1
+  shift
+  BENCH_ARGS=("$@")
+fi
+
+LOGS=${OUT:-$ROOT/build-gpu-suite/logs}
+BUILD=${THINKV_GPU_BUILD_DIR:-$ROOT/build-gpu-suite}
+ARCH=${THINKV_CUDA_ARCHITECTURES:-90a}
+mkdir -p "$LOGS"
+SUMMARY=$LOGS/summary.txt
+: >"$SUMMARY"
+status=0
+note() { echo "$*" | tee -a "$SUMMARY"; }
+step() {  # step NAME CMD...: runs CMD, log in $LOGS/NAME.log, records pass/fail
+  local name=$1
+  shift
+  local t0=$SECONDS
+  "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  if [[ $rc -eq 0 ]]; then
+    note "PASS $name ($((SECONDS - t0)) s)"
+  else
+    note "FAIL $name (exit $rc, $((SECONDS - t0)) s): see $name.log"
+    tail -n 40 "$LOGS/$name.log"
+    status=1
+  fi
+  return $rc
+}
+
+[[ -d $DEPS/lib/cmake/Catch2 ]] || prepare || true
+NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+note "gpu suite: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git metadata in this copy)")" \
+     "(+ working tree changes), arch $ARCH"
+command -v nvidia-smi >/dev/null &&
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$SUMMARY"
+
+# The decode-attention benchmark: Release build with THINKV_BUILD_BENCH=ON (tests off), JSON out.
+run_bench() {
+  local bbuild=$BUILD-bench
+  step bench_configure cmake -S . -B "$bbuild" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_COMPILER="$NVCC" -DTHINKV_CUDA_ARCHITECTURES="$ARCH" -DTHINKV_WERROR=ON \
+    -DTHINKV_BUILD_TESTS=OFF -DTHINKV_BUILD_BENCH=ON -DTHINKV_BUILD_EXAMPLES=OFF || return 1
+  step bench_build cmake --build "$bbuild" --target bench_paged_attention || return 1
+  step bench_paged_attention "$bbuild/bench/bench_paged_attention" \
+    --benchmark_out="$LOGS/bench_paged_attention.json" --benchmark_out_format=json \
+    --benchmark_counters_tabular=true "${BENCH_ARGS[@]}"
+  # The median rows, short, for the end of the output.
+  grep -E '_median' "$LOGS/bench_paged_attention.log" | sed -E 's/BM_PagedDecodeAttention\///' |
+    tee "$LOGS/bench_paged_attention_median.txt"
+}
+if [[ $BENCH_ONLY -eq 1 ]]; then
+  run_bench
+  note "gpu bench: $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) in $SECONDS s"
+  exit $status
+fi
+
+step configure cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DTHINKV_CUDA_ARCHITECTURES="$ARCH" -DTHINKV_WERROR=ON \
+  -DTHINKV_BUILD_TESTS=ON -DTHINKV_BUILD_BENCH=OFF -DTHINKV_BUILD_EXAMPLES=OFF \
+  -DCMAKE_PREFIX_PATH="$DEPS" || { cat "$SUMMARY"; exit 1; }
+
+# Only the CUDA-related targets: the kernels, the GPU tests and the oracle tests.
+mapfile -t TARGETS < <(ninja -C "$BUILD" -t targets all 2>/dev/null |
+  grep -oE '^(gpu|oracle)_test_[A-Za-z0-9_]+:' | tr -d ':' | sort -u)
+note "targets: thinkv_kernels ${TARGETS[*]}"
+step build cmake --build "$BUILD" --target thinkv_kernels "${TARGETS[@]}" || { cat "$SUMMARY"; exit 1; }
+
+step ctest ctest --test-dir "$BUILD" -L 'gpu|oracle' --output-on-failure --timeout 300
+
+# Every GPU test executable under compute-sanitizer (smaller inputs: THINKV_TEST_SMALL).
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for exe in "$BUILD"/tests/kernels/test_*; do
+  [[ -x $exe && -f $exe ]] || continue
+  name=$(basename "$exe")
+  for tool in memcheck racecheck; do
+    extra=()
+    [[ $tool == memcheck ]] && extra=(--leak-check full)
+    step "${name}_${tool}" env THINKV_TEST_SMALL=1 timeout 240 "$SAN" --tool "$tool" \
+      --error-exitcode 3 "${extra[@]}" "$exe"
+  done
+done
+
+[[ ${THINKV_GPU_SKIP_BENCH:-0} == 1 ]] || run_bench
+
+note "gpu suite: $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) in $SECONDS s"
+exit $status
