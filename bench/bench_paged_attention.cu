@@ -3,7 +3,7 @@
 /// query head) on a synthetic compressed paged cache of Llama-3-8B attention shapes:
 /// 32 query heads, 8 KV heads, head_dim 128, group 16, block 16.
 ///
-/// Batch: DecodeAttentionParams covers one launch of num_kv_heads CTAs, KV head h reading cache
+/// Batch: DecodeAttentionParams covers one launch over num_kv_heads KV heads, KV head h reading cache
 /// stream streams[h] with its own GQA group of query heads. A batch of B sequences is therefore
 /// ONE launch with num_kv_heads = 8 * B, num_q_heads = 32 * B, streams[h] = h (each KV head's
 /// query group is independent, so this is exactly B sequences' decode attention of one layer).
@@ -21,6 +21,9 @@
 /// cache from HBM. Repetitions(5) + ReportAggregatesOnly: use the *_median rows.
 /// Counters: bytes = bytes the kernel reads + writes (see bytes_moved() and docs/perf.md),
 /// GBps = bytes / median event time of the repetition, frac_4p3TBs = GBps / 4300.
+/// Split-K: the automatic number of chunks per KV head (paged_decode_attention_splits), workspace
+/// allocated once per configuration; the partial (m, l, acc) traffic through the workspace and the
+/// merge kernel are inside the timed region but not counted in `bytes`.
 /// Exits 77 (skip) when no CUDA device is present.
 
 #include <benchmark/benchmark.h>
@@ -143,6 +146,7 @@ struct Setup {
   tk::PagedKvView view{};
   tk::DecodeAttentionParams prm{};
   double bytes_read = 0, bytes_written = 0;
+  int splits = 1;
   void* flush = nullptr;
 
   ~Setup() {
@@ -296,6 +300,11 @@ struct Setup {
     prm.out = out;
     bytes_read += static_cast<double>(Hq) * kD * 4;      // q
     bytes_written = static_cast<double>(Hq) * kD * 4;   // out
+    // Split-K workspace (automatic number of splits), allocated once per configuration.
+    std::uint8_t* ws = nullptr;
+    BENCH_CUDA(alloc(ws, tk::paged_decode_attention_workspace_size(prm)));
+    prm.workspace = ws;
+    splits = tk::paged_decode_attention_splits(prm);
     BENCH_CUDA(alloc(reinterpret_cast<std::uint8_t*&>(flush), kL2FlushBytes));
     BENCH_CUDA(cudaDeviceSynchronize());
     // Warm-up launch, and a finiteness check of its output.
@@ -364,7 +373,8 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   state.counters["med_us"] = med_s * 1e6;
   state.counters["GBps"] = bytes / med_s * 1e-9;
   state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
-  state.counters["ctas"] = static_cast<double>(su.prm.num_kv_heads);
+  state.counters["ctas"] = static_cast<double>(su.prm.num_kv_heads) * su.splits;
+  state.counters["splits"] = static_cast<double>(su.splits);
   state.SetLabel(kModeName[mode] + std::string(ev ? " evict50" : " evict0"));
 }
 

@@ -63,6 +63,7 @@ struct Case {
   int min_tokens, max_tokens;
   float q_spread;  // scales queries: larger = peakier softmax, more sparse tokens
   float softmax_scale;  // 0 = 1/sqrt(head_dim)
+  int num_splits = 0;   // split-K chunks per KV head (0 = automatic)
 };
 
 /// Number of representable floats between a and b (a, b finite).
@@ -206,6 +207,14 @@ void run_case(const Case& cs, std::mt19937& rng) {
   prm.out = dout;
   prm.sparsity = dsp;
   prm.softmax_scale = cs.softmax_scale;
+  prm.num_splits = cs.num_splits;
+  // Workspace: exactly the size asked for, poisoned (NaN) so no stale partial can pass.
+  const std::size_t ws_bytes = kernels::paged_decode_attention_workspace_size(prm);
+  void* dws = nullptr;
+  CHECK_CUDA(cudaMalloc(&dws, ws_bytes));
+  CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
+  prm.workspace = dws;
+  const int splits = kernels::paged_decode_attention_splits(prm);
   CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(q.size()), got_sp(want_sp.size());
@@ -214,6 +223,7 @@ void run_case(const Case& cs, std::mt19937& rng) {
 
   // And once more without sparsity (the one-pass path): same output bits expected.
   CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
+  CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
   prm.sparsity = nullptr;
   CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -245,9 +255,9 @@ void run_case(const Case& cs, std::mt19937& rng) {
   }
   const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits;
   std::printf(
-      "%s %-34s map=%-7s tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
+      "%s %-34s map=%-7s splits=%-3d tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
       "  sparsity: %d sparse, max count diff %d (near-threshold allowance %d)%s\n",
-      ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), ntokens[0],
+      ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), splits, ntokens[0],
       static_cast<long long>(reused), max_err, max_err / max_ref, max_ref, tol, sparse_total,
       sp_diff_max, near_max, same_bits ? "" : "  [output differs with sparsity off]");
   failures += !ok;
@@ -255,6 +265,7 @@ void run_case(const Case& cs, std::mt19937& rng) {
   CHECK_CUDA(cudaFree(dout));
   CHECK_CUDA(cudaFree(dsp));
   CHECK_CUDA(cudaFree(dstreams));
+  CHECK_CUDA(cudaFree(dws));
 }
 
 /// Parameters the launcher must refuse before launching anything.
@@ -289,6 +300,8 @@ void check_refusals() {
   good.streams = dummy_i;
   good.q = dummy_f;
   good.out = dummy_f;
+  alignas(16) static float dummy_ws[4] = {};
+  good.workspace = dummy_ws;
   int bad = 0;
   if (check_paged_decode_attention(v, good) != cudaSuccess) {
     std::printf("FAIL valid parameters refused\n");
@@ -319,6 +332,10 @@ void check_refusals() {
   refuse("null q", [](auto& p, auto&) { p.q = nullptr; });
   refuse("null out", [](auto& p, auto&) { p.out = nullptr; });
   refuse("null streams", [](auto& p, auto&) { p.streams = nullptr; });
+  refuse("null workspace", [](auto& p, auto&) { p.workspace = nullptr; });
+  refuse("misaligned workspace", [](auto& p, auto&) { p.workspace = static_cast<char*>(p.workspace) + 4; });
+  refuse("negative num_splits", [](auto& p, auto&) { p.num_splits = -1; });
+  refuse("num_splits over kMaxSplits", [](auto& p, auto&) { p.num_splits = kMaxSplits + 1; });
   refuse("null s2", [](auto&, auto& w) { w.s2 = nullptr; });
   refuse("null staging", [](auto&, auto& w) { w.staging = nullptr; });
   refuse("null page of a used pool", [](auto&, auto& w) { w.pages[0] = nullptr; });
@@ -366,6 +383,17 @@ int main() {
     run_case({"D=128 g=8 8q/1kv B=100", 128, 8, 100, 8, 1, 1, map, 500, 2000, 1.0f, 0.0f}, rng);
     run_case({"D=64 g=16 8q/4kv B=16 scale=0.2", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.2f}, rng);
     run_case({"D=128 g=16 32q/8kv staged only", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f}, rng);
+    // Split-K: one chunk (no split), odd chunk counts whose boundaries fall inside blocks
+    // (B = 100 and 128 with 16-slot tiles; B = 16 with 32-slot tiles at D = 64), many chunks
+    // (most empty for these short streams), and staged-only streams split many ways.
+    run_case({"split=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 1}, rng);
+    run_case({"split=3 D=128 g=8 8q/1kv B=100", 128, 8, 100, 8, 1, 1, map, 500, 2000, 1.5f, 0.0f, 3}, rng);
+    run_case({"split=7 D=128 32q/8kv B=128", 128, 16, 128, 32, 8, 1, map, 300, 900, 2.0f, 0.0f, 7}, rng);
+    run_case({"split=5 D=64 g=16 8q/4kv B=16", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.0f, 5}, rng);
+    run_case({"split=64 D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f, 64}, rng);
+    run_case({"split=256 D=8 8q/4kv B=64", 8, 8, 64, 8, 4, 1, map, 50, 300, 3.0f, 0.0f, 256}, rng);
+    run_case({"split=13 D=8 8q/4kv B=16", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 13}, rng);
+    run_case({"split=9 staged only D=128", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f, 9}, rng);
   }
   std::printf("%s\n", failures ? "FAILED" : "all paged attention checks passed");
   return failures ? 1 : 0;

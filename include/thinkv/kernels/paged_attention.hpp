@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "thinkv/types.hpp"
@@ -49,7 +50,7 @@ struct PagedKvView {
 /// not evicted slots in slot order, then its staged tokens.
 struct DecodeAttentionParams {
   int num_q_heads = 0;   ///< Hq, a multiple of num_kv_heads, Hq / Hkv <= kMaxQueryHeadsPerKv
-  int num_kv_heads = 0;  ///< Hkv: one CTA each
+  int num_kv_heads = 0;  ///< Hkv
   int head_dim = 128;    ///< D: 8, 64, 128 or 256
   int group_size = 16;   ///< g: 8, 16 or 32, dividing head_dim
   int block_size = 16;   ///< B: 1..4096
@@ -61,20 +62,41 @@ struct DecodeAttentionParams {
   /// (reference/attention.hpp). The kernel needs no scratch for it: when asked, it makes a second
   /// pass over the keys once the row max m is final, recomputing each score bit for bit.
   float* sparsity = nullptr;  // [Hq] or null
+  /// Split-K (flash-decoding): each KV head's token list (its blocks' slot positions, then its
+  /// staged tokens) is cut into num_splits chunks of whole tiles, one CTA each, whose partial
+  /// (m, l, acc) go to `workspace`; a merge kernel combines them. 0 = automatic (enough CTAs for
+  /// ~4 per SM). Chunks of a short stream may be empty (they cost one early exit).
+  int num_splits = 0;
+  /// Caller-provided device scratch of paged_decode_attention_workspace_size(p) bytes, 16-byte
+  /// aligned; the kernels allocate nothing. Must not be shared by launches that may overlap.
+  void* workspace = nullptr;
 };
 
 /// Largest Hq / Hkv the kernel serves (its shared-memory plan holds that many query rows).
 inline constexpr int kMaxQueryHeadsPerKv = 8;
 
+/// Number of chunks per KV head that a launch with these parameters uses (num_splits, or the
+/// automatic choice from the current device's SM count when 0). At least 1, at most kMaxSplits.
+[[nodiscard]] int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept;
+
+/// Largest number of chunks per KV head.
+inline constexpr int kMaxSplits = 256;
+
+/// Bytes of device workspace a launch with these parameters needs (0 for invalid head counts).
+/// Depends on num_q_heads, num_kv_heads, head_dim and the resolved number of splits.
+[[nodiscard]] std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept;
+
 /// Checks parameters and view without launching: cudaErrorInvalidValue on an unsupported
-/// head_dim / group_size / block_size, a bad head count, a non-finite or negative scale, or a
-/// null pointer that the call needs. Device memory is not read (stream ids are checked by the
+/// head_dim / group_size / block_size, a bad head count, a non-finite or negative scale, a
+/// num_splits outside 0..kMaxSplits, or a null pointer that the call needs (workspace included). Device memory is not read (stream ids are checked by the
 /// kernel: an out-of-range stream, or one holding no token, gives NaN output rows and NaN
 /// sparsity, where the CPU backend returns an error).
 [[nodiscard]] cudaError_t check_paged_decode_attention(const PagedKvView& view,
                                                        const DecodeAttentionParams& p) noexcept;
 
-/// Launches decode attention on `stream` (grid: one CTA per KV head). Returns
+/// Launches decode attention on `stream`: a partial kernel (grid splits x Hkv), a merge kernel
+/// (one CTA per query head) and, when sparsity is asked, a counting pass over the same chunks
+/// against the merged row max plus a tiny finishing kernel. Returns
 /// cudaErrorInvalidValue for bad parameters (nothing launched), else the launch status.
 [[nodiscard]] cudaError_t launch_paged_decode_attention(const PagedKvView& view,
                                                         const DecodeAttentionParams& p,
