@@ -4,12 +4,15 @@
 // tokens left in every stream; output and sparsity poisoned (NaN) before the launch.
 //
 // Tolerances.
-//  - Output: max |gpu - cpu| <= 1e-5 * max|cpu| + 1e-6 per case. Both sides dequantize K/V
-//    bit-identically and compute bit-identical scores; what differs is FP32 rounding of the
-//    softmax: the GPU uses an online softmax (running max, rescaled sums, FMA in P.V), the CPU a
-//    two-pass one, and expf vs std::exp may differ by an ulp or two. Each output is a convex
-//    combination of V rows, so those relative errors of order n_tiles * eps (n_tiles <= ~100)
-//    stay far below 1e-5 relative; the measured worst ratio err / max|cpu| is printed per case.
+//  - Output: max |gpu - cpu| <= (1e-5 + 16 sqrt(n) 2^-24) * max|cpu| + 1e-6 per case, n the
+//    largest number of tokens a query head attends. Both sides dequantize K/V bit-identically
+//    and compute bit-identical scores; what differs is FP32 rounding of the softmax: the GPU uses
+//    an online, split-K softmax (running max, rescaled partial sums, FMA in P.V), the CPU a
+//    two-pass one summing all n terms in sequence, and expf vs std::exp may differ by an ulp or
+//    two. The sequential FP32 sums of n terms carry a rounding error that grows like sqrt(n) eps
+//    for random data (n eps in the worst case): a flat 1e-5 failed once at n = 1867 (err 1.25e-5
+//    of max|out|, seed 2618322956). The bound stays ~10x below what one dropped or extra token
+//    changes (~1/n of max|out|). The measured worst ratio err / max|cpu| is printed per case.
 //  - Sparsity: scores are bit-identical by construction (channels summed in order with
 //    __fmul_rn/__fadd_rn on the GPU; the host reference is compiled as ISO C++ without -march,
 //    so no FMA contraction either) and the max is order-independent, so the counts should be
@@ -239,7 +242,9 @@ void run_case(const Case& cs, std::mt19937& rng) {
     max_err = std::fmax(max_err, std::fabs(static_cast<double>(got[i]) - want[i]));
     same_bits &= std::memcmp(&got[i], &got2[i], 4) == 0;
   }
-  const double tol = 1e-5 * max_ref + 1e-6;
+  int n_max = 1;
+  for (int n : ntokens) n_max = std::max(n_max, n);
+  const double tol = (1e-5 + 16.0 * std::sqrt(static_cast<double>(n_max)) * 0x1p-24) * max_ref + 1e-6;
   int sp_diff_max = 0, near_max = 0, sp_bad = 0, sparse_total = 0;
   for (int h = 0; h < cs.num_q_heads; ++h) {
     const int n = ntokens[static_cast<std::size_t>(h)];
