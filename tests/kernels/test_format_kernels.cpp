@@ -10,21 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.hpp"
 #include "thinkv/formats/group_quant.hpp"
 #include "thinkv/kernels/format_kernels.hpp"
 
 namespace {
 
 int failures = 0;
-
-#define CHECK_CUDA(expr)                                                               \
-  do {                                                                                 \
-    cudaError_t e_ = (expr);                                                           \
-    if (e_ != cudaSuccess) {                                                           \
-      std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 void run_case(thinkv::Precision p, int g, int num_groups, float spread, std::mt19937& rng) {
   std::student_t_distribution<float> heavy(3.0f);

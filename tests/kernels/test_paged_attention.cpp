@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "device_cache_upload.hpp"
+#include "cuda_check.hpp"
 #include "thinkv/kernels/format_kernels.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/thinkv.hpp"
@@ -40,15 +41,6 @@
 namespace {
 
 int failures = 0;
-
-#define CHECK_CUDA(expr)                                                                        \
-  do {                                                                                          \
-    cudaError_t e_ = (expr);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 #define CHECK_OK(expr)                                                                 \
   do {                                                                                 \
