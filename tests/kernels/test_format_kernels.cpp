@@ -66,13 +66,7 @@ void run_case(thinkv::Precision p, int g, int num_groups, float spread, std::mt1
 }  // namespace
 
 int main() {
-  if (thinkv::kernels::cuda_device_count() == 0) {
-    std::printf("no CUDA device: GPU tests skipped (run bench/run_gpu_suite.sh on a GPU machine)\n");
-    return 77;
-  }
-  unsigned seed = std::random_device{}();
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) seed = static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  std::printf("seed %u (set THINKV_TEST_SEED to repeat)\n", seed);
+  const unsigned seed = gpu_test_start();
   std::mt19937 rng(seed);
   for (thinkv::Precision p :
        {thinkv::Precision::kFp8E4M3, thinkv::Precision::kNvfp4, thinkv::Precision::kTernary}) {

@@ -357,13 +357,7 @@ void check_refusals() {
 }  // namespace
 
 int main() {
-  if (thinkv::kernels::cuda_device_count() == 0) {
-    std::printf("no CUDA device: GPU tests skipped (run bench/run_gpu_suite.sh on a GPU machine)\n");
-    return 77;
-  }
-  unsigned seed = std::random_device{}();
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) seed = static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  std::printf("seed %u (THINKV_TEST_SEED=%u reproduces)\n", seed, seed);
+  const unsigned seed = gpu_test_start();
   std::mt19937 rng(seed);
   check_refusals();
   using thinkv::kR4E4T2;

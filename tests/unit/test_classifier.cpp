@@ -14,14 +14,12 @@
 #include "thinkv/paged/paged_kv_cache.hpp"
 #include "thinkv/thought/classifier.hpp"
 
+#include "test_util.hpp"
+
 using thinkv::ThoughtClassifier;
 using thinkv::ThoughtType;
 
 namespace {
-unsigned test_seed() {
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) return static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
 std::string error_of(const std::vector<float>& th, const std::vector<int>& layers, int tau,
                      const std::vector<ThoughtType>& bands, int num_layers) {
   try {
@@ -58,7 +56,7 @@ TEST_CASE("uncalibrated classifier labels everything R", "[classifier]") {
 }
 
 TEST_CASE("lowered descriptor classifies exactly like the policy", "[classifier]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
@@ -152,7 +150,7 @@ TEST_CASE("tracker holds the type between refreshes and counts", "[classifier]")
 
 TEST_CASE("tracker-driven decoding never mixes thought types in a quantization group",
           "[classifier][cache]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -204,6 +202,7 @@ TEST_CASE("tracker-driven decoding never mixes thought types in a quantization g
 }
 
 #include "thinkv/thought/calibration_file.hpp"
+
 
 TEST_CASE("a calibration file becomes the classifier it describes", "[classifier][calibration]") {
   thinkv::CalibrationFile f;

@@ -13,11 +13,9 @@
 
 #include "thinkv/tbe/kmeans.hpp"
 
+#include "test_util.hpp"
+
 namespace {
-unsigned test_seed() {
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) return static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
 
 // Brute force, written from the spec in kmeans.hpp's comment, sharing no code with it except the
 // generator: full distance matrices, explicit argmins.
@@ -104,7 +102,7 @@ std::vector<int> reference_select(const std::vector<float>& x, int n, int d, int
 }  // namespace
 
 TEST_CASE("K-means selection equals the brute-force reference on small segments", "[kmeans]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -134,7 +132,7 @@ TEST_CASE("K-means selection equals the brute-force reference on small segments"
 }
 
 TEST_CASE("K-means keeps one token per planted cluster, the one nearest its mean", "[kmeans]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;

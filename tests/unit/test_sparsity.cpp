@@ -13,12 +13,10 @@
 #include "thinkv/paged/paged_kv_cache.hpp"
 #include "thinkv/reference/attention.hpp"
 
+#include "test_util.hpp"
+
 namespace {
 
-unsigned test_seed() {
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) return static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
 
 // Count of j with (s_j - m) < ln(0.01)_f32 in float64, from float64 scores.
 double count_sparse_f64(const std::vector<double>& scores) {
@@ -57,7 +55,7 @@ TEST_CASE("sparsity counts ties at the threshold as not sparse", "[sparsity]") {
 
 TEST_CASE("reference attention sparsity equals a float64 count on random exact-score inputs",
           "[sparsity]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> grid(-16, 16);  // values k/8 in [-2, 2]
@@ -92,7 +90,7 @@ TEST_CASE("reference attention sparsity equals a float64 count on random exact-s
 
 TEST_CASE("cache attention emits per-head sparsity over exactly the live and staged tokens",
           "[sparsity]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> grid(-16, 16);

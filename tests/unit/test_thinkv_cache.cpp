@@ -12,14 +12,12 @@
 
 #include "thinkv/thinkv_cache.hpp"
 
+#include "test_util.hpp"
+
 using thinkv::CacheMode;
 using thinkv::ThoughtType;
 
 namespace {
-unsigned test_seed() {
-  if (const char* s = std::getenv("THINKV_TEST_SEED")) return static_cast<unsigned>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
 
 thinkv::ThinKvConfig small_config(CacheMode mode) {
   thinkv::ThinKvConfig c;
@@ -85,7 +83,7 @@ thinkv::Status step(thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt1
 }  // namespace
 
 TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_cache]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
     INFO("mode " << thinkv::to_string(mode));
@@ -167,7 +165,7 @@ TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_ca
 
 TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the cache kept",
           "[thinkv_cache]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   const auto cfg = small_config(CacheMode::kThinKv);
@@ -210,7 +208,7 @@ TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the
 }
 
 TEST_CASE("ThinKV eviction keeps the kept tokens' bytes and positions untouched", "[thinkv_cache]") {
-  const unsigned seed = test_seed();
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   auto cfg = small_config(CacheMode::kThinKv);
