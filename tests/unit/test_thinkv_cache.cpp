@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -62,8 +63,11 @@ std::vector<double> attention_f64(const float* q, int n_q, const std::vector<flo
 }
 
 // Drives one step of one sequence with random K/V; the query scale `sharp` steers sparsity.
+// `after_layer0(q, out)`, when given, runs right after layer 0's attention, before end_token
+// (which may evict: the state the attention saw is only observable until then).
 thinkv::Status step(thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt19937& rng,
-                    std::vector<float>* last_out = nullptr, std::vector<float>* last_q = nullptr) {
+                    const std::function<void(const std::vector<float>&, const std::vector<float>&)>&
+                        after_layer0 = {}) {
   const auto& c = cache.config();
   std::normal_distribution<float> normal;
   THINKV_RETURN_IF_ERROR(cache.begin_token(seq));
@@ -75,8 +79,7 @@ thinkv::Status step(thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt1
     for (auto& x : q) x = normal(rng) * sharp;
     THINKV_RETURN_IF_ERROR(cache.append(seq, l, k, v));
     THINKV_RETURN_IF_ERROR(cache.attend(seq, l, q, out));
-    if (last_out && l == 0) *last_out = out;
-    if (last_q && l == 0) *last_q = q;
+    if (after_layer0 && l == 0) after_layer0(q, out);
   }
   return cache.end_token(seq);
 }
@@ -172,12 +175,8 @@ TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the
   thinkv::ThinKvCache<> cache(cfg);
   const int d = cfg.head_dim;
   float sharp = 1.0f;
-  for (int t = 0; t < 700; ++t) {
-    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
-    std::vector<float> out, q;
-    REQUIRE(step(cache, 0, sharp, rng, &out, &q).is_ok());
-    if (t % 97 != 96) continue;
-    // Rebuild layer 0's attention from the cache's own view of what it kept.
+  // Rebuilds layer 0's attention from the cache's own view of what it kept, in float64.
+  auto check = [&](int t, const std::vector<float>& q, const std::vector<float>& out) {
     const auto& table = cache.paged().table();
     const int group = cfg.num_q_heads / cfg.num_kv_heads;
     double err = 0, norm = 0;
@@ -203,7 +202,18 @@ TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the
     }
     INFO("t " << t << " max abs err " << err << " max |out| " << norm);
     CHECK(err <= 1e-5 * std::max(1.0, norm));  // FP32 accumulation over <= 200 tokens
+  };
+  int checks = 0;
+  for (int t = 0; t < 700; ++t) {
+    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    // Every step is checked: a step whose end_token evicts (TBE runs after the attention) must
+    // be compared against the tokens the attention saw, not the ones left after eviction.
+    REQUIRE(step(cache, 0, sharp, rng, [&](const auto& q, const auto& out) {
+              check(t, q, out);
+              ++checks;
+            }).is_ok());
   }
+  CHECK(checks == 700);
   CHECK(cache.stats().tokens_evicted > 0);
 }
 
