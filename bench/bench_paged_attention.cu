@@ -275,13 +275,13 @@ struct Setup {
     BENCH_CUDA(put(view.block_indices, indices));
     BENCH_CUDA(put(view.staging, staging));
     BENCH_CUDA(put(view.staged_count, staged));
-    // Metadata the kernel reads: per live slot its record id (u32, read for every live slot,
-    // BF16 too); per block its list entry (u32), fill (u16), evict-mask word (u64); per KV head
+    // Metadata the kernel reads: per live slot of a quantized block its record id (u32; BF16
+    // blocks have no key-scale record); per block its list entry (u32), fill (u16), evict-mask word (u64); per KV head
     // indptr[s], indptr[s + 1], staged_count[s], streams[h], s2 K and V of its precisions.
     const int precisions_used = mode == kModeR4E4T2 ? 2 : 1;
-    bytes_read += static_cast<double>(live_slots) * 4 + static_cast<double>(blocks_total) * (4 + 2 + 8) +
+    bytes_read += static_cast<double>(quant_live_slots) * 4 + static_cast<double>(blocks_total) * (4 + 2 + 8) +
                   static_cast<double>(S) * (8 + 4 + 4 + 8.0 * precisions_used);
-    (void)quant_live_slots;
+    (void)live_slots;
 
     const int Hq = static_cast<int>(batch * kQPerSeq);
     std::vector<float> q(static_cast<std::size_t>(Hq) * kD);
@@ -380,7 +380,8 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
 
 void Args(benchmark::internal::Benchmark* b) {
   for (long t : {512L, 4096L, 32768L}) {
-    for (long batch : {1L, 8L, 32L}) {
+    for (long batch : {1L, 8L, 32L, 64L, 256L}) {
+      if (batch == 256 && t > 4096) continue;  // 34-68 GB of BF16 pages: skipped
       for (long mode = 0; mode < kNumModes; ++mode) {
         for (long ev : {0L, 50L}) b->Args({t, batch, mode, ev});
       }
@@ -391,6 +392,120 @@ void Args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_PagedDecodeAttention)
     ->ArgNames({"tokens", "batch", "mode", "evict"})
     ->Apply(Args)
+    ->UseManualTime()
+    ->Iterations(10)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true)
+    ->Unit(benchmark::kMicrosecond);
+
+/// One decode step's attention of the whole model: 32 layers of Llama-3-8B attention at batch
+/// 64, 1024 live tokens per stream (the budget), R4E4T2 (argument 0: 0% or 50% evicted slots),
+/// as 32 launches in sequence (each layer reads its own 512 streams: the cache of all layers is
+/// one synthetic cache of 64 x 32 sequences), L2 flushed once before the step. Argument 1:
+/// 0 = plain launches, 1 = the 32 launches captured once in a CUDA graph and replayed.
+void BM_ModelStep(benchmark::State& state) {
+  constexpr int kLayers = 32;
+  const long ev = state.range(0), graph = state.range(1);
+  const long batch = 64, tokens = 1024;
+  if (!g_setup || g_setup->tokens != tokens || g_setup->batch != batch * kLayers || g_setup->mode != kModeR4E4T2 ||
+      g_setup->evict_pct != ev) {
+    g_setup.reset();
+    (void)cudaGetLastError();
+    auto s = std::make_unique<Setup>();
+    s->tokens = tokens;
+    s->batch = batch * kLayers;
+    s->mode = kModeR4E4T2;
+    s->evict_pct = ev;
+    if (cudaError_t e = s->build(); e != cudaSuccess) {
+      state.SkipWithError(cudaGetErrorString(e));
+      (void)cudaGetLastError();
+      return;
+    }
+    g_setup = std::move(s);
+  }
+  Setup& su = *g_setup;
+  const int hkv = static_cast<int>(batch * kKvPerSeq), hq = static_cast<int>(batch * kQPerSeq);
+  std::vector<tk::DecodeAttentionParams> layer(kLayers, su.prm);
+  void* ws = nullptr;
+  for (int l = 0; l < kLayers; ++l) {
+    auto& p = layer[static_cast<std::size_t>(l)];
+    p.num_kv_heads = hkv;
+    p.num_q_heads = hq;
+    p.streams = su.prm.streams + static_cast<std::size_t>(l) * hkv;
+    p.q = su.prm.q + static_cast<std::size_t>(l) * hq * kD;
+    p.out = su.prm.out + static_cast<std::size_t>(l) * hq * kD;
+  }
+  const std::size_t ws_bytes = tk::paged_decode_attention_workspace_size(layer[0]);
+  if (cudaMalloc(&ws, ws_bytes) != cudaSuccess) {
+    state.SkipWithError("workspace");
+    return;
+  }
+  for (auto& p : layer) p.workspace = ws;  // launches are serial on one stream
+  cudaStream_t stream = nullptr;
+  (void)cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  auto step = [&]() -> cudaError_t {
+    for (const auto& p : layer) {
+      if (cudaError_t e = tk::launch_paged_decode_attention(su.view, p, stream); e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  };
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaGraph_t g = nullptr;
+    (void)cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+    const cudaError_t e = step();
+    (void)cudaStreamEndCapture(stream, &g);
+    if (e != cudaSuccess || g == nullptr || cudaGraphInstantiate(&exec, g, 0) != cudaSuccess) {
+      state.SkipWithError("graph capture failed");
+      (void)cudaGetLastError();
+      return;
+    }
+    (void)cudaGraphDestroy(g);
+  }
+  cudaEvent_t t0, t1;
+  (void)cudaEventCreate(&t0);
+  (void)cudaEventCreate(&t1);
+  std::vector<float> ms_all;
+  int salt = 0;
+  for (auto _ : state) {
+    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, stream);
+    (void)cudaEventRecord(t0, stream);
+    const cudaError_t e = graph ? cudaGraphLaunch(exec, stream) : step();
+    (void)cudaEventRecord(t1, stream);
+    const cudaError_t e2 = cudaEventSynchronize(t1);
+    if (e != cudaSuccess || e2 != cudaSuccess) {
+      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
+      break;
+    }
+    float ms = 0;
+    (void)cudaEventElapsedTime(&ms, t0, t1);
+    ms_all.push_back(ms);
+    state.SetIterationTime(ms * 1e-3);
+  }
+  if (exec) (void)cudaGraphExecDestroy(exec);
+  (void)cudaEventDestroy(t0);
+  (void)cudaEventDestroy(t1);
+  (void)cudaStreamDestroy(stream);
+  (void)cudaFree(ws);
+  if (ms_all.empty()) return;
+  std::sort(ms_all.begin(), ms_all.end());
+  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
+  const double bytes = su.bytes_read + su.bytes_written;  // all 32 layers
+  state.counters["bytes"] = bytes;
+  state.counters["med_us"] = med_s * 1e6;
+  state.counters["GBps"] = bytes / med_s * 1e-9;
+  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
+  state.counters["roofline_us"] = bytes / (kCeilingGBps * 1e9) * 1e6;
+  state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (ev ? " evict50" : " evict0") +
+                 (graph ? " graph" : " launches"));
+}
+
+BENCHMARK(BM_ModelStep)
+    ->ArgNames({"evict", "graph"})
+    ->Args({0, 0})
+    ->Args({0, 1})
+    ->Args({50, 0})
+    ->Args({50, 1})
     ->UseManualTime()
     ->Iterations(10)
     ->Repetitions(5)

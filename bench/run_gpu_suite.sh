@@ -13,11 +13,12 @@
 # Environment: THINKV_CUDA_ARCHITECTURES (default 90a), THINKV_GPU_BUILD_DIR (build-gpu-suite),
 # THINKV_TEST_SEED (pins the random tests' seed).
 #
-# The full round ends with the decode-attention benchmark (bench/bench_paged_attention.cu, Google
-# Benchmark; JSON in $LOGS/bench_paged_attention.json); THINKV_GPU_SKIP_BENCH=1 leaves it out.
+# The full round ends with the GPU benchmarks (every bench/bench_*.cu, Google Benchmark; JSON in
+# $LOGS/<name>.json) and PyTorch SDPA's numbers on the same BF16 decode shapes
+# (bench/torch_sdpa_decode.py); THINKV_GPU_SKIP_BENCH=1 leaves them out.
 #   bash bench/run_gpu_suite.sh --bench
-# runs only that benchmark (its own build dir, $THINKV_GPU_BUILD_DIR-bench); extra arguments after
-# --bench go to the benchmark (e.g. --benchmark_filter=...).
+# runs only the benchmarks (their own build dir, $THINKV_GPU_BUILD_DIR-bench); extra arguments
+# after --bench go to every benchmark (e.g. --benchmark_filter=...).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -99,19 +100,29 @@ note "gpu suite: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/n
 command -v nvidia-smi >/dev/null &&
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$SUMMARY"
 
-# The decode-attention benchmark: Release build with THINKV_BUILD_BENCH=ON (tests off), JSON out.
+# The GPU benchmarks (every bench/bench_*.cu): Release build with THINKV_BUILD_BENCH=ON (tests
+# off), JSON out, then PyTorch's scaled_dot_product_attention on the same BF16 decode shapes
+# (bench/torch_sdpa_decode.py) when python3 can import torch.
 run_bench() {
   local bbuild=$BUILD-bench
+  local benches=()
+  for f in bench/bench_*.cu; do benches+=("$(basename "$f" .cu)"); done
   step bench_configure cmake -S . -B "$bbuild" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_COMPILER="$NVCC" -DTHINKV_CUDA_ARCHITECTURES="$ARCH" -DTHINKV_WERROR=ON \
     -DTHINKV_BUILD_TESTS=OFF -DTHINKV_BUILD_BENCH=ON -DTHINKV_BUILD_EXAMPLES=OFF || return 1
-  step bench_build cmake --build "$bbuild" --target bench_paged_attention || return 1
-  step bench_paged_attention "$bbuild/bench/bench_paged_attention" \
-    --benchmark_out="$LOGS/bench_paged_attention.json" --benchmark_out_format=json \
-    --benchmark_counters_tabular=true "${BENCH_ARGS[@]}"
-  # The median rows, short, for the end of the output.
-  grep -E '_median' "$LOGS/bench_paged_attention.log" | sed -E 's/BM_PagedDecodeAttention\///' |
-    tee "$LOGS/bench_paged_attention_median.txt"
+  step bench_build cmake --build "$bbuild" --target "${benches[@]}" || return 1
+  for b in "${benches[@]}"; do
+    step "$b" "$bbuild/bench/$b" --benchmark_out="$LOGS/$b.json" --benchmark_out_format=json \
+      --benchmark_counters_tabular=true "${BENCH_ARGS[@]}"
+    # The median rows, short, for the end of the output.
+    grep -E '_median' "$LOGS/$b.log" | sed -E 's/^BM_//' | tee "$LOGS/${b}_median.txt"
+  done
+  if python3 -c 'import torch' >/dev/null 2>&1; then
+    step torch_sdpa_decode python3 bench/torch_sdpa_decode.py --out "$LOGS/torch_sdpa_decode.json"
+    tail -n 40 "$LOGS/torch_sdpa_decode.log"
+  else
+    note "SKIP torch_sdpa_decode (python3 cannot import torch here)"
+  fi
 }
 if [[ $BENCH_ONLY -eq 1 ]]; then
   run_bench
@@ -130,7 +141,8 @@ mapfile -t TARGETS < <(ninja -C "$BUILD" -t targets all 2>/dev/null |
 note "targets: thinkv_kernels ${TARGETS[*]}"
 step build cmake --build "$BUILD" --target thinkv_kernels "${TARGETS[@]}" || { cat "$SUMMARY"; exit 1; }
 
-step ctest ctest --test-dir "$BUILD" -L 'gpu|oracle' --output-on-failure --timeout 300
+# -V: the GPU tests print their measured errors per case; keep them in the log.
+step ctest ctest --test-dir "$BUILD" -L 'gpu|oracle' -V --timeout 300
 
 # Every GPU test executable under compute-sanitizer (smaller inputs: THINKV_TEST_SMALL).
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -3,22 +3,30 @@
 ///
 /// Design. Each KV head's token list is seen as virtual positions: block j of its CSR list covers
 /// positions [j * B, j * B + B) (slots; unwritten slots >= fill and evicted slots are skipped),
-/// then its staged tokens. The list is cut into `splits` chunks of whole tiles (kTile positions);
-/// CTA (split, kvh) of the partial kernel walks its chunk in tiles clipped to block boundaries
-/// (so chunk boundaries may fall inside a block). Per tile it dequantizes the live slots' K and V
-/// ONCE into shared memory (the exact expression of CpuKvBackend::read_token: element *
-/// (decode_e4m3(scale) * s2), via the THINKV_HD format functions; 16-byte page loads where the
-/// row size and alignment allow, key scales loaded 16 at a time), then every query head of the
-/// GQA group uses them: scores (one thread per (head, token), channels summed in order with
-/// __fmul_rn/__fadd_rn, so no FMA contraction: bit-identical to the CPU reference; the K tile's
-/// row stride is D + 1 floats so these reads are free of bank conflicts), an online softmax
-/// update in FP32 (one thread per head) and the P.V accumulation (one thread per (head,
-/// channel)). The chunk's (m, l, acc[D]) per query head go to the caller's workspace; the merge
-/// kernel (one CTA per query head) rescales them to the global max M and writes out.
-/// Sparsity, when asked: a counting pass over the same chunks recomputes the scores bit for bit
-/// and counts s - M < kSparsityLogThreshold against the merged M (atomic integer sums), then a
-/// tiny kernel divides by the token count. Build without fast-math (expf, IEEE division).
+/// then its staged tokens. The list is cut into `splits` chunks (whole windows of 4 warps);
+/// CTA (split, kvh) of the partial kernel walks its chunk in windows clipped to block boundaries.
+///
+/// Main pass (paged_decode_partial_kernel, 4 warps per CTA, no block barrier until the end): the
+/// warps take the chunk's windows (16 slot positions; 32 for D = 8) round robin. Per window a
+/// ballot over the eviction mask compacts the live slots (an evicted slot costs a mask bit, no
+/// load, no math); each lane owns 8 consecutive channels of one token (D / 8 lanes per token),
+/// issues all its K/V loads of the window (16, 8, 4 or 2 bytes per row: BF16, FP8, NVFP4,
+/// ternary) before any math, dequantizes in registers (E4M3 and E2M1 placed into FP16 bit
+/// fields, exact; key scales decoded once per record), computes FP32 FMA dot products for the G
+/// query heads of the GQA group reduced by xor shuffles, updates an online softmax in base 2 and
+/// accumulates P.V in registers. The warps merge their (m, l, acc) in shared memory; the chunk's
+/// partial goes to the caller's workspace and the merge kernel (one CTA per query head) combines
+/// the chunks. Its scores are accurate FP32 but not bit-identical to the CPU reference (FMA,
+/// other order): the output is compared with a relative tolerance.
+///
+/// Sparsity, when asked (refresh steps only): two more launches over the same chunks recompute
+/// every score exactly as the CPU reference does (channels in order with __fmul_rn/__fadd_rn,
+/// the K tile dequantized into shared memory with read_token's expression), the first taking the
+/// exact row max M (atomicMax on order-preserving integer keys), the second counting
+/// s - M < kSparsityLogThreshold; a tiny kernel divides by the token count. So the counts equal
+/// the CPU's exactly. Build without fast-math (IEEE division, exp2f/expf accuracy).
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -48,13 +56,10 @@ struct SharedState {
   static constexpr int kTile = tile_for<D>();
   static constexpr int kKStride = D + 1;  // padded: conflict-free column reads in tile_scores
   float q[kG][D];
-  float acc[kG][D];
   float k[kTile][kKStride];
   float v[kTile][D];
   float p[kG][kTile];      // scores, then probabilities
-  float m[kG];             // running row max
-  float l[kG];             // running denominator
-  float factor[kG];        // rescale of acc for this tile
+  float m[kG];             // row max (exact)
   int below[kG];           // sparsity counts
   int valid[kTile];        // slot of the tile holds a live token
   std::uint32_t record[kTile];
@@ -75,7 +80,7 @@ struct Workspace {
   float* acc;   // [Hkv * splits * G, D]
   float* ml;    // [Hkv * splits * G, 2] (m, l)
   int* ntok;    // [Hkv * splits] live tokens of each chunk
-  float* gmax;  // [Hq] merged row max
+  unsigned* smax;  // [Hq] exact row max of the sparsity pass (ordered_key)
   int* count;   // [Hq] sparsity counts
   int* total;   // [Hkv] tokens per KV head
 };
@@ -94,14 +99,14 @@ __host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, i
   char* acc = take(parts * d * sizeof(float));
   char* ml = take(parts * 2 * sizeof(float));
   char* ntok = take(static_cast<std::size_t>(hkv) * splits * sizeof(int));
-  char* gmax = take(static_cast<std::size_t>(hq) * sizeof(float));
+  char* smax = take(static_cast<std::size_t>(hq) * sizeof(unsigned));
   char* count = take(static_cast<std::size_t>(hq) * sizeof(int));
   char* total = take(static_cast<std::size_t>(hkv) * sizeof(int));
   if (w != nullptr) {
     w->acc = reinterpret_cast<float*>(acc);
     w->ml = reinterpret_cast<float*>(ml);
     w->ntok = reinterpret_cast<int*>(ntok);
-    w->gmax = reinterpret_cast<float*>(gmax);
+    w->smax = reinterpret_cast<unsigned*>(smax);
     w->count = reinterpret_cast<int*>(count);
     w->total = reinterpret_cast<int*>(total);
   }
@@ -311,10 +316,9 @@ __device__ void tile_scores(int group, float scale, SharedState<D>& sh) {
 
 /// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,
 /// then staging rows). All threads see the same values (block-uniform).
-template <int D, typename Fn>
+template <int D, int kTile, int kAlign, typename Fn>
 __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
                                     int split, int splits, Fn&& fn) {
-  constexpr int kTile = SharedState<D>::kTile;
   const int g = prm.group_size;
   const long long bs = prm.block_size;
   const int j_begin = view.block_indptr[stream];
@@ -323,8 +327,8 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
   const long long block_pos = nb * bs;
   const long long total = block_pos + staged;
   long long chunk = (total + splits - 1) / splits;
-  chunk = (chunk + kTile - 1) / kTile * kTile;
-  if (chunk < kTile) chunk = kTile;
+  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+  if (chunk < kAlign) chunk = kAlign;
   const long long lo = static_cast<long long>(split) * chunk;
   const long long hi = lo + chunk < total ? lo + chunk : total;
   if (lo >= hi) return;
@@ -361,84 +365,438 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
   }
 }
 
-/// Partial attention of one chunk: grid (splits, Hkv).
+// ---------------------------------------------------------------------------------------------
+// Main pass: warp-level partial attention (no block barrier per tile).
+//
+// Each lane owns 8 consecutive channels (c0 = 8 * (lane % kLpt)); kLpt = D / 8 lanes hold one
+// token, so a warp takes kTpi = 32 / kLpt tokens per iteration. A warp tile is a window of kWin
+// consecutive slot positions of one block (or of the staging rows), its live slots compacted by a
+// ballot (an evicted slot costs one mask bit, no load, no math), processed as kIters iterations
+// whose loads are all issued before any math. Per token and lane: raw bits of K and V (16, 8, 4
+// or 2 bytes: BF16, FP8, NVFP4, ternary), dequantized in registers (E4M3 and E2M1 through
+// half-precision bit placement: exact, see dequant_*), scores = FP32 FMA dot products reduced
+// across the kLpt lanes by xor shuffles, an online softmax in base 2 (warp-uniform running max),
+// and P.V into per-lane accumulators acc[G][8]. The CTA's kWarps warps take the chunk's windows
+// round robin and merge their (m, l, acc) through shared memory at the end. m is stored in log2
+// units (the merge kernel uses exp2f). Scores here are NOT bit-identical to the CPU reference
+// (FMA, different order): the sparsity pass recomputes them exactly (paged_decode_sparsity_kernel).
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <int D>
+struct WarpShape {
+  static constexpr int kVec = 8;                        // channels per lane
+  static constexpr int kLpt = D / kVec;                 // lanes per token
+  static constexpr int kTpi = 32 / kLpt;                // tokens per iteration
+  static constexpr int kWin = kTpi > 16 ? kTpi : 16;    // slot positions per warp tile
+  static constexpr int kIters = kWin / kTpi;
+  static_assert(D % kVec == 0 && kLpt >= 1 && kLpt <= 32 && 32 % kLpt == 0, "head_dim");
+};
+
+/// Raw bits of one lane's 8 channels of one row.
+template <int P>
+struct Raw {
+  uint4 w;  // BF16: 16 bytes; FP8: .x, .y; NVFP4: .x; ternary: low 16 bits of .x
+};
+
+template <int P>
+constexpr int raw_bytes() {
+  return P == 0 ? 16 : P == 1 ? 8 : P == 2 ? 4 : 2;
+}
+
+/// Loads the lane's raw bytes at p (vector load when `vec`, i.e. p is raw_bytes-aligned).
+template <int P>
+__device__ __forceinline__ Raw<P> load_raw(const std::uint8_t* p, bool vec) {
+  Raw<P> r;
+  r.w = make_uint4(0u, 0u, 0u, 0u);
+  if (vec) {
+    if constexpr (P == 0) {
+      r.w = __ldg(reinterpret_cast<const uint4*>(p));
+    } else if constexpr (P == 1) {
+      const uint2 t = __ldg(reinterpret_cast<const uint2*>(p));
+      r.w.x = t.x;
+      r.w.y = t.y;
+    } else if constexpr (P == 2) {
+      r.w.x = __ldg(reinterpret_cast<const unsigned int*>(p));
+    } else {
+      r.w.x = __ldg(reinterpret_cast<const unsigned short*>(p));
+    }
+    return r;
+  }
+  std::uint32_t b[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int i = 0; i < raw_bytes<P>(); ++i) b[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
+  r.w = make_uint4(b[0], b[1], b[2], b[3]);
+  return r;
+}
+
+/// Two E4M3 codes (bytes 0 and 1 of `w`) -> two floats times 2^-8, exactly: the 7 exponent and
+/// mantissa bits placed at bits 13..7 of an FP16 (bias 15 instead of 7; E4M3 subnormals land on
+/// FP16 subnormals with the same factor). Codes 0x7F / 0xFF (NaN) are never stored (the encoder
+/// saturates finite inputs and the cache refuses NaN).
+__device__ __forceinline__ float2 e4m3x2_scaled(std::uint32_t w) {
+  const std::uint32_t h = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
+}
+
+/// Two E2M1 codes (nibbles 0 and 1 of `w`) -> two floats times 2^-14, exactly (exponent and
+/// mantissa bits at FP16 bits 11..9).
+__device__ __forceinline__ float2 e2m1x2_scaled(std::uint32_t w) {
+  const std::uint32_t h = ((w & 0x7u) << 9) | ((w & 0x8u) << 12) | ((w & 0x70u) << 21) | ((w & 0x80u) << 24);
+  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
+}
+
+/// The lane's 8 elements, before scaling, times elem_factor<P>() (exact).
+template <int P>
+__device__ __forceinline__ void decode_raw(const Raw<P>& r, float (&x)[8]) {
+  if constexpr (P == 0) {
+    const std::uint32_t w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else if constexpr (P == 1) {
+    const std::uint32_t w[2] = {r.w.x, r.w.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = e4m3x2_scaled(w[i / 2] >> (16 * (i % 2)));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else if constexpr (P == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = e2m1x2_scaled(r.w.x >> (8 * i));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const std::uint32_t t = (r.w.x >> (2 * i)) & 3u;  // 0 -> 0, 1 -> +1, 3 -> -1 (2 -> -0)
+      x[i] = __uint_as_float(((t & 1u) * 0x3F800000u) | ((t & 2u) << 30));
+    }
+  }
+}
+
+/// decode_raw's elements come out DIVIDED by this power of two (2^8 for E4M3, 2^14 for E2M1),
+/// so the scales they are multiplied by are multiplied by it (exact: powers of two).
+template <int P>
+constexpr float elem_unscale() {
+  return P == 1 ? 256.0f : P == 2 ? 16384.0f : 1.0f;
+}
+
+template <int D, int G>
+struct WarpShared {
+  float acc[kWarps][G][D];
+  float m[kWarps][G];
+  float l[kWarps][G];
+  int ntok[kWarps];
+  int slot[kWarps][32];
+  std::uint32_t record[kWarps][32];
+};
+
+/// One warp's state: running max (log2 units, warp-uniform), per-lane partial denominators and
+/// accumulators of the lane's token slot and channels.
+template <int D, int G>
+struct WarpState {
+  float q[G][8];
+  float acc[G][8];
+  float m[G];
+  float l[G];
+  int ntok;
+  std::uint32_t cached_rec;
+  float kscale[8];  // key scales (times s2 / elem factor) of cached_rec
+};
+
+/// Where a warp tile's rows are: K row of slot s at kbase + s * row_stride, V row at
+/// vbase + s * row_stride; value scales (quantized pages) at vscales + s * (D / g).
+struct RowSource {
+  const std::uint8_t* kbase;
+  const std::uint8_t* vbase;
+  const std::uint8_t* vscales;
+  int row_stride;
+  bool vec;      // rows and base aligned for raw_bytes<P>() vector loads
+  float s2k, s2v;
+};
+
+template <int D, int G, int P>
+__device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeAttentionParams& prm,
+                                          const RowSource& rs, int n, const int* slots,
+                                          const std::uint32_t* records, float scale_log2,
+                                          WarpState<D, G>& st) {
+  using S = WarpShape<D>;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int ts = lane / S::kLpt;   // token slot of the lane within an iteration
+  const int c0 = (lane % S::kLpt) * 8;
+  constexpr int kRawOff = raw_bytes<P>();  // bytes per 8 channels
+  const int g = prm.group_size;
+  Raw<P> kr[S::kIters], vr[S::kIters];
+  float vsc[S::kIters];
+  std::uint32_t rec[S::kIters];
+  uint2 ksr[S::kIters];  // raw key-scale codes of the token's record (loaded with K/V)
+  // Loads first (all iterations), math after: up to 2 * kIters loads in flight per lane.
+#pragma unroll
+  for (int i = 0; i < S::kIters; ++i) {
+    const int k = i * S::kTpi + ts;
+    vsc[i] = 1.0f;
+    rec[i] = 0u;
+    kr[i].w = vr[i].w = make_uint4(0u, 0u, 0u, 0u);
+    ksr[i] = make_uint2(0u, 0u);
+    if (i * S::kTpi < n && k < n) {
+      const int slot = slots[k];
+      const std::size_t row = static_cast<std::size_t>(slot) * rs.row_stride + static_cast<std::size_t>(c0 / 8) * kRawOff;
+      kr[i] = load_raw<P>(rs.kbase + row, rs.vec);
+      vr[i] = load_raw<P>(rs.vbase + row, rs.vec);
+      if constexpr (P != 0) {
+        // E4M3 value scale times 2^-8 (exact bit placement; the 2^8 is folded into vs below).
+        vsc[i] = e4m3x2_scaled(__ldg(rs.vscales + static_cast<std::size_t>(slot) * (D / g) + c0 / g)).x;
+        rec[i] = records[k];
+        if (rec[i] != kNoRecordId) {
+          const std::uint8_t* ks = view.key_scales + static_cast<std::size_t>(rec[i]) * D + c0;
+          const Raw<1> sr = load_raw<1>(ks, (reinterpret_cast<std::uintptr_t>(ks) & 7u) == 0);
+          ksr[i] = make_uint2(sr.w.x, sr.w.y);
+        }
+      }
+    }
+  }
+  // Scores (log2 units).
+  float s[S::kIters][G];
+#pragma unroll
+  for (int i = 0; i < S::kIters; ++i) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) s[i][h] = -INFINITY;
+    if (i * S::kTpi >= n) continue;  // warp-uniform
+    const bool act = i * S::kTpi + ts < n;
+    float x[8];
+    decode_raw<P>(kr[i], x);
+    if constexpr (P != 0) {
+      if (act && rec[i] != st.cached_rec) {
+        st.cached_rec = rec[i];
+        if (rec[i] == kNoRecordId) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) st.kscale[j] = NAN;
+        } else {
+          Raw<1> sr;
+          sr.w = make_uint4(ksr[i].x, ksr[i].y, 0u, 0u);
+          float f[8];
+          decode_raw<1>(sr, f);  // scale codes times 2^-8
+#pragma unroll
+          for (int j = 0; j < 8; ++j) st.kscale[j] = f[j] * (rs.s2k * (256.0f * elem_unscale<P>()));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] *= st.kscale[j];
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a = fmaf(st.q[h][j], x[j], a);
+#pragma unroll
+      for (int o = S::kLpt / 2; o >= 1; o /= 2) a += __shfl_xor_sync(0xFFFFFFFFu, a, o);
+      s[i][h] = act ? a * scale_log2 : -INFINITY;
+    }
+  }
+  // Online softmax: warp-uniform tile max per head.
+  float f[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < S::kIters; ++i) mx = fmaxf(mx, s[i][h]);
+#pragma unroll
+    for (int o = S::kLpt; o < 32; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    const float m_new = fmaxf(st.m[h], mx);
+    f[h] = exp2f(st.m[h] - m_new);  // m = -inf at first: 0 (m_new finite)
+    st.m[h] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < S::kIters; ++i) {
+      const float p = s[i][h] == -INFINITY ? 0.0f : exp2f(s[i][h] - m_new);
+      s[i][h] = p;
+      sum += p;
+    }
+    st.l[h] = st.l[h] * f[h] + sum;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) st.acc[h][j] *= f[h];
+  }
+  // P.V.
+#pragma unroll
+  for (int i = 0; i < S::kIters; ++i) {
+    if (i * S::kTpi >= n) continue;  // warp-uniform
+    if (i * S::kTpi + ts >= n) continue;
+    float x[8];
+    decode_raw<P>(vr[i], x);
+    const float vs = P == 0 ? 1.0f : vsc[i] * (rs.s2v * (256.0f * elem_unscale<P>()));
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float w = s[i][h] * vs;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st.acc[h][j] = fmaf(w, x[j], st.acc[h][j]);
+    }
+  }
+  st.ntok += n;
+}
+
+/// Partial attention of one chunk: grid (splits, Hkv), kWarps warps taking the chunk's windows
+/// round robin.
+template <int D, int G>
 __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvView view,
                                                                         DecodeAttentionParams prm,
                                                                         Workspace ws, int splits) {
-  constexpr int kTile = SharedState<D>::kTile;
-  __shared__ SharedState<D> sh;
+  using S = WarpShape<D>;
+  __shared__ WarpShared<D, G> sh;
   const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int c0 = (lane % S::kLpt) * 8;
   const int split = static_cast<int>(blockIdx.x);
   const int kvh = static_cast<int>(blockIdx.y);
-  const int group = prm.num_q_heads / prm.num_kv_heads;
   const int stream = prm.streams[kvh];
   const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale
                                                : 1.0f / sqrtf(static_cast<float>(D));
+  const float scale_log2 = scale * kLog2e;
   const std::size_t part = static_cast<std::size_t>(kvh) * splits + split;
-  float* acc_out = ws.acc + part * group * D;
-  float* ml_out = ws.ml + part * group * 2;
+  float* acc_out = ws.acc + part * (prm.num_q_heads / prm.num_kv_heads) * D;
+  float* ml_out = ws.ml + part * (prm.num_q_heads / prm.num_kv_heads) * 2;
   const bool stream_ok = stream >= 0 && stream < view.num_streams;
-  const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
-  for (int i = tid; i < group * D; i += kThreads) {
-    sh.q[i / D][i % D] = q[i];
-    sh.acc[i / D][i % D] = 0.0f;
-  }
-  if (tid < group) {
-    sh.m[tid] = -INFINITY;
-    sh.l[tid] = 0.0f;
-  }
-  __syncthreads();
 
-  int n_tokens = 0;  // same in every thread
-  if (stream_ok) {
-    for_each_chunk_tile<D>(view, prm, stream, split, splits, [&](const TileSource& src) {
-      if (!load_tile<D>(view, prm, stream, src, true, sh)) return;
-      for (int t = 0; t < kTile; ++t) n_tokens += sh.valid[t];
-      tile_scores<D>(group, scale, sh);
-      // Online softmax: one thread per query head.
-      if (tid < group) {
-        const int h = tid;
-        float tmax = -INFINITY;
-        for (int t = 0; t < kTile; ++t) {
-          if (sh.valid[t]) tmax = fmaxf(tmax, sh.p[h][t]);
-        }
-        const float m_new = fmaxf(sh.m[h], tmax);
-        const float f = expf(sh.m[h] - m_new);  // m = -inf at first: f = 0
-        float sum = 0.0f;
-        for (int t = 0; t < kTile; ++t) {
-          const float e = sh.valid[t] ? expf(sh.p[h][t] - m_new) : 0.0f;
-          sh.p[h][t] = e;
-          sum += e;
-        }
-        sh.l[h] = sh.l[h] * f + sum;
-        sh.m[h] = m_new;
-        sh.factor[h] = f;
-      }
-      __syncthreads();
-      for (int i = tid; i < group * D; i += kThreads) {
-        const int h = i / D;
-        const int c = i % D;
-        float a = sh.acc[h][c] * sh.factor[h];
+  WarpState<D, G> st;
+  const int group = prm.num_q_heads / prm.num_kv_heads;  // <= G; heads >= group are padding
+  const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
 #pragma unroll
-        for (int t = 0; t < kTile; ++t) {
-          if (sh.valid[t]) a += sh.p[h][t] * sh.v[t][c];
-        }
-        sh.acc[h][c] = a;
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      st.q[h][j] = h < group ? q[h * D + c0 + j] : 0.0f;
+      st.acc[h][j] = 0.0f;
+    }
+    st.m[h] = -INFINITY;
+    st.l[h] = 0.0f;
+  }
+  st.ntok = 0;
+  st.cached_rec = kNoRecordId - 1u;  // matches no record id (nor kNoRecordId)
+
+  if (stream_ok) {
+    const int g = prm.group_size;
+    const int bs = prm.block_size;
+    int tile = 0;
+    for_each_chunk_tile<D, S::kWin, S::kWin * kWarps>(view, prm, stream, split, splits, [&](const TileSource& src) {
+      if ((tile++ % kWarps) != warp) return;
+      // Live slots of the window, compacted by a ballot.
+      const int slot = src.base + lane;
+      bool valid = lane < S::kWin && slot < src.limit;
+      std::uint32_t rec = kNoRecordId;
+      if (valid && !src.staged) {
+        // Mask word and record id loaded together (one memory round trip, not two).
+        const int words = (bs + 63) / 64;
+        const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(src.block) * words + slot / 64];
+        if (src.precision != 0) rec = view.slot_record[static_cast<std::size_t>(src.block) * bs + slot];
+        valid = ((w >> (slot % 64)) & 1u) == 0;
       }
-      __syncthreads();
+      const unsigned vm = __ballot_sync(0xFFFFFFFFu, valid);
+      if (vm == 0u) return;
+      if (valid) {
+        const int r = __popc(vm & ((1u << lane) - 1u));
+        sh.slot[warp][r] = slot;
+        sh.record[warp][r] = rec;
+      }
+      __syncwarp();
+      const int n = __popc(vm);
+      st.cached_rec = kNoRecordId - 1u;  // key scales depend on the pool's s2: reload per window
+      RowSource rs;
+      int lb = 16;
+      if (src.staged) {
+        const std::uint8_t* base = reinterpret_cast<const std::uint8_t*>(view.staging);
+        rs.kbase = base + (static_cast<std::size_t>(stream) * 2 + 0) * g * D * 2;
+        rs.vbase = base + (static_cast<std::size_t>(stream) * 2 + 1) * g * D * 2;
+        rs.vscales = nullptr;
+        rs.row_stride = 2 * D;
+        rs.s2k = rs.s2v = 1.0f;
+      } else {
+        const Precision p = static_cast<Precision>(src.precision);
+        const int rb = D * bits_of(p) / 8;
+        lb = src.precision == 0 ? 16 : src.precision == 1 ? 8 : src.precision == 2 ? 4 : 2;
+        rs.kbase = src.page;
+        rs.vbase = src.page + static_cast<std::size_t>(bs) * rb;
+        rs.vscales = src.page + 2 * static_cast<std::size_t>(bs) * rb;
+        rs.row_stride = rb;
+        rs.s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
+        rs.s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision];
+      }
+      rs.vec = ((reinterpret_cast<std::uintptr_t>(rs.kbase) | reinterpret_cast<std::uintptr_t>(rs.vbase) |
+                 static_cast<std::uintptr_t>(rs.row_stride)) % static_cast<std::uintptr_t>(lb)) == 0;
+      switch (src.staged ? 0 : src.precision) {
+        case 0: warp_tile<D, G, 0>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+        case 1: warp_tile<D, G, 1>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+        case 2: warp_tile<D, G, 2>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+        default: warp_tile<D, G, 3>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+      }
+      __syncwarp();  // the slot list is rewritten by the next window
     });
   }
-  for (int i = tid; i < group * D; i += kThreads) acc_out[i] = sh.acc[i / D][i % D];
-  if (tid < group) {
-    ml_out[2 * tid] = sh.m[tid];
-    ml_out[2 * tid + 1] = sh.l[tid];
+  // Reduce the lanes' token slots (l and acc), then merge the warps through shared memory.
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int o = S::kLpt; o < 32; o *= 2) {
+      st.l[h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[h], o);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st.acc[h][j] += __shfl_xor_sync(0xFFFFFFFFu, st.acc[h][j], o);
+    }
   }
-  if (tid == 0) ws.ntok[part] = n_tokens;
+  if (lane < S::kLpt) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sh.acc[warp][h][c0 + j] = st.acc[h][j];
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      sh.m[warp][h] = st.m[h];
+      sh.l[warp][h] = st.l[h];
+    }
+    sh.ntok[warp] = st.ntok;
+  }
+  __syncthreads();
+  for (int i = tid; i < group * D; i += kThreads) {
+    const int h = i / D;
+    const int c = i % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) {
+      if (sh.l[w][h] > 0.0f || sh.l[w][h] != sh.l[w][h]) mm = fmaxf(mm, sh.m[w][h]);
+    }
+    float a = 0.0f, l = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float lw = sh.l[w][h];
+      if (!(lw > 0.0f) && lw == lw) continue;  // no token in this warp (NaN propagates)
+      const float fw = exp2f(sh.m[w][h] - mm);
+      a += sh.acc[w][h][c] * fw;
+      l += lw * fw;
+    }
+    acc_out[i] = a;
+    if (c == 0) {
+      ml_out[2 * h] = mm;
+      ml_out[2 * h + 1] = l;
+    }
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int w = 0; w < kWarps; ++w) n += sh.ntok[w];
+    ws.ntok[part] = n;
+  }
 }
 
-/// Merge: one CTA per query head. Rescales the chunks to the global max M and writes out;
-/// records M, the token count of the KV head and zeroes the sparsity count.
+/// Merge: one CTA per query head. Rescales the chunks (m in log2 units) to the global max and
+/// writes out; records the token count of the KV head and resets the sparsity accumulators.
 __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(DecodeAttentionParams prm, Workspace ws,
                                                                            int splits, int d) {
   const int qh = static_cast<int>(blockIdx.x);
@@ -449,13 +807,13 @@ __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(Decod
   float gm = -INFINITY;
   for (int s = 0; s < splits; ++s) {
     const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
-    gm = fmaxf(gm, ws.ml[(part * group + h) * 2]);
+    if (ws.ml[(part * group + h) * 2 + 1] > 0.0f) gm = fmaxf(gm, ws.ml[(part * group + h) * 2]);
   }
   float l = 0.0f;
   for (int s = 0; s < splits; ++s) {
     const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
     const float ls = ws.ml[(part * group + h) * 2 + 1];
-    if (ls > 0.0f) l += ls * expf(ws.ml[(part * group + h) * 2] - gm);
+    if (ls > 0.0f) l += ls * exp2f(ws.ml[(part * group + h) * 2] - gm);
   }
   float* out = prm.out + static_cast<std::size_t>(qh) * d;
   for (int c = tid; c < d; c += kMergeThreads) {
@@ -463,12 +821,12 @@ __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(Decod
     for (int s = 0; s < splits; ++s) {
       const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
       const float ls = ws.ml[(part * group + h) * 2 + 1];
-      if (ls > 0.0f) a += ws.acc[(part * group + h) * d + c] * expf(ws.ml[(part * group + h) * 2] - gm);
+      if (ls > 0.0f) a += ws.acc[(part * group + h) * d + c] * exp2f(ws.ml[(part * group + h) * 2] - gm);
     }
     out[c] = a / l;  // no token: 0 / 0 = NaN (the CPU backend refuses such a stream)
   }
   if (tid == 0) {
-    ws.gmax[qh] = gm;
+    ws.smax[qh] = 0u;  // below the key of every float (ordered_key)
     ws.count[qh] = 0;
     if (h == 0) {
       int n = 0;
@@ -478,8 +836,19 @@ __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(Decod
   }
 }
 
-/// Sparsity: recompute each score of the chunk bit for bit and count s - M < threshold.
-template <int D>
+/// Monotone map float -> unsigned (x < y <=> key(x) < key(y) for non-NaN x, y).
+__device__ inline unsigned ordered_key(float x) {
+  const unsigned b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ inline float from_ordered_key(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+/// Sparsity, two launches over the same chunks with the exact scores of the CPU reference
+/// (channels in order, __fmul_rn/__fadd_rn): kMax = true takes the exact row max (atomicMax on
+/// ordered keys), kMax = false counts s - M < kSparsityLogThreshold against it.
+template <int D, bool kMax>
 __global__ void __launch_bounds__(kThreads) paged_decode_sparsity_kernel(PagedKvView view,
                                                                          DecodeAttentionParams prm,
                                                                          Workspace ws, int splits) {
@@ -496,24 +865,38 @@ __global__ void __launch_bounds__(kThreads) paged_decode_sparsity_kernel(PagedKv
   const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
   for (int i = tid; i < group * D; i += kThreads) sh.q[i / D][i % D] = q[i];
   if (tid < group) {
-    sh.m[tid] = ws.gmax[kvh * group + tid];
+    sh.m[tid] = kMax ? -INFINITY : from_ordered_key(ws.smax[kvh * group + tid]);
     sh.below[tid] = 0;
   }
   __syncthreads();
-  for_each_chunk_tile<D>(view, prm, stream, split, splits, [&](const TileSource& src) {
+  for_each_chunk_tile<D, kTile, kTile>(view, prm, stream, split, splits, [&](const TileSource& src) {
     if (!load_tile<D>(view, prm, stream, src, false, sh)) return;
     tile_scores<D>(group, scale, sh);
     if (tid < group) {
       const int h = tid;
-      int below = 0;
-      for (int t = 0; t < kTile; ++t) {
-        if (sh.valid[t]) below += __fsub_rn(sh.p[h][t], sh.m[h]) < kSparsityLogThreshold;
+      if constexpr (kMax) {
+        float m = sh.m[h];
+        for (int t = 0; t < kTile; ++t) {
+          if (sh.valid[t]) m = fmaxf(m, sh.p[h][t]);
+        }
+        sh.m[h] = m;
+      } else {
+        int below = 0;
+        for (int t = 0; t < kTile; ++t) {
+          if (sh.valid[t]) below += __fsub_rn(sh.p[h][t], sh.m[h]) < kSparsityLogThreshold;
+        }
+        sh.below[h] += below;
       }
-      sh.below[h] += below;
     }
     __syncthreads();
   });
-  if (tid < group && sh.below[tid] != 0) atomicAdd(&ws.count[kvh * group + tid], sh.below[tid]);
+  if (tid < group) {
+    if constexpr (kMax) {
+      if (sh.m[tid] != -INFINITY) atomicMax(&ws.smax[kvh * group + tid], ordered_key(sh.m[tid]));
+    } else {
+      if (sh.below[tid] != 0) atomicAdd(&ws.count[kvh * group + tid], sh.below[tid]);
+    }
+  }
 }
 
 __global__ void paged_decode_sparsity_finish(DecodeAttentionParams prm, Workspace ws) {
@@ -524,18 +907,40 @@ __global__ void paged_decode_sparsity_finish(DecodeAttentionParams prm, Workspac
   prm.sparsity[qh] = n > 0 ? static_cast<float>(ws.count[qh]) / static_cast<float>(n) : NAN;
 }
 
+template <int D, int G>
+cudaError_t launch_for_group(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
+                             int splits, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
+  paged_decode_partial_kernel<D, G><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  return cudaGetLastError();
+}
+
 template <int D>
 cudaError_t launch_for(const PagedKvView& view, const DecodeAttentionParams& p, int splits, cudaStream_t s) {
   Workspace ws{};
   workspace_bytes(p.num_q_heads, p.num_kv_heads, D, splits, &ws, p.workspace);
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
-  paged_decode_partial_kernel<D><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  cudaError_t e = cudaSuccess;
+  // One instance per power-of-two bound on G (G = 3 runs as 4, 5..7 as 8: padded heads have
+  // zero queries and are not written), to keep the number of instances (and nvcc time) down.
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (group <= 1) {
+    e = launch_for_group<D, 1>(view, p, ws, splits, s);
+  } else if (group <= 2) {
+    e = launch_for_group<D, 2>(view, p, ws, splits, s);
+  } else if (group <= 4) {
+    e = launch_for_group<D, 4>(view, p, ws, splits, s);
+  } else {
+    e = launch_for_group<D, 8>(view, p, ws, splits, s);
+  }
+  if (e != cudaSuccess) return e;
   paged_decode_merge_kernel<<<p.num_q_heads, kMergeThreads, 0, s>>>(p, ws, splits, D);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.sparsity == nullptr) return cudaSuccess;
-  paged_decode_sparsity_kernel<D><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  paged_decode_sparsity_kernel<D, true><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  if (e = cudaGetLastError(); e != cudaSuccess) return e;
+  paged_decode_sparsity_kernel<D, false><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  if (e = cudaGetLastError(); e != cudaSuccess) return e;
   paged_decode_sparsity_finish<<<(p.num_q_heads + 127) / 128, 128, 0, s>>>(p, ws);
   return cudaGetLastError();
 }
