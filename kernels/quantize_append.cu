@@ -1,0 +1,345 @@
+/// \file quantize_append.cu
+/// Quantize-append: flushes full staging groups of many streams into their planned page slots,
+/// bit-identical to CpuKvBackend::commit.
+///
+/// Design. One CTA per (job, K or V), min(256, D rounded up to 32) threads, no dynamic shared
+/// memory. The CTA first checks the job (stream, precision, record, and that every destination
+/// slot lies in the precision's pool: __syncthreads_or, so a bad job writes nothing) and puts the
+/// byte offsets of the g destination rows (and value-scale areas) in shared memory. For a
+/// quantized precision it reads s2 of (stream, K/V, precision); when it is unset (0) the CTA
+/// reduces the amax of the g x D staged values (warp shuffles + one shared array) and, when that
+/// is nonzero, sets s2 = choose_stream_scale(P, amax), as the CPU does. Then:
+///  - K: one thread per output byte column j of the K rows (channels j*e .. j*e+e-1, e = codes
+///    per byte): it quantizes each of those e channel groups (the g tokens of a channel), writes
+///    the channel's E4M3 scale into the record, packs the codes of each token into one byte and
+///    writes byte j of each of the g destination rows;
+///  - V: one thread per (token, value group): quantizes the g channels, writes the E4M3 scale into
+///    the slot's value-scale area and the g*bits/8 packed bytes into the token's V row;
+///  - BF16: the rows are copied as little-endian BF16.
+/// Every value goes through the THINKV_HD functions the CPU backend calls (decode_bf16,
+/// group_amax, group_scale_saturates, quantize_group, store_code, choose_stream_scale), on
+/// identical inputs in identical order, so results are bit-identical by construction (no
+/// fast-math: quantize_group divides with IEEE division). The per-item functions below are
+/// __host__ __device__, so the indexing can be exercised on a host without a GPU.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <vector>
+
+#include "thinkv/formats/bf16.hpp"
+#include "thinkv/formats/group_quant.hpp"
+#include "thinkv/kernels/quantize_append.hpp"
+
+namespace thinkv::kernels {
+namespace {
+
+constexpr int kMaxThreads = 256;
+constexpr int kBf16 = static_cast<int>(Precision::kBf16);
+
+/// Bytes of one packed K or V row of d channels at precision p.
+THINKV_HD constexpr int row_bytes_of(int p, int d) noexcept {
+  return d * bits_of(static_cast<Precision>(p)) / 8;
+}
+
+/// Bytes of one page at precision p (layout.hpp: B * (2 * row_bytes + value_scale_bytes)).
+THINKV_HD constexpr std::size_t page_bytes_of(int p, int d, int g, int b) noexcept {
+  const int value_scales = p == kBf16 ? 0 : d / g;
+  return static_cast<std::size_t>(b) * static_cast<std::size_t>(2 * row_bytes_of(p, d) + value_scales);
+}
+
+/// The job's own fields are usable: stream in range, a precision with a non-empty pool, and a
+/// record in range for quantized precisions.
+THINKV_HD inline bool job_ok(const QuantizeAppendView& v, const QuantizeAppendJob& job) noexcept {
+  const int p = static_cast<int>(job.precision);
+  if (job.stream < 0 || job.stream >= v.num_streams) return false;
+  if (p < 0 || p >= kNumPrecisions || v.pool_count[p] == 0) return false;
+  return p == kBf16 || job.record < v.num_records;
+}
+
+/// Global slot id `id` lies in a block of pool p (p valid).
+THINKV_HD inline bool dest_ok(const QuantizeAppendView& v, int p, std::uint32_t id) noexcept {
+  const std::uint32_t block = id / static_cast<std::uint32_t>(v.block_size);
+  return block - v.pool_base[p] < v.pool_count[p];  // unsigned: also false for block < base
+}
+
+/// Byte offsets, from pages[p], of slot `id`'s K (kv = 0) or V (kv = 1) row and of its value
+/// scales (CpuKvBackend::row_ptr / value_scales_ptr).
+struct SlotOffsets {
+  std::size_t row;
+  std::size_t value_scales;
+};
+THINKV_HD inline SlotOffsets slot_offsets(const QuantizeAppendView& v, int p, std::uint32_t id,
+                                          int kv) noexcept {
+  const auto bs = static_cast<std::uint32_t>(v.block_size);
+  const std::uint32_t block = id / bs;
+  const std::uint32_t slot = id % bs;
+  const std::size_t page = static_cast<std::size_t>(block - v.pool_base[p]) *
+                           page_bytes_of(p, v.head_dim, v.group_size, v.block_size);
+  const auto rb = static_cast<std::size_t>(row_bytes_of(p, v.head_dim));
+  SlotOffsets o;
+  o.row = page + (static_cast<std::size_t>(kv) * bs + slot) * rb;
+  o.value_scales = page + 2 * static_cast<std::size_t>(bs) * rb +
+                   static_cast<std::size_t>(slot) * static_cast<std::size_t>(v.head_dim / v.group_size);
+  return o;
+}
+
+/// Max |x| over stg[k], k = start, start + stride, ... < n (the CPU's group_amax over the whole
+/// staged K or V group, split over threads; max is order-independent for finite values).
+THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int start,
+                                           int stride) noexcept {
+  float m = 0.0f;
+  for (int k = start; k < n; k += stride) {
+    const float a = abs_float(decode_bf16(stg[k]));
+    if (a > m) m = a;
+  }
+  return m;
+}
+
+/// K, byte column j: channels j*E .. j*E+E-1 (E codes per byte). Quantizes each channel's group
+/// (the G staged tokens of the channel, token order), writes its scale to record[c], and byte j of
+/// each of the G destination K rows. Returns the number of saturated groups.
+template <int P, int G>
+THINKV_HD inline int key_column(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
+                                const std::size_t* row_off, std::uint8_t* record, int j) noexcept {
+  constexpr Precision kP = static_cast<Precision>(P);
+  constexpr int kPerByte = 8 / bits_of(kP);
+  std::uint8_t packed[G] = {};
+  int saturations = 0;
+  for (int r = 0; r < kPerByte; ++r) {
+    const int c = j * kPerByte + r;
+    float x[G];
+    for (int i = 0; i < G; ++i) x[i] = decode_bf16(stg[static_cast<std::size_t>(i) * d + c]);
+    if (group_scale_saturates(kP, group_amax(x, 1, G), s2)) ++saturations;
+    std::uint8_t codes[G];
+    record[c] = quantize_group(kP, x, 1, G, s2, codes, 1);
+    // Element c of a row sits in byte c / E at bit (c % E) * bits: store_code on that byte.
+    for (int i = 0; i < G; ++i) store_code(kP, &packed[i], r, codes[i]);
+  }
+  for (int i = 0; i < G; ++i) pool[row_off[i] + static_cast<std::size_t>(j)] = packed[i];
+  return saturations;
+}
+
+/// V, item = (token i, value group j), j < d / G: quantizes channels j*G .. j*G+G-1 of token i,
+/// writes the scale to the slot's value scale j and the G * bits / 8 packed bytes into its V row.
+/// Returns the number of saturated groups (0 or 1).
+template <int P, int G>
+THINKV_HD inline int value_group(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
+                                 const std::size_t* row_off, const std::size_t* vs_off,
+                                 int item) noexcept {
+  constexpr Precision kP = static_cast<Precision>(P);
+  constexpr int kBytes = G * bits_of(kP) / 8;
+  const int groups = d / G;
+  const int i = item / groups;
+  const int j = item % groups;
+  const std::uint16_t* src = stg + static_cast<std::size_t>(i) * d + static_cast<std::size_t>(j) * G;
+  float x[G];
+  for (int e = 0; e < G; ++e) x[e] = decode_bf16(src[e]);
+  const int saturations = group_scale_saturates(kP, group_amax(x, 1, G), s2) ? 1 : 0;
+  std::uint8_t codes[G];
+  pool[vs_off[i] + static_cast<std::size_t>(j)] = quantize_group(kP, x, 1, G, s2, codes, 1);
+  // The group's elements j*G+e start on a byte boundary (G * bits is a multiple of 8).
+  std::uint8_t packed[kBytes] = {};
+  for (int e = 0; e < G; ++e) store_code(kP, packed, e, codes[e]);
+  std::uint8_t* dst = pool + row_off[i] + static_cast<std::size_t>(j) * kBytes;
+  for (int b = 0; b < kBytes; ++b) dst[b] = packed[b];
+  return saturations;
+}
+
+/// BF16, element idx of the G x d group: little-endian copy (CpuKvBackend::commit).
+THINKV_HD inline void bf16_copy(const std::uint16_t* stg, int d, std::uint8_t* pool,
+                                const std::size_t* row_off, int idx) noexcept {
+  const int i = idx / d;
+  const int c = idx % d;
+  const std::uint16_t x = stg[idx];
+  std::uint8_t* dst = pool + row_off[i] + 2 * static_cast<std::size_t>(c);
+  dst[0] = static_cast<std::uint8_t>(x & 0xFF);
+  dst[1] = static_cast<std::uint8_t>(x >> 8);
+}
+
+/// Max over the CTA of each thread's m (m >= 0). Must be reached by every thread of the CTA.
+__device__ float block_max(float m, float* warp_max) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xFFFFFFFFu, m, off);
+    if (o > m) m = o;
+  }
+  if ((threadIdx.x & 31u) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  float r = 0.0f;
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  for (int w = 0; w < warps; ++w) {
+    if (warp_max[w] > r) r = warp_max[w];
+  }
+  return r;
+}
+
+/// The K or V half of one (validated) job at precision P. Called by every thread of the CTA.
+template <int P, int G>
+__device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeAppendJob& job, int kv,
+                              const std::size_t* row_off, const std::size_t* vs_off,
+                              float* warp_max, float* s2_shared) {
+  const QuantizeAppendView& v = prm.cache;
+  const int d = v.head_dim;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nt = static_cast<int>(blockDim.x);
+  const std::uint16_t* stg =
+      v.staging + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) * G *
+                      static_cast<std::size_t>(d);
+  std::uint8_t* pool = v.pages[P];
+  if constexpr (P == kBf16) {
+    for (int idx = tid; idx < G * d; idx += nt) bf16_copy(stg, d, pool, row_off, idx);
+  } else {
+    constexpr Precision kP = static_cast<Precision>(P);
+    float* s2p = v.s2 + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) *
+                            kNumPrecisions + P;
+    if (tid == 0) *s2_shared = *s2p;
+    __syncthreads();
+    float s2 = *s2_shared;  // the same value in every thread: the branch below is uniform
+    if (s2 == 0.0f) {
+      // First group of this (stream, K/V, precision) with a nonzero value fixes s2.
+      const float amax = block_max(staged_amax_partial(stg, G * d, tid, nt), warp_max);
+      if (amax > 0.0f) {
+        s2 = choose_stream_scale(kP, amax);
+        if (tid == 0) *s2p = s2;
+      }
+    }
+    const float s2_use = s2 > 0.0f ? s2 : 1.0f;
+    int saturations = 0;
+    if (kv == 0) {
+      std::uint8_t* record = v.key_scales + static_cast<std::size_t>(job.record) * d;
+      const int columns = d / (8 / bits_of(kP));
+      for (int j = tid; j < columns; j += nt) {
+        saturations += key_column<P, G>(stg, d, s2_use, pool, row_off, record, j);
+      }
+    } else {
+      for (int item = tid; item < d; item += nt) {  // G tokens x d / G groups = d items
+        saturations += value_group<P, G>(stg, d, s2_use, pool, row_off, vs_off, item);
+      }
+    }
+    if (saturations > 0 && prm.scale_saturations != nullptr) {
+      atomicAdd(prm.scale_saturations, static_cast<unsigned long long>(saturations));
+    }
+  }
+}
+
+/// Grid: 2 * num_jobs CTAs, CTA b = (job b / 2, K if b is even else V). blockDim.x: a multiple of
+/// 32, 32..kMaxThreads (>= G).
+template <int G>
+__global__ void __launch_bounds__(kMaxThreads) quantize_append_kernel(const QuantizeAppendParams prm) {
+  __shared__ std::size_t row_off[G];
+  __shared__ std::size_t vs_off[G];
+  __shared__ float warp_max[kMaxThreads / 32];
+  __shared__ float s2_shared;
+  const int job_index = static_cast<int>(blockIdx.x >> 1);
+  const int kv = static_cast<int>(blockIdx.x & 1u);
+  const QuantizeAppendJob job = prm.jobs[job_index];
+  const int p = static_cast<int>(job.precision);
+  bool bad = !job_ok(prm.cache, job);
+  if (!bad && threadIdx.x < static_cast<unsigned>(G)) {
+    const std::uint32_t id = prm.dest_slots[static_cast<std::size_t>(job_index) * G + threadIdx.x];
+    bad = !dest_ok(prm.cache, p, id);
+    if (!bad) {
+      const SlotOffsets o = slot_offsets(prm.cache, p, id, kv);
+      row_off[threadIdx.x] = o.row;
+      vs_off[threadIdx.x] = o.value_scales;
+    }
+  }
+  // Also the barrier that publishes row_off / vs_off.
+  if (__syncthreads_or(bad ? 1 : 0) != 0) {
+    if (threadIdx.x == 0 && kv == 0 && prm.rejected_jobs != nullptr) atomicAdd(prm.rejected_jobs, 1u);
+    return;  // the whole CTA: nothing written for this job
+  }
+  switch (p) {  // uniform over the CTA
+    case 0: quantize_half<0, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
+    case 1: quantize_half<1, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
+    case 2: quantize_half<2, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
+    default: quantize_half<3, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
+  }
+}
+
+}  // namespace
+
+cudaError_t check_quantize_append(const QuantizeAppendParams& p) noexcept {
+  const QuantizeAppendView& v = p.cache;
+  if (v.num_streams < 1 || v.num_streams > kQuantizeAppendMaxStreams) return cudaErrorInvalidValue;
+  if (v.group_size != 8 && v.group_size != 16 && v.group_size != 32) return cudaErrorInvalidValue;
+  if (v.head_dim < 1 || v.head_dim > kQuantizeAppendMaxHeadDim || v.head_dim % v.group_size != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (v.block_size < 1 || v.block_size > kQuantizeAppendMaxBlockSize) return cudaErrorInvalidValue;
+  std::uint64_t total = 0;
+  bool quantized = false;
+  for (int i = 0; i < kNumPrecisions; ++i) {
+    if (v.pool_base[i] != total) return cudaErrorInvalidValue;  // consecutive pools (PoolMap)
+    if (v.pool_count[i] > 0 && v.pages[i] == nullptr) return cudaErrorInvalidValue;
+    total += v.pool_count[i];
+    quantized = quantized || (i != kBf16 && v.pool_count[i] > 0);
+  }
+  if (total != v.total_blocks) return cudaErrorInvalidValue;
+  if (total * static_cast<std::uint64_t>(v.block_size) >= (std::uint64_t{1} << 31)) {
+    return cudaErrorInvalidValue;
+  }
+  if (v.staging == nullptr) return cudaErrorInvalidValue;
+  if (quantized && (v.s2 == nullptr || v.key_scales == nullptr || v.num_records == 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_jobs < 0 || p.num_jobs > v.num_streams) return cudaErrorInvalidValue;
+  if (p.num_jobs > 0 && (p.jobs == nullptr || p.dest_slots == nullptr)) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+cudaError_t check_quantize_append_jobs(const QuantizeAppendParams& p, const QuantizeAppendJob* host_jobs,
+                                       const std::uint32_t* host_dest_slots) noexcept {
+  if (cudaError_t e = check_quantize_append(p); e != cudaSuccess) return e;
+  if (p.num_jobs == 0) return cudaSuccess;
+  if (host_jobs == nullptr || host_dest_slots == nullptr) return cudaErrorInvalidValue;
+  const QuantizeAppendView& v = p.cache;
+  const auto g = static_cast<std::size_t>(v.group_size);
+  const auto n = static_cast<std::size_t>(p.num_jobs);
+  try {
+    std::vector<std::int32_t> streams;
+    std::vector<std::uint32_t> records, slots;
+    streams.reserve(n);
+    slots.reserve(n * g);
+    for (std::size_t k = 0; k < n; ++k) {
+      const QuantizeAppendJob& job = host_jobs[k];
+      if (!job_ok(v, job)) return cudaErrorInvalidValue;
+      const int prec = static_cast<int>(job.precision);
+      for (std::size_t i = 0; i < g; ++i) {
+        const std::uint32_t id = host_dest_slots[k * g + i];
+        if (!dest_ok(v, prec, id)) return cudaErrorInvalidValue;
+        slots.push_back(id);
+      }
+      streams.push_back(job.stream);
+      if (prec != kBf16) records.push_back(job.record);
+    }
+    auto has_duplicate = [](auto& x) {
+      std::sort(x.begin(), x.end());
+      return std::adjacent_find(x.begin(), x.end()) != x.end();
+    };
+    if (has_duplicate(streams) || has_duplicate(records) || has_duplicate(slots)) {
+      return cudaErrorInvalidValue;
+    }
+  } catch (const std::bad_alloc&) {
+    return cudaErrorMemoryAllocation;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_quantize_append(const QuantizeAppendParams& p, cudaStream_t stream) noexcept {
+  if (cudaError_t e = check_quantize_append(p); e != cudaSuccess) return e;
+  if (p.num_jobs == 0) return cudaSuccess;
+  const int threads = std::min(kMaxThreads, (p.cache.head_dim + 31) / 32 * 32);
+  const unsigned grid = 2u * static_cast<unsigned>(p.num_jobs);
+  switch (p.cache.group_size) {
+    case 8: quantize_append_kernel<8><<<grid, threads, 0, stream>>>(p); break;
+    case 16: quantize_append_kernel<16><<<grid, threads, 0, stream>>>(p); break;
+    default: quantize_append_kernel<32><<<grid, threads, 0, stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace thinkv::kernels
