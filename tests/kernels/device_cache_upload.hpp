@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/paged/flat_block_table.hpp"
 #include "thinkv/paged/paged_kv_cache.hpp"
 
 namespace thinkv::test {
@@ -31,7 +32,6 @@ class DeviceCacheUpload {
     const PoolMap& pools = table.pools();
     const int d = cfg.head_dim;
     const int g = cfg.group_size;
-    const int bs = cfg.block_size;
     const int streams = cfg.num_streams;
     view_ = {};
     view_.num_streams = streams;
@@ -56,9 +56,6 @@ class DeviceCacheUpload {
     }
     std::vector<float> s2(static_cast<std::size_t>(streams) * 2 * kNumPrecisions);
     std::vector<std::uint16_t> staging(static_cast<std::size_t>(streams) * 2 * g * d);
-    std::vector<std::int32_t> staged(static_cast<std::size_t>(streams));
-    std::vector<std::int32_t> indptr(static_cast<std::size_t>(streams) + 1, 0);
-    std::vector<std::uint32_t> indices;
     std::vector<float> kf(static_cast<std::size_t>(d)), vf(kf.size());
     for (int s = 0; s < streams; ++s) {
       for (int kv = 0; kv < 2; ++kv) {
@@ -67,7 +64,6 @@ class DeviceCacheUpload {
               be.stream_scale(s, kv, p);
         }
       }
-      staged[static_cast<std::size_t>(s)] = table.staged_count(s);
       for (int r = 0; r < table.staged_count(s); ++r) {
         if (!be.read_staged(s, r, kf.data(), vf.data()).is_ok()) return cudaErrorInvalidValue;
         for (int c = 0; c < d; ++c) {  // BF16 -> float -> BF16 is the identity for finite values
@@ -75,32 +71,19 @@ class DeviceCacheUpload {
           staging[((static_cast<std::size_t>(s) * 2 + 1) * g + r) * d + c] = encode_bf16(vf[c]);
         }
       }
-      for (std::uint32_t b : table.blocks(s)) indices.push_back(b);
-      indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>(indices.size());
     }
-    const int words = table.layout().evict_mask_words();
-    std::vector<std::uint16_t> fill(pools.total);
-    std::vector<std::uint64_t> mask(static_cast<std::size_t>(pools.total) * words);
-    std::vector<std::uint32_t> slot_rec(static_cast<std::size_t>(pools.total) * bs);
-    for (std::uint32_t b = 0; b < pools.total; ++b) {
-      fill[b] = static_cast<std::uint16_t>(table.block_fill(b));
-      const auto m = table.evict_mask(b);
-      for (int w = 0; w < words; ++w) mask[static_cast<std::size_t>(b) * words + w] = m[static_cast<std::size_t>(w)];
-      for (int i = 0; i < bs; ++i) {
-        slot_rec[static_cast<std::size_t>(b) * bs + i] = table.slot_record({b, static_cast<std::uint32_t>(i)});
-      }
-    }
-    if (indices.empty()) indices.push_back(0);  // keep the pointer non-null
+    FlatBlockTable flat;
+    flatten_block_table(table, flat);
     cudaError_t e = cudaSuccess;
     if (e == cudaSuccess && !rec.empty()) e = put(rec, view_.key_scales);
     if (e == cudaSuccess) e = put(s2, view_.s2);
-    if (e == cudaSuccess) e = put(fill, view_.block_fill);
-    if (e == cudaSuccess) e = put(mask, view_.evict_mask);
-    if (e == cudaSuccess) e = put(slot_rec, view_.slot_record);
-    if (e == cudaSuccess) e = put(indptr, view_.block_indptr);
-    if (e == cudaSuccess) e = put(indices, view_.block_indices);
+    if (e == cudaSuccess) e = put(flat.block_fill, view_.block_fill);
+    if (e == cudaSuccess) e = put(flat.evict_mask, view_.evict_mask);
+    if (e == cudaSuccess) e = put(flat.slot_record, view_.slot_record);
+    if (e == cudaSuccess) e = put(flat.block_indptr, view_.block_indptr);
+    if (e == cudaSuccess) e = put(flat.block_indices, view_.block_indices);
     if (e == cudaSuccess) e = put(staging, view_.staging);
-    if (e == cudaSuccess) e = put(staged, view_.staged_count);
+    if (e == cudaSuccess) e = put(flat.staged_count, view_.staged_count);
     return e;
   }
 

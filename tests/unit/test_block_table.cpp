@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "test_util.hpp"
+#include "thinkv/paged/flat_block_table.hpp"
 
 using namespace thinkv;
 using Catch::Matchers::Contains;
@@ -562,4 +563,54 @@ TEST_CASE("BlockTable: randomized invariants against an independent model", "[bl
     CHECK(evictions > 10);
     CHECK(t.stats().gather_bytes == 0);
   }
+}
+
+TEST_CASE("flatten_block_table gives the arrays a device kernel reads, equal to the table's view",
+          "[block_table][flat]") {
+  TT_SEEDED_RNG();
+  CacheConfig c = table_config(8, 100, {0, 40, 40, 40}, kR4E4T2, 3);  // 100 slots: 2 mask words
+  BlockTable t(c);
+  CtModel m(c);
+  // Random groups of every type, random evictions: holes, reuse, several blocks per stream.
+  for (int i = 0; i < 40; ++i) {
+    const int s = uniform_int(rng, 0, 2);
+    push_group(t, m, s, static_cast<ThoughtType>(uniform_int(rng, 0, 2)));
+    if (chance(rng, 0.4)) {
+      auto live = t.live_slot_list(s);
+      std::shuffle(live.begin(), live.end(), rng);
+      live.resize(live.size() / 3);
+      REQUIRE(t.evict(s, live).is_ok());
+      m.evict(s, live);
+    }
+  }
+  Diff d;
+  REQUIRE(push_token(t, m, 1, R, 0, d).is_ok());  // one staged token
+  FlatBlockTable f;
+  flatten_block_table(t, f);
+  const auto n = t.pools().total;
+  REQUIRE(f.evict_mask_words == 2);
+  REQUIRE(f.block_fill.size() == n);
+  REQUIRE(f.evict_mask.size() == static_cast<std::size_t>(n) * 2);
+  REQUIRE(f.slot_record.size() == static_cast<std::size_t>(n) * 100);
+  for (std::uint32_t b = 0; b < n; ++b) {
+    if (f.block_fill[b] != t.block_fill(b)) d.fail("fill of block ", b);
+    for (std::uint32_t i = 0; i < 100; ++i) {
+      const bool evicted = (f.evict_mask[b * 2 + i / 64] >> (i % 64)) & 1u;
+      if (evicted != t.is_evicted({b, i})) d.fail("mask bit of block ", b, " slot ", i);
+      if (f.slot_record[b * 100 + i] != t.slot_record({b, i})) d.fail("record of block ", b, " slot ", i);
+    }
+  }
+  for (int s = 0; s < 3; ++s) {
+    const auto blocks = t.blocks(s);
+    const auto lo = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s)]);
+    const auto hi = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s) + 1]);
+    REQUIRE(hi - lo == blocks.size());
+    for (std::size_t j = 0; j < blocks.size(); ++j) {
+      if (f.block_indices[lo + j] != blocks[j]) d.fail("block list of stream ", s, " entry ", j);
+    }
+    if (f.staged_count[static_cast<std::size_t>(s)] != t.staged_count(s)) d.fail("staged count of stream ", s);
+  }
+  CHECK(f.staged_count[1] == 1);
+  CHECK(t.stats().slots_evicted > 0);
+  TT_REQUIRE_OK_DIFF(d);
 }

@@ -1,0 +1,78 @@
+#pragma once
+/// \file cuda_backend.hpp
+/// The CUDA backend: pages, key-scale records, staging buffers and second-level scales live in
+/// GPU memory, laid out exactly as the CPU backend lays out its host memory
+/// (thinkv/paged/layout.hpp); commits run the quantize-append kernel, attention runs the paged
+/// decode-attention kernel (thinkv::kernels). It drops into PagedKvCache / ThinKvCache in place of
+/// CpuKvBackend: `ThinKvCache<CudaKvBackend> cache(config);`.
+///
+/// Declared here without any CUDA header (the class keeps its device state behind a pointer);
+/// defined in kernels/cuda_backend.cu, so a program using it links `thinkv::kernels` (CMake
+/// component `kernels`; a CPU-only build has the header but not the definitions).
+///
+/// Version 1, correctness first. Its interface is the CPU backend's: K, V, q, out and sparsity are
+/// HOST pointers, and every call is synchronous (it copies in, launches, copies out and waits).
+/// Each attend uploads the whole block-table metadata (fill, eviction masks, slot records, block
+/// lists: about (2 + 8 ceil(B / 64) + 4 B) bytes per block) before launching. That makes it a
+/// faithful drop-in for decoders that run on the CPU and a reference for the device kernels, not
+/// yet the fast path: a device-pointer, batched, metadata-delta API is the next step.
+///
+/// Shapes: everything CacheConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
+/// at most 8 query heads per KV head (the attention kernel's limits) and says so otherwise.
+/// Errors: CUDA failures come back as StatusCode::kCudaError naming the call and the CUDA error;
+/// an allocation failure at init as kPoolExhausted naming the bytes asked for.
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/layout.hpp"
+#include "thinkv/reference/attention.hpp"
+#include "thinkv/status.hpp"
+
+namespace thinkv {
+
+class CudaKvBackend {
+ public:
+  CudaKvBackend();
+  ~CudaKvBackend();
+  CudaKvBackend(CudaKvBackend&&) noexcept;
+  CudaKvBackend& operator=(CudaKvBackend&&) noexcept;
+  CudaKvBackend(const CudaKvBackend&) = delete;
+  CudaKvBackend& operator=(const CudaKvBackend&) = delete;
+
+  [[nodiscard]] std::string_view name() const { return "cuda"; }
+
+  /// Allocates every pool on the current CUDA device (pages poisoned with 0xA5, like the CPU
+  /// backend's). Fails with kCudaError when there is no usable device.
+  [[nodiscard]] Status init(const CacheConfig& config);
+  /// Converts one token (host floats) to BF16 and writes it into staging row `row` on the device.
+  [[nodiscard]] Status stage(int stream, int row, const float* k, const float* v);
+  /// Quantizes the stream's full staging group into plan.slots (launch_quantize_append, one job).
+  [[nodiscard]] Status commit(const CommitPlan& plan);
+  /// Forgets a stream's second-level scales (end of sequence).
+  [[nodiscard]] Status reset_stream(int stream);
+  /// Dequantizes one stored token into host memory (bit-identical to CpuKvBackend::read_token).
+  [[nodiscard]] Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const;
+  /// Decodes one staged token into host memory.
+  [[nodiscard]] Status read_staged(int stream, int row, float* k, float* v) const;
+  /// Decode attention on the GPU (launch_paged_decode_attention): host q in, host out (and
+  /// sparsity, when asked) back.
+  [[nodiscard]] Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const;
+  [[nodiscard]] BackendStats stats() const;
+
+  /// For tests and debugging: a block's page bytes, a record's key-scale codes, a stream scale.
+  [[nodiscard]] Status copy_page(std::uint32_t block, std::vector<std::uint8_t>& out) const;
+  [[nodiscard]] Status copy_record(std::uint32_t record, std::vector<std::uint8_t>& out) const;
+  [[nodiscard]] Status stream_scale(int stream, int kv, Precision p, float& out) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+static_assert(kv_backend<CudaKvBackend>);
+
+}  // namespace thinkv

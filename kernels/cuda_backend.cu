@@ -1,0 +1,490 @@
+/// \file cuda_backend.cu
+/// thinkv::CudaKvBackend (include/thinkv/backend/cuda_backend.hpp): device-resident pages with the
+/// CPU backend's layout, commits through launch_quantize_append, attention through
+/// launch_paged_decode_attention. Host-pointer, synchronous, correctness-first (see the header).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "thinkv/backend/cuda_backend.hpp"
+#include "thinkv/formats.hpp"
+#include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/kernels/quantize_append.hpp"
+#include "thinkv/paged/flat_block_table.hpp"
+
+namespace thinkv {
+namespace {
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  (void)cudaGetLastError();  // clear a sticky-free error so later calls are not blamed
+  return {StatusCode::kCudaError,
+          std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
+}
+
+#define THINKV_CUDA_TRY(call) THINKV_RETURN_IF_ERROR(cuda_status((call), #call))
+
+// Inside CudaKvBackend members: refuse calls before init() (or on a moved-from backend).
+#define THINKV_BACKEND_READY()                                                                \
+  do {                                                                                        \
+    if (!impl_ || !impl_->ready) {                                                            \
+      return Status{StatusCode::kInvalidArgument,                                             \
+                    "CudaKvBackend used before a successful init() (or after being moved from)"}; \
+    }                                                                                         \
+  } while (0)
+
+template <class T>
+T* typed(void* p) {
+  return static_cast<T*>(p);
+}
+
+}  // namespace
+
+struct CudaKvBackend::Impl {
+  bool ready = false;
+  CacheConfig config{};
+  CacheLayout layout{};
+  PoolMap pools{};
+  BackendStats stats{};
+  std::vector<void*> allocations;
+  std::uint8_t* pages[kNumPrecisions] = {};
+  std::uint8_t* records = nullptr;
+  std::uint32_t num_records = 0;
+  std::uint16_t* staging = nullptr;
+  float* s2 = nullptr;
+  // Device mirror of the block table (uploaded by attend).
+  std::uint16_t* fill = nullptr;
+  std::uint64_t* mask = nullptr;
+  std::uint32_t* slot_record = nullptr;
+  std::int32_t* indptr = nullptr;
+  std::uint32_t* indices = nullptr;
+  std::int32_t* staged = nullptr;
+  // Commit scratch: one job.
+  kernels::QuantizeAppendJob* job = nullptr;
+  std::uint32_t* dest = nullptr;
+  unsigned long long* saturations = nullptr;
+  unsigned int* rejected = nullptr;
+  // Attention scratch, grown on demand.
+  void* attn = nullptr;
+  std::size_t attn_bytes = 0;
+  FlatBlockTable flat;
+
+  ~Impl() { release(); }
+
+  void release() {
+    for (void* p : allocations) (void)cudaFree(p);
+    allocations.clear();
+    if (attn != nullptr) (void)cudaFree(attn);
+    attn = nullptr;
+    attn_bytes = 0;
+    ready = false;
+  }
+
+  Status alloc(void** p, std::size_t bytes, const char* what) {
+    *p = nullptr;
+    const cudaError_t e = cudaMalloc(p, bytes == 0 ? 1 : bytes);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return {StatusCode::kPoolExhausted, std::string("cudaMalloc of ") + std::to_string(bytes) +
+                                              " bytes for " + what + " failed: out of device memory "
+                                              "(reduce pool_blocks or num_streams)"};
+    }
+    THINKV_RETURN_IF_ERROR(cuda_status(e, "cudaMalloc"));
+    allocations.push_back(*p);
+    return Status::ok();
+  }
+
+  [[nodiscard]] std::size_t staging_offset(int stream, int row, int kv) const {
+    return ((static_cast<std::size_t>(stream) * 2 + kv) * config.group_size + row) * config.head_dim;
+  }
+  [[nodiscard]] std::size_t page_offset(std::uint32_t block) const {
+    return pools.local_index(block) * static_cast<std::size_t>(layout.page_bytes(pools.precision_of(block)));
+  }
+
+  [[nodiscard]] kernels::QuantizeAppendView append_view() const {
+    kernels::QuantizeAppendView v;
+    v.num_streams = config.num_streams;
+    v.head_dim = config.head_dim;
+    v.group_size = config.group_size;
+    v.block_size = config.block_size;
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      v.pages[p] = pages[p];
+      v.pool_base[p] = pools.base[p];
+      v.pool_count[p] = pools.count[p];
+    }
+    v.total_blocks = pools.total;
+    v.key_scales = records;
+    v.num_records = num_records;
+    v.s2 = s2;
+    v.staging = staging;
+    return v;
+  }
+
+  [[nodiscard]] kernels::PagedKvView attention_view() const {
+    kernels::PagedKvView v;
+    v.num_streams = config.num_streams;
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      v.pages[p] = pages[p];
+      v.pool_base[p] = pools.base[p];
+      v.pool_count[p] = pools.count[p];
+    }
+    v.total_blocks = pools.total;
+    v.key_scales = records;
+    v.s2 = s2;
+    v.block_fill = fill;
+    v.evict_mask = mask;
+    v.slot_record = slot_record;
+    v.block_indptr = indptr;
+    v.block_indices = indices;
+    v.staging = staging;
+    v.staged_count = staged;
+    return v;
+  }
+};
+
+CudaKvBackend::CudaKvBackend() : impl_(std::make_unique<Impl>()) {}
+CudaKvBackend::~CudaKvBackend() = default;
+CudaKvBackend::CudaKvBackend(CudaKvBackend&&) noexcept = default;
+CudaKvBackend& CudaKvBackend::operator=(CudaKvBackend&&) noexcept = default;
+
+Status CudaKvBackend::init(const CacheConfig& config) {
+  THINKV_RETURN_IF_ERROR(config.validate());
+  if (!impl_) impl_ = std::make_unique<Impl>();
+  Impl& m = *impl_;
+  m.release();
+  int devices = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();
+    return {StatusCode::kCudaError, std::string("CudaKvBackend: no usable CUDA device (") +
+                                        (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") +
+                                        "); use the CPU backend on this machine (CpuKvBackend; `thinkv generate --backend cpu`)"};
+  }
+  m.config = config;
+  m.layout = CacheLayout::from(config);
+  m.pools = PoolMap::from(config);
+  m.stats = {};
+  const int d = config.head_dim;
+  const int g = config.group_size;
+  const int bs = config.block_size;
+  const auto streams = static_cast<std::size_t>(config.num_streams);
+  std::int64_t bytes = 0;
+  void* p = nullptr;
+  for (Precision pr : kAllPrecisions) {
+    const int i = static_cast<int>(pr);
+    const std::size_t n = static_cast<std::size_t>(config.pool_blocks[i]) *
+                          static_cast<std::size_t>(m.layout.page_bytes(pr));
+    if (n == 0) continue;
+    THINKV_RETURN_IF_ERROR(m.alloc(&p, n, "pages"));
+    m.pages[i] = typed<std::uint8_t>(p);
+    THINKV_CUDA_TRY(cudaMemset(p, 0xA5, n));  // poison, as the CPU backend does
+    bytes += static_cast<std::int64_t>(n);
+  }
+  m.num_records = static_cast<std::uint32_t>(effective_record_capacity(config));
+  const std::size_t rec_bytes = static_cast<std::size_t>(m.num_records) * d;
+  if (rec_bytes > 0) {
+    THINKV_RETURN_IF_ERROR(m.alloc(&p, rec_bytes, "key-scale records"));
+    m.records = typed<std::uint8_t>(p);
+    THINKV_CUDA_TRY(cudaMemset(p, 0xA5, rec_bytes));
+  }
+  const std::size_t staging_elems = streams * 2 * g * d;
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, staging_elems * 2, "staging"));
+  m.staging = typed<std::uint16_t>(p);
+  THINKV_CUDA_TRY(cudaMemset(p, 0, staging_elems * 2));
+  const std::size_t s2_elems = streams * 2 * kNumPrecisions;
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, s2_elems * sizeof(float), "second-level scales"));
+  m.s2 = typed<float>(p);
+  THINKV_CUDA_TRY(cudaMemset(p, 0, s2_elems * sizeof(float)));
+  bytes += static_cast<std::int64_t>(rec_bytes + staging_elems * 2 + s2_elems * 4);
+  // Block-table mirror and commit scratch (not counted in bytes_allocated, like the host table).
+  const std::size_t n_blocks = m.pools.total;
+  const std::size_t words = static_cast<std::size_t>(m.layout.evict_mask_words());
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * 2, "block fill"));
+  m.fill = typed<std::uint16_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * words * 8, "eviction masks"));
+  m.mask = typed<std::uint64_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * bs * 4, "slot records"));
+  m.slot_record = typed<std::uint32_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, (streams + 1) * 4, "block list pointers"));
+  m.indptr = typed<std::int32_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, (n_blocks + 1) * 4, "block lists"));
+  m.indices = typed<std::uint32_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, streams * 4, "staged counts"));
+  m.staged = typed<std::int32_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(kernels::QuantizeAppendJob), "commit job"));
+  m.job = typed<kernels::QuantizeAppendJob>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, static_cast<std::size_t>(g) * 4, "commit slots"));
+  m.dest = typed<std::uint32_t>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(unsigned long long), "commit counters"));
+  m.saturations = typed<unsigned long long>(p);
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(unsigned int), "commit counters"));
+  m.rejected = typed<unsigned int>(p);
+  THINKV_CUDA_TRY(cudaDeviceSynchronize());
+  m.stats.bytes_allocated = bytes;
+  m.ready = true;
+  return Status::ok();
+}
+
+Status CudaKvBackend::stage(int stream, int row, const float* k, const float* v) {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  const int d = m.config.head_dim;
+  std::vector<std::uint16_t> kb(static_cast<std::size_t>(d)), vb(kb.size());
+  for (int c = 0; c < d; ++c) {
+    kb[static_cast<std::size_t>(c)] = encode_bf16(k[c]);
+    vb[static_cast<std::size_t>(c)] = encode_bf16(v[c]);
+  }
+  THINKV_CUDA_TRY(cudaMemcpy(m.staging + m.staging_offset(stream, row, 0), kb.data(), kb.size() * 2,
+                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.staging + m.staging_offset(stream, row, 1), vb.data(), vb.size() * 2,
+                             cudaMemcpyHostToDevice));
+  return Status::ok();
+}
+
+Status CudaKvBackend::read_staged(int stream, int row, float* k, float* v) const {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  const int d = m.config.head_dim;
+  std::vector<std::uint16_t> kb(static_cast<std::size_t>(d)), vb(kb.size());
+  THINKV_CUDA_TRY(cudaMemcpy(kb.data(), m.staging + m.staging_offset(stream, row, 0), kb.size() * 2,
+                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(vb.data(), m.staging + m.staging_offset(stream, row, 1), vb.size() * 2,
+                             cudaMemcpyDeviceToHost));
+  for (int c = 0; c < d; ++c) {
+    k[c] = decode_bf16(kb[static_cast<std::size_t>(c)]);
+    v[c] = decode_bf16(vb[static_cast<std::size_t>(c)]);
+  }
+  return Status::ok();
+}
+
+Status CudaKvBackend::commit(const CommitPlan& plan) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  const int g = m.config.group_size;
+  if (static_cast<int>(plan.slots.size()) != g) {
+    return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                       " slots, expected group_size " + std::to_string(g)};
+  }
+  kernels::QuantizeAppendJob job;
+  job.stream = plan.stream;
+  job.record = plan.record;
+  job.precision = plan.precision;
+  std::vector<std::uint32_t> dest(static_cast<std::size_t>(g));
+  for (int i = 0; i < g; ++i) {
+    const SlotRef s = plan.slots[static_cast<std::size_t>(i)];
+    dest[static_cast<std::size_t>(i)] = s.block * static_cast<std::uint32_t>(m.config.block_size) + s.slot;
+  }
+  THINKV_CUDA_TRY(cudaMemcpy(m.job, &job, sizeof(job), cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.dest, dest.data(), dest.size() * 4, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemset(m.saturations, 0, sizeof(unsigned long long)));
+  THINKV_CUDA_TRY(cudaMemset(m.rejected, 0, sizeof(unsigned int)));
+  kernels::QuantizeAppendParams prm;
+  prm.cache = m.append_view();
+  prm.num_jobs = 1;
+  prm.jobs = m.job;
+  prm.dest_slots = m.dest;
+  prm.scale_saturations = m.saturations;
+  prm.rejected_jobs = m.rejected;
+  THINKV_CUDA_TRY(kernels::launch_quantize_append(prm, nullptr));
+  THINKV_CUDA_TRY(cudaDeviceSynchronize());
+  unsigned long long sat = 0;
+  unsigned int rejected = 0;
+  THINKV_CUDA_TRY(cudaMemcpy(&sat, m.saturations, sizeof(sat), cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(&rejected, m.rejected, sizeof(rejected), cudaMemcpyDeviceToHost));
+  if (rejected != 0) {
+    return {StatusCode::kInternal, "quantize-append refused the commit of stream " + std::to_string(plan.stream) +
+                                       " (record " + std::to_string(plan.record) + ", precision " +
+                                       std::string(to_string(plan.precision)) + ")"};
+  }
+  m.stats.scale_saturations += static_cast<std::int64_t>(sat);
+  ++m.stats.groups_quantized;
+  return Status::ok();
+}
+
+Status CudaKvBackend::reset_stream(int stream) {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  THINKV_CUDA_TRY(cudaMemset(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, 0,
+                             2 * kNumPrecisions * sizeof(float)));
+  return Status::ok();
+}
+
+Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  if (slot.block >= m.pools.total || slot.slot >= static_cast<std::uint32_t>(m.config.block_size)) {
+    return {StatusCode::kOutOfRange, "slot {block " + std::to_string(slot.block) + ", slot " +
+                                         std::to_string(slot.slot) + "} does not exist"};
+  }
+  const int d = m.config.head_dim;
+  const int g = m.config.group_size;
+  const int bs = m.config.block_size;
+  const Precision p = m.pools.precision_of(slot.block);
+  const auto rb = static_cast<std::size_t>(m.layout.row_bytes(p));
+  const std::uint8_t* page = m.pages[static_cast<int>(p)] + m.page_offset(slot.block);
+  std::vector<std::uint8_t> kr(rb), vr(rb);
+  THINKV_CUDA_TRY(cudaMemcpy(kr.data(), page + slot.slot * rb, rb, cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(vr.data(), page + (static_cast<std::size_t>(bs) + slot.slot) * rb, rb,
+                             cudaMemcpyDeviceToHost));
+  if (p == Precision::kBf16) {
+    for (int c = 0; c < d; ++c) {
+      k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
+      v[c] = decode_bf16(static_cast<std::uint16_t>(vr[2 * c] | (vr[2 * c + 1] << 8)));
+    }
+    return Status::ok();
+  }
+  const std::int32_t owner = table.block_owner(slot.block);
+  const std::uint32_t r = table.slot_record(slot);
+  if (owner == kNoStream || r == kNoRecord) {
+    return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(slot.block) + ", slot " +
+                                              std::to_string(slot.slot) + "} holds no token"};
+  }
+  std::vector<std::uint8_t> rec(static_cast<std::size_t>(d)), vs(static_cast<std::size_t>(d / g));
+  float s2[2 * kNumPrecisions];
+  THINKV_CUDA_TRY(cudaMemcpy(rec.data(), m.records + static_cast<std::size_t>(r) * d, rec.size(),
+                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(vs.data(),
+                             page + 2 * static_cast<std::size_t>(bs) * rb +
+                                 static_cast<std::size_t>(slot.slot) * m.layout.value_scale_bytes(p),
+                             vs.size(), cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(s2, m.s2 + static_cast<std::size_t>(owner) * 2 * kNumPrecisions, sizeof(s2),
+                             cudaMemcpyDeviceToHost));
+  const float s2k = s2[static_cast<int>(p)];
+  const float s2v = s2[kNumPrecisions + static_cast<int>(p)];
+  // CpuKvBackend::read_token's expression: element * (decode_e4m3(scale) * s2).
+  for (int c = 0; c < d; ++c) {
+    k[c] = decode_element(p, load_code(p, kr.data(), c)) * (decode_e4m3(rec[static_cast<std::size_t>(c)]) * s2k);
+  }
+  for (int j = 0; j < d / g; ++j) {
+    const float scale = decode_e4m3(vs[static_cast<std::size_t>(j)]) * s2v;
+    for (int c = j * g; c < (j + 1) * g; ++c) v[c] = decode_element(p, load_code(p, vr.data(), c)) * scale;
+  }
+  return Status::ok();
+}
+
+Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs& args) const {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  THINKV_RETURN_IF_ERROR(check_attention_args(args, m.config.num_streams));
+  for (int h = 0; h < args.num_kv_heads; ++h) {
+    const int s = args.kv_streams[h];
+    if (table.live_slots(s) + table.staged_count(s) == 0) {
+      return {StatusCode::kInvalidArgument, "stream " + std::to_string(s) + " holds no token to attend to"};
+    }
+  }
+  const int d = m.config.head_dim;
+  if (d != 8 && d != 64 && d != 128 && d != 256) {
+    return {StatusCode::kUnsupported, "head_dim " + std::to_string(d) +
+                                          ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
+  }
+  if (args.num_q_heads / args.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
+    return {StatusCode::kUnsupported,
+            std::to_string(args.num_q_heads / args.num_kv_heads) + " query heads per KV head: the CUDA attention "
+            "kernel serves at most " + std::to_string(kernels::kMaxQueryHeadsPerKv)};
+  }
+  // Mirror the block table (whole metadata: version 1).
+  flatten_block_table(table, m.flat);
+  THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4,
+                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.indptr, m.flat.block_indptr.data(), m.flat.block_indptr.size() * 4,
+                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.indices, m.flat.block_indices.data(), m.flat.block_indices.size() * 4,
+                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(m.staged, m.flat.staged_count.data(), m.flat.staged_count.size() * 4,
+                             cudaMemcpyHostToDevice));
+  // Scratch: q, out, sparsity, streams, workspace (16-byte aligned pieces of one buffer).
+  kernels::DecodeAttentionParams prm;
+  prm.num_q_heads = args.num_q_heads;
+  prm.num_kv_heads = args.num_kv_heads;
+  prm.head_dim = d;
+  prm.group_size = m.config.group_size;
+  prm.block_size = m.config.block_size;
+  prm.softmax_scale = args.softmax_scale;
+  const auto align = [](std::size_t x) { return (x + 255) & ~std::size_t{255}; };
+  const std::size_t q_bytes = align(static_cast<std::size_t>(args.num_q_heads) * d * 4);
+  const std::size_t sp_bytes = align(static_cast<std::size_t>(args.num_q_heads) * 4);
+  const std::size_t st_bytes = align(static_cast<std::size_t>(args.num_kv_heads) * 4);
+  const std::size_t ws_bytes = align(kernels::paged_decode_attention_workspace_size(prm));
+  const std::size_t need = 2 * q_bytes + sp_bytes + st_bytes + ws_bytes;
+  if (need > m.attn_bytes) {
+    if (m.attn != nullptr) (void)cudaFree(m.attn);
+    m.attn = nullptr;
+    m.attn_bytes = 0;
+    THINKV_CUDA_TRY(cudaMalloc(&m.attn, need));
+    m.attn_bytes = need;
+  }
+  char* base = static_cast<char*>(m.attn);
+  float* dq = reinterpret_cast<float*>(base);
+  float* dout = reinterpret_cast<float*>(base + q_bytes);
+  float* dsp = reinterpret_cast<float*>(base + 2 * q_bytes);
+  auto* dstreams = reinterpret_cast<std::int32_t*>(base + 2 * q_bytes + sp_bytes);
+  void* dws = base + 2 * q_bytes + sp_bytes + st_bytes;
+  THINKV_CUDA_TRY(cudaMemcpy(dq, args.q, static_cast<std::size_t>(args.num_q_heads) * d * 4, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(cudaMemcpy(dstreams, args.kv_streams, static_cast<std::size_t>(args.num_kv_heads) * 4,
+                             cudaMemcpyHostToDevice));
+  prm.streams = dstreams;
+  prm.q = dq;
+  prm.out = dout;
+  prm.sparsity = args.sparsity != nullptr ? dsp : nullptr;
+  prm.workspace = dws;
+  const kernels::PagedKvView view = m.attention_view();
+  if (cudaError_t e = kernels::check_paged_decode_attention(view, prm); e != cudaSuccess) {
+    return {StatusCode::kUnsupported, "the CUDA attention kernel refuses this cache (head_dim " + std::to_string(d) +
+                                          ", group_size " + std::to_string(prm.group_size) + ", block_size " +
+                                          std::to_string(prm.block_size) + "): " + cudaGetErrorString(e)};
+  }
+  THINKV_CUDA_TRY(kernels::launch_paged_decode_attention(view, prm, nullptr));
+  THINKV_CUDA_TRY(cudaDeviceSynchronize());
+  THINKV_CUDA_TRY(cudaMemcpy(args.out, dout, static_cast<std::size_t>(args.num_q_heads) * d * 4, cudaMemcpyDeviceToHost));
+  if (args.sparsity != nullptr) {
+    THINKV_CUDA_TRY(cudaMemcpy(args.sparsity, dsp, static_cast<std::size_t>(args.num_q_heads) * 4,
+                               cudaMemcpyDeviceToHost));
+  }
+  return Status::ok();
+}
+
+BackendStats CudaKvBackend::stats() const { return impl_ ? impl_->stats : BackendStats{}; }
+
+Status CudaKvBackend::copy_page(std::uint32_t block, std::vector<std::uint8_t>& out) const {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  if (block >= m.pools.total) {
+    return {StatusCode::kOutOfRange, "block " + std::to_string(block) + " does not exist"};
+  }
+  const Precision p = m.pools.precision_of(block);
+  out.resize(static_cast<std::size_t>(m.layout.page_bytes(p)));
+  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.pages[static_cast<int>(p)] + m.page_offset(block), out.size(),
+                             cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+Status CudaKvBackend::copy_record(std::uint32_t record, std::vector<std::uint8_t>& out) const {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  if (record >= m.num_records) {
+    return {StatusCode::kOutOfRange, "record " + std::to_string(record) + " does not exist"};
+  }
+  out.resize(static_cast<std::size_t>(m.config.head_dim));
+  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.records + static_cast<std::size_t>(record) * m.config.head_dim,
+                             out.size(), cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+Status CudaKvBackend::stream_scale(int stream, int kv, Precision p, float& out) const {
+  THINKV_BACKEND_READY();
+  const Impl& m = *impl_;
+  if (stream < 0 || stream >= m.config.num_streams || kv < 0 || kv > 1) {
+    return {StatusCode::kOutOfRange, "stream scale (" + std::to_string(stream) + ", " + std::to_string(kv) +
+                                         ") does not exist"};
+  }
+  THINKV_CUDA_TRY(cudaMemcpy(&out, m.s2 + (static_cast<std::size_t>(stream) * 2 + kv) * kNumPrecisions + static_cast<int>(p),
+                             sizeof(float), cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+}  // namespace thinkv

@@ -1,0 +1,327 @@
+// GPU test: thinkv::CudaKvBackend against the CPU reference backend.
+//  - PagedKvCache<CudaKvBackend> and PagedKvCache<CpuKvBackend> fed the same random tokens,
+//    thought types, evictions and in-place reuse must hold the very same bytes (every page, every
+//    key-scale record, every second-level scale), read back bit-identical tokens, and attend within
+//    the decode-attention kernel's stated tolerance with equal sparsity counts.
+//  - ThinKvCache<CudaKvBackend> and ThinKvCache<CpuKvBackend> driven by the same decode must take
+//    the same decisions (refreshes, thought types, evictions), since the GPU sparsity is exact.
+//  - Refusals: use before init, an attention shape the kernel does not serve, device memory
+//    exhausted at init.
+// Fresh random inputs per run (tt::base_seed; THINKV_TEST_SEED pins it).
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../unit/test_util.hpp"
+#include "thinkv/backend/cuda_backend.hpp"
+#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/thinkv_cache.hpp"
+
+namespace {
+
+using thinkv::CacheConfig;
+using thinkv::CpuKvBackend;
+using thinkv::CudaKvBackend;
+using thinkv::PagedKvCache;
+using thinkv::Precision;
+
+thinkv::PrecisionMap precision_map(const char* text) {
+  thinkv::PrecisionMap m;
+  REQUIRE(thinkv::PrecisionMap::parse(text, m).is_ok());
+  return m;
+}
+
+// (1e-5 + 16 sqrt(n) 2^-24) max|ref| + 1e-6: tests/kernels/test_paged_attention.cpp says why.
+double attention_tolerance(int n, double max_ref) {
+  return (1e-5 + 16.0 * std::sqrt(static_cast<double>(n)) * 0x1p-24) * max_ref + 1e-6;
+}
+
+struct Shape {
+  const char* name;
+  int d, g, b;
+  thinkv::PrecisionMap map;
+};
+
+CacheConfig make_config(const Shape& s, int streams, int max_tokens) {
+  CacheConfig cfg;
+  cfg.num_streams = streams;
+  cfg.head_dim = s.d;
+  cfg.group_size = s.g;
+  cfg.block_size = s.b;
+  cfg.precision = s.map;
+  const int blocks = streams * (2 * max_tokens / s.b + 8);
+  for (int p = 0; p < thinkv::kNumPrecisions; ++p) {
+    cfg.pool_blocks[p] = s.map.uses(static_cast<Precision>(p)) ? blocks : 0;
+  }
+  return cfg;
+}
+
+// Appends n random tokens to `stream` of both caches (thought type changes only at group starts).
+void append_both(PagedKvCache<CpuKvBackend>& cpu, PagedKvCache<CudaKvBackend>& gpu, int stream, int n,
+                 std::mt19937_64& rng) {
+  const int d = cpu.config().head_dim;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
+  auto t = static_cast<thinkv::ThoughtType>(rng() % 3);
+  for (int i = 0; i < n; ++i) {
+    const int staged = cpu.table().staged_count(stream);
+    if (staged == 0 && rng() % 3 == 0) t = static_cast<thinkv::ThoughtType>(rng() % 3);
+    if (staged > 0) t = cpu.table().staged_thought(stream);
+    const float amp = 0.25f + static_cast<float>(rng() % 8);
+    for (int c = 0; c < d; ++c) {
+      k[static_cast<std::size_t>(c)] = nd(rng) * amp;
+      v[static_cast<std::size_t>(c)] = (rng() % 17 == 0) ? 0.0f : nd(rng) * amp;
+    }
+    REQUIRE(cpu.append(stream, k, v, t).is_ok());
+    REQUIRE(gpu.append(stream, k, v, t).is_ok());
+  }
+}
+
+void compare_storage(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<CudaKvBackend>& gpu) {
+  const auto& cb = cpu.backend();
+  const auto& gb = gpu.backend();
+  const auto& pools = cpu.table().pools();
+  std::vector<std::uint8_t> bytes;
+  int bad_pages = 0, bad_records = 0, bad_scales = 0;
+  for (std::uint32_t b = 0; b < pools.total; ++b) {
+    REQUIRE(gb.copy_page(b, bytes).is_ok());
+    const auto want = cb.page(b);
+    bad_pages += !std::equal(want.begin(), want.end(), bytes.begin(), bytes.end());
+  }
+  const auto records = static_cast<std::uint32_t>(thinkv::effective_record_capacity(cpu.config()));
+  for (std::uint32_t r = 0; r < records; ++r) {
+    REQUIRE(gb.copy_record(r, bytes).is_ok());
+    const auto want = cb.record_scales(r);
+    bad_records += !std::equal(want.begin(), want.end(), bytes.begin(), bytes.end());
+  }
+  for (int s = 0; s < cpu.config().num_streams; ++s) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (Precision p : thinkv::kAllPrecisions) {
+        float got = -1.0f;
+        REQUIRE(gb.stream_scale(s, kv, p, got).is_ok());
+        bad_scales += got != cb.stream_scale(s, kv, p);
+      }
+    }
+  }
+  INFO("pages " << pools.total << ", records " << records);
+  CHECK(bad_pages == 0);
+  CHECK(bad_records == 0);
+  CHECK(bad_scales == 0);
+  CHECK(gb.stats().groups_quantized == cb.stats().groups_quantized);
+  CHECK(gb.stats().scale_saturations == cb.stats().scale_saturations);
+  CHECK(gb.stats().bytes_allocated == cb.stats().bytes_allocated);
+}
+
+void compare_tokens(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<CudaKvBackend>& gpu) {
+  const int d = cpu.config().head_dim;
+  std::vector<float> k1(static_cast<std::size_t>(d)), v1(k1.size()), k2(k1.size()), v2(k1.size());
+  int bad = 0, n = 0;
+  for (int s = 0; s < cpu.config().num_streams; ++s) {
+    for (auto slot : cpu.table().live_slot_list(s)) {
+      REQUIRE(cpu.backend().read_token(cpu.table(), slot, k1.data(), v1.data()).is_ok());
+      REQUIRE(gpu.backend().read_token(gpu.table(), slot, k2.data(), v2.data()).is_ok());
+      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 || std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
+      ++n;
+    }
+    for (int r = 0; r < cpu.table().staged_count(s); ++r) {
+      REQUIRE(cpu.backend().read_staged(s, r, k1.data(), v1.data()).is_ok());
+      REQUIRE(gpu.backend().read_staged(s, r, k2.data(), v2.data()).is_ok());
+      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 || std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
+      ++n;
+    }
+  }
+  INFO(n << " tokens read back");
+  CHECK(n > 0);
+  CHECK(bad == 0);
+}
+
+void compare_attention(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<CudaKvBackend>& gpu, int group,
+                       std::mt19937_64& rng) {
+  const int d = cpu.config().head_dim;
+  const int hkv = cpu.config().num_streams;
+  const int hq = hkv * group;
+  std::vector<std::int32_t> streams(static_cast<std::size_t>(hkv));
+  for (int h = 0; h < hkv; ++h) streams[static_cast<std::size_t>(h)] = hkv - 1 - h;  // not the identity
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<std::size_t>(hq) * d);
+  for (auto& x : q) x = nd(rng);
+  std::vector<float> o1(q.size()), o2(q.size(), NAN), sp1(static_cast<std::size_t>(hq)), sp2(sp1.size(), NAN);
+  thinkv::DecodeAttentionArgs a;
+  a.num_q_heads = hq;
+  a.num_kv_heads = hkv;
+  a.kv_streams = streams.data();
+  a.q = q.data();
+  a.out = o1.data();
+  a.sparsity = sp1.data();
+  REQUIRE(cpu.attend(a).is_ok());
+  a.out = o2.data();
+  a.sparsity = sp2.data();
+  const thinkv::Status s = gpu.attend(a);
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  double max_ref = 0, max_err = 0;
+  for (std::size_t i = 0; i < o1.size(); ++i) {
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(o1[i])));
+    max_err = std::max(max_err, std::fabs(static_cast<double>(o1[i]) - o2[i]));
+  }
+  int n_max = 1;
+  for (int h = 0; h < hkv; ++h) {
+    const int st = streams[static_cast<std::size_t>(h)];
+    n_max = std::max<int>(n_max, static_cast<int>(cpu.table().live_slots(st)) + cpu.table().staged_count(st));
+  }
+  INFO("max|err| " << max_err << " max|out| " << max_ref << " n " << n_max);
+  CHECK(max_err <= attention_tolerance(n_max, max_ref));
+  CHECK(sp1 == sp2);  // the sparsity pass is exact
+}
+
+}  // namespace
+
+TEST_CASE("CudaKvBackend stores, reads back and attends exactly as CpuKvBackend", "[cuda_backend]") {
+  TT_SEEDED_RNG();
+  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const Shape shapes[] = {
+      {"Llama D=128 g=16 B=16 R4E4T2", 128, 16, 16, thinkv::kR4E4T2},
+      {"D=128 g=16 B=128 R8E4T2", 128, 16, 128, precision_map("R8E4T2")},
+      {"stories260K D=8 g=8 B=16 R8E8T4", 8, 8, 16, precision_map("R8E8T4")},
+      {"D=64 g=32 B=32 BF16+FP8 R16E8T8", 64, 32, 32, precision_map("R16E8T8")},
+      {"D=256 g=16 B=16 R4E4T2", 256, 16, 16, thinkv::kR4E4T2},
+  };
+  for (const Shape& sh : shapes) {
+    DYNAMIC_SECTION(sh.name) {
+      const int streams = 6;
+      const int max_tokens = small ? 96 : 400;
+      const CacheConfig cfg = make_config(sh, streams, max_tokens);
+      PagedKvCache<CpuKvBackend> cpu(cfg);
+      PagedKvCache<CudaKvBackend> gpu(cfg);
+      for (int s = 0; s < streams; ++s) append_both(cpu, gpu, s, 1 + static_cast<int>(rng() % max_tokens), rng);
+      compare_storage(cpu, gpu);
+      // Evict 30-70% of each stream's live slots, then append again: commits reuse them in place.
+      for (int s = 0; s < streams; ++s) {
+        auto live = cpu.table().live_slot_list(s);
+        std::shuffle(live.begin(), live.end(), rng);
+        live.resize(live.size() * (3 + rng() % 5) / 10);
+        REQUIRE(cpu.evict(s, live).is_ok());
+        REQUIRE(gpu.evict(s, live).is_ok());
+      }
+      for (int s = 0; s < streams; ++s) append_both(cpu, gpu, s, 1 + static_cast<int>(rng() % max_tokens), rng);
+      CHECK(cpu.table().stats().slots_reused > 0);
+      compare_storage(cpu, gpu);
+      compare_tokens(cpu, gpu);
+      compare_attention(cpu, gpu, 4, rng);
+      compare_attention(cpu, gpu, 1, rng);
+      // End of a sequence: stream 0 forgets its scales on both sides.
+      REQUIRE(cpu.reset_stream(0).is_ok());
+      REQUIRE(gpu.reset_stream(0).is_ok());
+      compare_storage(cpu, gpu);
+    }
+  }
+}
+
+TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[cuda_backend]") {
+  TT_SEEDED_RNG();
+  thinkv::ThinKvConfig c;
+  c.mode = thinkv::CacheMode::kThinKv;
+  c.num_sequences = 1;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 8;
+  c.head_dim = 64;
+  c.group_size = 16;
+  c.block_size = 16;
+  c.max_tokens = 1200;
+  c.segment_len = 64;
+  c.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
+  c.token_budget = 160;
+  c.precision = thinkv::kR4E4T2;
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  thinkv::ThinKvCache<CpuKvBackend> cpu(c);
+  thinkv::ThinKvCache<CudaKvBackend> gpu(c);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 700;
+  std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), o1(q.size()), o2(q.size());
+  float sharp = 1.0f;
+  double worst = 0;
+  for (int t = 0; t < steps; ++t) {
+    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    REQUIRE(cpu.begin_token(0).is_ok());
+    REQUIRE(gpu.begin_token(0).is_ok());
+    for (int l = 0; l < c.num_layers; ++l) {
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      for (auto& x : q) x = nd(rng) * sharp;
+      REQUIRE(cpu.append(0, l, k, v).is_ok());
+      REQUIRE(gpu.append(0, l, k, v).is_ok());
+      REQUIRE(cpu.attend(0, l, q, o1).is_ok());
+      const thinkv::Status s = gpu.attend(0, l, q, o2);
+      INFO("t " << t << " layer " << l << ": " << s.to_string());
+      REQUIRE(s.is_ok());
+      double max_ref = 0, max_err = 0;
+      for (std::size_t i = 0; i < o1.size(); ++i) {
+        max_ref = std::max(max_ref, std::fabs(static_cast<double>(o1[i])));
+        max_err = std::max(max_err, std::fabs(static_cast<double>(o1[i]) - o2[i]));
+      }
+      worst = std::max(worst, max_err / std::max(max_ref, 1e-30));
+      REQUIRE(max_err <= attention_tolerance(static_cast<int>(cpu.live_tokens(0)), max_ref));
+    }
+    REQUIRE(cpu.end_token(0).is_ok());
+    REQUIRE(gpu.end_token(0).is_ok());
+    REQUIRE(cpu.tracker(0).current() == gpu.tracker(0).current());
+    REQUIRE(cpu.live_tokens(0) == gpu.live_tokens(0));
+  }
+  INFO("worst err / max|out| " << worst);
+  CHECK(cpu.stats().tokens_evicted == gpu.stats().tokens_evicted);
+  CHECK(cpu.stats().tokens_evicted > 0);
+  CHECK(cpu.stats().refreshes == gpu.stats().refreshes);
+  CHECK(cpu.tracker(0).stats().refresh_histogram == gpu.tracker(0).stats().refresh_histogram);
+  compare_storage(cpu.paged(), gpu.paged());
+}
+
+TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_backend]") {
+  SECTION("use before init") {
+    CudaKvBackend b;
+    float x[8] = {};
+    const thinkv::Status s = b.stage(0, 0, x, x);
+    CHECK(s.code() == thinkv::StatusCode::kInvalidArgument);
+    CHECK(s.message().find("init") != std::string::npos);
+  }
+  SECTION("an attention shape the kernel does not serve") {
+    const Shape sh{"D=32", 32, 16, 16, thinkv::kR4E4T2};
+    const CacheConfig cfg = make_config(sh, 1, 64);
+    PagedKvCache<CudaKvBackend> gpu(cfg);
+    std::vector<float> k(32, 0.5f), v(32, 0.25f), q(32, 1.0f), out(32);
+    REQUIRE(gpu.append(0, k, v, thinkv::ThoughtType::kReasoning).is_ok());
+    std::int32_t stream = 0;
+    thinkv::DecodeAttentionArgs a;
+    a.num_q_heads = 1;
+    a.num_kv_heads = 1;
+    a.kv_streams = &stream;
+    a.q = q.data();
+    a.out = out.data();
+    const thinkv::Status s = gpu.attend(a);
+    CHECK(s.code() == thinkv::StatusCode::kUnsupported);
+    CHECK(s.message().find("head_dim 32") != std::string::npos);
+  }
+  SECTION("device memory exhausted at init") {
+    CacheConfig cfg;
+    cfg.num_streams = 1;
+    cfg.head_dim = 256;
+    cfg.group_size = 16;
+    cfg.block_size = 16;
+    cfg.precision = precision_map("R16E16T16");
+    cfg.pool_blocks[static_cast<int>(Precision::kBf16)] = 1 << 26;  // 1 TiB of BF16 pages
+    CudaKvBackend b;
+    const thinkv::Status s = b.init(cfg);
+    INFO(s.to_string());
+    CHECK(s.code() == thinkv::StatusCode::kPoolExhausted);
+    CHECK(s.message().find("bytes") != std::string::npos);
+  }
+}
