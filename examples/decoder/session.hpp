@@ -18,16 +18,41 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <stdexcept>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "model.hpp"
 #include "sampler.hpp"
+#include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/thinkv_cache.hpp"
 #include "transformer.hpp"
 
 namespace thinkv::decoder {
+
+/// The cache a session decodes into: ThinKvCache over a backend chosen at run time (CPU by
+/// default; the CLI's --backend cuda gives CudaKvBackend).
+using SessionCache = ThinKvCache<DynamicBackend>;
+/// Makes the backend of each cache a session builds (empty: CpuKvBackend).
+using BackendFactory = std::function<std::unique_ptr<KvBackend>()>;
+
+/// Builds a session cache; a ConfigError or a backend that cannot initialise becomes a Status.
+inline Status make_session_cache(const ThinKvConfig& cfg, const BackendFactory& backend,
+                                 std::unique_ptr<SessionCache>& out) {
+  std::unique_ptr<KvBackend> b = backend ? backend() : std::make_unique<BackendModel<CpuKvBackend>>();
+  if (!b) return {StatusCode::kInvalidArgument, "the backend factory returned no backend"};
+  const bool cuda = b->name() == "cuda";
+  try {
+    out = std::make_unique<SessionCache>(cfg, DynamicBackend(std::move(b)));
+  } catch (const ConfigError& e) {
+    return e.status();
+  } catch (const std::runtime_error& e) {  // the backend could not initialise (message says why)
+    return {cuda ? StatusCode::kCudaError : StatusCode::kInternal, e.what()};
+  }
+  return Status::ok();
+}
 
 struct RunOptions {
   int steps = 0;             ///< tokens to generate
@@ -46,7 +71,9 @@ struct RunOptions {
   /// Called with the logits that choose generated token `step`.
   std::function<void(int step, std::span<const float> logits)> on_logits;
   /// Called after every forward pass that produced logits for generated token `step`.
-  std::function<Status(int step, const ThinKvCache<>& cache)> after_step;
+  std::function<Status(int step, const SessionCache& cache)> after_step;
+  /// Backend of the caches the run builds (empty: CpuKvBackend).
+  BackendFactory backend;
 };
 
 struct RunStats {
@@ -75,12 +102,8 @@ inline Status run_sequence(const Model& model, const ThinKvConfig& cfg,
                            const std::vector<int>& prompt, const RunOptions& opt, RunStats& out) {
   if (prompt.empty())
     return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
-  std::unique_ptr<ThinKvCache<>> cache;
-  try {
-    cache = std::make_unique<ThinKvCache<>>(cfg);
-  } catch (const ConfigError& e) {
-    return e.status();
-  }
+  std::unique_ptr<SessionCache> cache;
+  THINKV_RETURN_IF_ERROR(make_session_cache(cfg, opt.backend, cache));
   Transformer tf(model, opt.threads);
   if (opt.kv_hook) tf.set_kv_hook(opt.kv_hook);
   const int steps = opt.forced != nullptr ? static_cast<int>(opt.forced->size()) : opt.steps;
@@ -154,13 +177,9 @@ inline Status measure_fidelity(const Model& model, const ThinKvConfig& full_cfg,
                                const std::vector<int>* mode_tokens, Fidelity& out) {
   if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens"};
   if (steps < 1) return {StatusCode::kInvalidArgument, "fidelity needs at least one step"};
-  std::unique_ptr<ThinKvCache<>> full, mode;
-  try {
-    full = std::make_unique<ThinKvCache<>>(full_cfg);
-    mode = std::make_unique<ThinKvCache<>>(mode_cfg);
-  } catch (const ConfigError& e) {
-    return e.status();
-  }
+  std::unique_ptr<SessionCache> full, mode;
+  THINKV_RETURN_IF_ERROR(make_session_cache(full_cfg, base.backend, full));
+  THINKV_RETURN_IF_ERROR(make_session_cache(mode_cfg, base.backend, mode));
   Transformer tf(model, base.threads);
   Transformer tm(model, base.threads);
   if (base.kv_hook) tm.set_kv_hook(base.kv_hook);

@@ -18,6 +18,9 @@
 
 #include "../decoder/cli_util.hpp"
 #include "../decoder/decoder.hpp"
+#if defined(THINKV_HAVE_KERNELS)
+#include "thinkv/backend/cuda_backend.hpp"
+#endif
 #include "thinkv/thought/calibration_file.hpp"
 #include "thinkv/util/json.hpp"
 
@@ -31,7 +34,8 @@ constexpr const char* kGenerateUsage =
     "usage: thinkv generate --model PATH --steps N [--prompt TEXT] [--mode full|tbq|tbe|thinkv]\n"
     "                       [--budget K] [--tokenizer PATH] [--temperature T] [--seed S]\n"
     "                       [--compare full] [--calibration calib.json] [--group G] [--segment L]\n"
-    "                       [--tau T] [--precision R4E4T2] [--threads N] [--json] [--progress]\n";
+    "                       [--tau T] [--precision R4E4T2] [--threads N] [--backend cpu|cuda]\n"
+    "                       [--json] [--progress]\n";
 
 constexpr const char* kGenerateHelp =
     "\n"
@@ -65,6 +69,10 @@ constexpr const char* kGenerateHelp =
     "                       FullKV tokens, first divergent step\n"
     "  --threads N          threads for the matrix products (default: all cores, or "
     "$THINKV_THREADS)\n"
+    "  --backend B          where the KV cache lives and attention runs: cpu (default, the\n"
+    "                       reference) or cuda (CudaKvBackend on the current GPU: pages in device\n"
+    "                       memory, quantize-append and decode-attention kernels; needs a CUDA\n"
+    "                       build and a GPU). The model itself runs on the CPU either way.\n"
     "  --json               print one JSON object as the last line of stdout\n"
     "  --progress           progress line on stderr (default: only when stderr is a terminal and\n"
     "                       stdout is not)\n"
@@ -233,6 +241,7 @@ struct GenerateArgs {
   bool progress = default_progress();
   bool help = false;
   int threads = 0;
+  std::string backend = "cpu";
 };
 
 int parse_generate(int argc, char** argv, GenerateArgs& a) {
@@ -294,6 +303,12 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
         return usage_error(cmd, kGenerateUsage,
                            "--threads " + std::string(v) + ": must be an integer in 1..1024");
       }
+    } else if (n == "--backend") {
+      if (!need("a backend") || (v != "cpu" && v != "cuda")) {
+        return usage_error(cmd, kGenerateUsage,
+                           "--backend " + std::string(v) + ": must be cpu or cuda");
+      }
+      a.backend = v;
     } else if (n == "--json") {
       if (!o.is_flag()) return usage_error(cmd, kGenerateUsage, "--json takes no value");
       a.json = true;
@@ -368,6 +383,17 @@ int run_generate(int argc, char** argv) {
   ro.bos_id = tok.bos_id;
   ro.eos_id = tok.eos_id;
   ro.threads = threads;
+  if (a.backend == "cuda") {
+#if defined(THINKV_HAVE_KERNELS)
+    ro.backend = [] { return std::make_unique<BackendModel<CudaKvBackend>>(); };
+#else
+    std::fprintf(stderr,
+                 "thinkv generate: --backend cuda: this thinkv was built without CUDA kernels "
+                 "(thinkv::kernels); rebuild with a CUDA toolkit (nvcc) on the PATH, or use "
+                 "--backend cpu\n");
+    return kExitData;
+#endif
+  }
   const auto t_start = std::chrono::steady_clock::now();
   ro.on_token = [&](int prev, int t) {
     const std::string piece = tok.decode_piece(prev, t);
@@ -375,7 +401,7 @@ int run_generate(int argc, char** argv) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
-  ro.after_step = [&](int step, const ThinKvCache<>&) {
+  ro.after_step = [&](int step, const SessionCache&) {
     if (progress.enabled()) {
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -452,8 +478,8 @@ int run_generate(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "  speed: %d tokens generated (prompt %d) in %.3f s: %.1f tokens/s (%d forward "
-               "passes, %d threads)\n",
-               gen, P, st.seconds, tps, st.forward_passes, threads);
+               "passes, %d threads, KV backend %s)\n",
+               gen, P, st.seconds, tps, st.forward_passes, threads, a.backend.c_str());
   std::fprintf(
       stderr,
       "  KV memory: %s held (peak %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n"
@@ -505,6 +531,7 @@ int run_generate(int argc, char** argv) {
         {"seconds", json::Value::number(st.seconds)},
         {"tokens_per_s", json::Value::number(tps)},
         {"threads", json::Value::integer(threads)},
+        {"backend", json::Value::string(a.backend)},
         {"kv_bytes", json::Value::integer(mem.physical_bytes())},
         {"kv_bytes_peak", json::Value::integer(st.peak_physical_bytes)},
         {"fullkv_fp16_bytes", json::Value::integer(st.fullkv_fp16_bytes_all_positions)},

@@ -185,7 +185,7 @@ int run_trace(int argc, char** argv) {
     ro.steps = a.steps;
     ro.threads = threads;
     ro.stop_at_bos_eos = false;
-    ro.after_step = [&](int step, const ThinKvCache<>& cache) -> Status {
+    ro.after_step = [&](int step, const SessionCache& cache) -> Status {
       const std::span<const float> sp = cache.layer_sparsity(0);
       for (std::size_t l = 0; l < L; ++l) {
         if (!(sp[l] >= 0.0f && sp[l] <= 1.0f)) {

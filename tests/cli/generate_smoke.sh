@@ -27,4 +27,22 @@ grep -q -- "--steps" err.txt || fail "--steps 0: message does not name the flag"
 "$thinkv" generate --model does-not-exist.bin --steps 4 >/dev/null 2>err.txt
 [ $? -eq 1 ] || fail "a missing model did not exit 1"
 grep -q "tinyllamas" err.txt || fail "a missing model does not say where to get it"
+"$thinkv" generate --model "$models/stories260K.bin" --steps 4 --backend tpu >/dev/null 2>err.txt
+[ $? -eq 2 ] || fail "--backend tpu did not exit 2"
+
+# --backend cuda: the same text as the CPU backend on a GPU machine; elsewhere exit 1 with a
+# message saying why (a CPU-only build, or no usable CUDA device).
+cpu_text=$(printf '%s\n' "$out" | sed '$d')
+"$thinkv" generate --model "$models/stories260K.bin" --steps 64 --mode thinkv --budget 32 \
+    --backend cuda --json >cuda_out.txt 2>err.txt
+rc=$?
+if [ $rc -eq 0 ]; then
+  [ "$(sed '$d' cuda_out.txt)" = "$cpu_text" ] || fail "--backend cuda decoded other text than cpu"
+  grep -q '"backend":"cuda"' cuda_out.txt || fail "--backend cuda: JSON lacks \"backend\":\"cuda\""
+else
+  [ $rc -eq 1 ] || fail "--backend cuda exited $rc (expected 0, or 1 without a GPU)"
+  grep -qE "built without CUDA kernels|no usable CUDA device" err.txt ||
+    fail "--backend cuda failed without saying why: $(cat err.txt)"
+  echo "note: --backend cuda not run here: $(grep -oE 'built without CUDA kernels|no usable CUDA device' err.txt | head -1)"
+fi
 echo "1 passed, 0 failed"
