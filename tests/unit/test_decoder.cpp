@@ -559,7 +559,7 @@ TEST_CASE("ThinKV mode decodes 400 steps within budget; the fidelity metric catc
   ro.steps = steps;
   ro.stop_at_bos_eos = false;
   std::int64_t over = 0, unreachable_seen = 0, violations = 0;
-  ro.after_step = [&](int, const ThinKvCache<>& c) {
+  ro.after_step = [&](int, const thinkv::decoder::SessionCache& c) {
     const bool now_unreachable = c.stats().budget_unreachable > unreachable_seen;
     unreachable_seen = c.stats().budget_unreachable;
     if (c.live_tokens(0) > cfg.token_budget) {
