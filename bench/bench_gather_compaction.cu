@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench.cuh"
 #include "thinkv/kernels/gather_compaction.hpp"
 #include "thinkv/types.hpp"
 
@@ -47,24 +48,17 @@ namespace {
 
 using thinkv::kNumPrecisions;
 namespace tk = thinkv::kernels;
+using thinkv::bench::kL2FlushBytes;
+using thinkv::bench::splitmix;
+
+const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_gather_compaction"};
 
 constexpr int kD = 128;
 constexpr int kG = 16;   // group size
 constexpr int kB = 16;   // block size
 constexpr int kKvPerSeq = 8;
-constexpr std::size_t kL2FlushBytes = 2ull * 60 * 1024 * 1024;
-constexpr double kCeilingGBps = 4300.0;
 constexpr double kMaxPageBytes = 64.0 * 1024 * 1024 * 1024;  // skip configurations above this
 
-struct NoGpuSkip {  // runs before benchmark_main's main()
-  NoGpuSkip() {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-      std::fprintf(stderr, "bench_gather_compaction: no CUDA device, skipping (exit 77)\n");
-      std::exit(77);
-    }
-  }
-} const g_no_gpu_skip;
 
 enum Mode : int { kModeBf16 = 0, kModeNvfp4, kModeR4E4T2, kNumModes };
 const char* const kModeName[kNumModes] = {"BF16", "R4E4T4", "R4E4T2"};
@@ -83,12 +77,6 @@ int stream_precision(int mode, long s) {
   }
 }
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 __global__ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
   // 8 bytes per thread step; the tail byte by byte. Contents do not matter to a copy.
@@ -107,44 +95,15 @@ __global__ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) 
   }
 }
 
-#define BENCH_CUDA(call)                                                                 \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return e_;                                                                         \
-    }                                                                                    \
-  } while (0)
 
-struct Setup {
+struct Setup : thinkv::bench::DeviceAllocs {
   long tokens = 0, batch = 0, mode = 0, layers = 0;
-  std::vector<void*> allocs;
   tk::GatherCompactionParams prm{};
   double bytes_read = 0, bytes_written = 0, tokens_moved = 0;
   int splits = 1;
   void* flush = nullptr;
   std::int32_t* live_counts = nullptr;
   std::string skip;  // non-empty: configuration skipped (too large)
-
-  ~Setup() {
-    for (void* p : allocs) (void)cudaFree(p);
-  }
-  template <typename T>
-  cudaError_t alloc(T*& dst, std::size_t count) {
-    void* p = nullptr;
-    BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(count * sizeof(T), 1)));
-    allocs.push_back(p);
-    dst = static_cast<T*>(p);
-    return cudaSuccess;
-  }
-  template <typename T>
-  cudaError_t put(const T*& dst, const std::vector<T>& h) {
-    T* p = nullptr;
-    BENCH_CUDA(alloc(p, h.size()));
-    BENCH_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    dst = p;
-    return cudaSuccess;
-  }
 
   cudaError_t build() {
     std::uint64_t rng = 0xC0FFEEull + static_cast<std::uint64_t>(tokens * 131 + batch * 17 + mode * 7 + layers);
@@ -266,61 +225,26 @@ struct Setup {
   }
 };
 
-std::unique_ptr<Setup> g_setup;  // kept across the repetitions of one configuration
+thinkv::bench::SetupCache<Setup> g_setups;  // kept across the repetitions of one configuration
 
 void BM_GatherCompaction(benchmark::State& state) {
   const long tokens = state.range(0), batch = state.range(1), mode = state.range(2), layers = state.range(3);
-  if (!g_setup || g_setup->tokens != tokens || g_setup->batch != batch || g_setup->mode != mode ||
-      g_setup->layers != layers) {
-    g_setup.reset();
-    (void)cudaGetLastError();
-    auto s = std::make_unique<Setup>();
-    s->tokens = tokens;
-    s->batch = batch;
-    s->mode = mode;
-    s->layers = layers;
-    if (cudaError_t e = s->build(); e != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      return;
-    }
-    g_setup = std::move(s);
-  }
-  Setup& su = *g_setup;
+  Setup* setup = g_setups.get(state, {tokens, batch, mode, layers}, [&](Setup& s) {
+    s.tokens = tokens;
+    s.batch = batch;
+    s.mode = mode;
+    s.layers = layers;
+  });
+  if (setup == nullptr) return;
+  Setup& su = *setup;
   if (!su.skip.empty()) {
     state.SkipWithError(su.skip.c_str());
     return;
   }
-  cudaEvent_t t0, t1;
-  (void)cudaEventCreate(&t0);
-  (void)cudaEventCreate(&t1);
-  std::vector<float> ms_all;
-  int salt = 0;
-  for (auto _ : state) {
-    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, nullptr);  // flush L2, untimed
-    (void)cudaEventRecord(t0, nullptr);
-    const cudaError_t e = tk::launch_gather_compaction(su.prm, nullptr);
-    (void)cudaEventRecord(t1, nullptr);
-    const cudaError_t e2 = cudaEventSynchronize(t1);
-    if (e != cudaSuccess || e2 != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
-      break;
-    }
-    float ms = 0;
-    (void)cudaEventElapsedTime(&ms, t0, t1);
-    ms_all.push_back(ms);
-    state.SetIterationTime(ms * 1e-3);
-  }
-  (void)cudaEventDestroy(t0);
-  (void)cudaEventDestroy(t1);
-  if (ms_all.empty()) return;
-  std::sort(ms_all.begin(), ms_all.end());
-  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
-  const double bytes = su.bytes_read + su.bytes_written;
-  state.counters["bytes"] = bytes;
-  state.counters["med_us"] = med_s * 1e6;
-  state.counters["GBps"] = bytes / med_s * 1e-9;
-  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
+  const double med_s = thinkv::bench::time_launches(
+      state, [&] { return tk::launch_gather_compaction(su.prm, nullptr); }, su.flush);
+  if (med_s == 0.0) return;
+  thinkv::bench::bandwidth_counters(state, su.bytes_read + su.bytes_written, med_s);
   state.counters["step_us"] = layers == 1 ? 32.0 * med_s * 1e6 : med_s * 1e6;
   state.counters["tokens_moved"] = su.tokens_moved;
   state.counters["ctas"] = static_cast<double>(su.prm.num_streams) * su.splits;

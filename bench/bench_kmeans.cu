@@ -25,34 +25,21 @@
 #include <memory>
 #include <vector>
 
+#include "gpu_bench.cuh"
 #include "thinkv/kernels/kmeans_kernels.hpp"
 #include "thinkv/tbe/kmeans.hpp"
 
 namespace {
 
 namespace tk = thinkv::kernels;
+using thinkv::bench::hash32;
+
+const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_kmeans"};
 
 constexpr int kD = 128;
 constexpr int kN = 128;
 
-struct NoGpuSkip {  // runs before benchmark_main's main()
-  NoGpuSkip() {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-      std::fprintf(stderr, "bench_kmeans: no CUDA device, skipping (exit 77)\n");
-      std::exit(77);
-    }
-  }
-} const g_no_gpu_skip;
 
-__device__ std::uint32_t hash32(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return static_cast<std::uint32_t>(x);
-}
 
 /// Key-like points: ~N(0, 1/3) per channel, every 32nd channel x20 + 5.
 __global__ void fill_points(float* x, std::size_t count, int d, std::uint64_t seed) {
@@ -69,31 +56,10 @@ __global__ void fill_points(float* x, std::size_t count, int d, std::uint64_t se
   }
 }
 
-#define BENCH_CUDA(call)                                                                 \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return e_;                                                                         \
-    }                                                                                    \
-  } while (0)
 
-struct Setup {
+struct Setup : thinkv::bench::DeviceAllocs {
   long segments = 0, k = 0;
-  std::vector<void*> allocs;
   tk::KmeansSelectParams prm{};
-
-  ~Setup() {
-    for (void* p : allocs) (void)cudaFree(p);
-  }
-  template <typename T>
-  cudaError_t alloc(T*& dst, std::size_t count) {
-    void* p = nullptr;
-    BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(count * sizeof(T), 1)));
-    allocs.push_back(p);
-    dst = static_cast<T*>(p);
-    return cudaSuccess;
-  }
 
   cudaError_t build() {
     const auto S = static_cast<std::size_t>(segments);
@@ -143,47 +109,20 @@ struct Setup {
   }
 };
 
-std::unique_ptr<Setup> g_setup;  // kept across the repetitions of one configuration
+thinkv::bench::SetupCache<Setup> g_setups;  // kept across the repetitions of one configuration
 
 void BM_KmeansSelect(benchmark::State& state) {
   const long segments = state.range(0), k = state.range(1);
-  if (!g_setup || g_setup->segments != segments || g_setup->k != k) {
-    g_setup.reset();
-    (void)cudaGetLastError();
-    auto s = std::make_unique<Setup>();
-    s->segments = segments;
-    s->k = k;
-    if (cudaError_t e = s->build(); e != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      return;
-    }
-    g_setup = std::move(s);
-  }
-  Setup& su = *g_setup;
-  cudaEvent_t t0, t1;
-  (void)cudaEventCreate(&t0);
-  (void)cudaEventCreate(&t1);
-  std::vector<float> ms_all;
-  for (auto _ : state) {
-    (void)cudaEventRecord(t0, nullptr);
-    const cudaError_t e = tk::launch_kmeans_select(su.prm, nullptr);
-    (void)cudaEventRecord(t1, nullptr);
-    const cudaError_t e2 = cudaEventSynchronize(t1);
-    if (e != cudaSuccess || e2 != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
-      break;
-    }
-    float ms = 0;
-    (void)cudaEventElapsedTime(&ms, t0, t1);
-    ms_all.push_back(ms);
-    state.SetIterationTime(ms * 1e-3);
-  }
-  (void)cudaEventDestroy(t0);
-  (void)cudaEventDestroy(t1);
-  if (ms_all.empty()) return;
-  std::sort(ms_all.begin(), ms_all.end());
-  const double med_us = ms_all[ms_all.size() / 2] * 1e3;
+  Setup* setup = g_setups.get(state, {segments, k}, [&](Setup& s) {
+    s.segments = segments;
+    s.k = k;
+  });
+  if (setup == nullptr) return;
+  Setup& su = *setup;
+  const double med_s = thinkv::bench::time_launches(
+      state, [&] { return tk::launch_kmeans_select(su.prm, nullptr); }, nullptr);  // no L2 flush
+  if (med_s == 0.0) return;
+  const double med_us = med_s * 1e6;
   state.counters["us_launch"] = med_us;
   state.counters["us_segment"] = med_us / static_cast<double>(segments);
   state.counters["Msegments_s"] = static_cast<double>(segments) / med_us;

@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench.cuh"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/types.hpp"
 
@@ -52,18 +53,13 @@ constexpr int kG = 16;   // group size
 constexpr int kB = 16;   // block size
 constexpr int kQPerSeq = 32;
 constexpr int kKvPerSeq = 8;
-constexpr std::size_t kL2FlushBytes = 2ull * 60 * 1024 * 1024;
-constexpr double kCeilingGBps = 4300.0;
+using thinkv::bench::hash32;
+using thinkv::bench::kCeilingGBps;
+using thinkv::bench::kL2FlushBytes;
+using thinkv::bench::splitmix;
 
-struct NoGpuSkip {  // runs before benchmark_main's main()
-  NoGpuSkip() {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-      std::fprintf(stderr, "bench_paged_attention: no CUDA device, skipping (exit 77)\n");
-      std::exit(77);
-    }
-  }
-} const g_no_gpu_skip;
+const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_paged_attention"};
+
 
 // Precision modes of the benchmark (argument 2).
 enum Mode : int { kModeBf16 = 0, kModeFp8, kModeNvfp4, kModeTernary, kModeR4E4T2, kNumModes };
@@ -85,21 +81,7 @@ int block_precision(int mode, std::size_t k) {
   }
 }
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
-__device__ std::uint32_t hash32(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return static_cast<std::uint32_t>(x);
-}
 
 /// Random page bytes that decode to finite values; E4M3 scale bytes in [0.5, 1).
 __global__ void fill_pages(std::uint8_t* pages, std::size_t n, std::size_t pb, std::size_t data_bytes,
@@ -130,44 +112,15 @@ __global__ void fill_bytes_sane_e4m3(std::uint8_t* p, std::size_t n, std::uint64
   }
 }
 
-#define BENCH_CUDA(call)                                                                 \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return e_;                                                                         \
-    }                                                                                    \
-  } while (0)
 
 /// The synthetic cache, the launch parameters and the byte count of one configuration.
-struct Setup {
+struct Setup : thinkv::bench::DeviceAllocs {
   long tokens = 0, batch = 0, mode = 0, evict_pct = 0;
-  std::vector<void*> allocs;
   tk::PagedKvView view{};
   tk::DecodeAttentionParams prm{};
   double bytes_read = 0, bytes_written = 0;
   int splits = 1;
   void* flush = nullptr;
-
-  ~Setup() {
-    for (void* p : allocs) (void)cudaFree(p);
-  }
-  template <typename T>
-  cudaError_t alloc(T*& dst, std::size_t count) {
-    void* p = nullptr;
-    BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(count * sizeof(T), 1)));
-    allocs.push_back(p);
-    dst = static_cast<T*>(p);
-    return cudaSuccess;
-  }
-  template <typename T>
-  cudaError_t put(const T*& dst, const std::vector<T>& h) {
-    T* p = nullptr;
-    BENCH_CUDA(alloc(p, h.size()));
-    BENCH_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    dst = p;
-    return cudaSuccess;
-  }
 
   cudaError_t build() {
     std::uint64_t rng = 0x5EEDull + static_cast<std::uint64_t>(tokens * 131 + batch * 17 + mode * 7 + evict_pct);
@@ -322,57 +275,22 @@ struct Setup {
   }
 };
 
-std::unique_ptr<Setup> g_setup;  // kept across the repetitions of one configuration
+thinkv::bench::SetupCache<Setup> g_setups;  // kept across the repetitions of one configuration
 
 void BM_PagedDecodeAttention(benchmark::State& state) {
   const long tokens = state.range(0), batch = state.range(1), mode = state.range(2), ev = state.range(3);
-  if (!g_setup || g_setup->tokens != tokens || g_setup->batch != batch || g_setup->mode != mode ||
-      g_setup->evict_pct != ev) {
-    g_setup.reset();
-    (void)cudaGetLastError();
-    auto s = std::make_unique<Setup>();
-    s->tokens = tokens;
-    s->batch = batch;
-    s->mode = mode;
-    s->evict_pct = ev;
-    if (cudaError_t e = s->build(); e != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      return;
-    }
-    g_setup = std::move(s);
-  }
-  Setup& su = *g_setup;
-  cudaEvent_t t0, t1;
-  (void)cudaEventCreate(&t0);
-  (void)cudaEventCreate(&t1);
-  std::vector<float> ms_all;
-  int salt = 0;
-  for (auto _ : state) {
-    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, nullptr);  // flush L2, untimed
-    (void)cudaEventRecord(t0, nullptr);
-    const cudaError_t e = tk::launch_paged_decode_attention(su.view, su.prm, nullptr);
-    (void)cudaEventRecord(t1, nullptr);
-    const cudaError_t e2 = cudaEventSynchronize(t1);
-    if (e != cudaSuccess || e2 != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
-      break;
-    }
-    float ms = 0;
-    (void)cudaEventElapsedTime(&ms, t0, t1);
-    ms_all.push_back(ms);
-    state.SetIterationTime(ms * 1e-3);
-  }
-  (void)cudaEventDestroy(t0);
-  (void)cudaEventDestroy(t1);
-  if (ms_all.empty()) return;
-  std::sort(ms_all.begin(), ms_all.end());
-  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
-  const double bytes = su.bytes_read + su.bytes_written;
-  state.counters["bytes"] = bytes;
-  state.counters["med_us"] = med_s * 1e6;
-  state.counters["GBps"] = bytes / med_s * 1e-9;
-  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
+  Setup* setup = g_setups.get(state, {tokens, batch, mode, ev}, [&](Setup& s) {
+    s.tokens = tokens;
+    s.batch = batch;
+    s.mode = mode;
+    s.evict_pct = ev;
+  });
+  if (setup == nullptr) return;
+  Setup& su = *setup;
+  const double med_s = thinkv::bench::time_launches(
+      state, [&] { return tk::launch_paged_decode_attention(su.view, su.prm, nullptr); }, su.flush);
+  if (med_s == 0.0) return;
+  thinkv::bench::bandwidth_counters(state, su.bytes_read + su.bytes_written, med_s);
   state.counters["ctas"] = static_cast<double>(su.prm.num_kv_heads) * su.splits;
   state.counters["splits"] = static_cast<double>(su.splits);
   state.SetLabel(kModeName[mode] + std::string(ev ? " evict50" : " evict0"));
@@ -407,23 +325,14 @@ void BM_ModelStep(benchmark::State& state) {
   constexpr int kLayers = 32;
   const long ev = state.range(0), graph = state.range(1);
   const long batch = 64, tokens = 1024;
-  if (!g_setup || g_setup->tokens != tokens || g_setup->batch != batch * kLayers || g_setup->mode != kModeR4E4T2 ||
-      g_setup->evict_pct != ev) {
-    g_setup.reset();
-    (void)cudaGetLastError();
-    auto s = std::make_unique<Setup>();
-    s->tokens = tokens;
-    s->batch = batch * kLayers;
-    s->mode = kModeR4E4T2;
-    s->evict_pct = ev;
-    if (cudaError_t e = s->build(); e != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      return;
-    }
-    g_setup = std::move(s);
-  }
-  Setup& su = *g_setup;
+  Setup* setup = g_setups.get(state, {tokens, batch * kLayers, kModeR4E4T2, ev}, [&](Setup& s) {
+    s.tokens = tokens;
+    s.batch = batch * kLayers;
+    s.mode = kModeR4E4T2;
+    s.evict_pct = ev;
+  });
+  if (setup == nullptr) return;
+  Setup& su = *setup;
   const int hkv = static_cast<int>(batch * kKvPerSeq), hq = static_cast<int>(batch * kQPerSeq);
   std::vector<tk::DecodeAttentionParams> layer(kLayers, su.prm);
   void* ws = nullptr;
@@ -462,39 +371,14 @@ void BM_ModelStep(benchmark::State& state) {
     }
     (void)cudaGraphDestroy(g);
   }
-  cudaEvent_t t0, t1;
-  (void)cudaEventCreate(&t0);
-  (void)cudaEventCreate(&t1);
-  std::vector<float> ms_all;
-  int salt = 0;
-  for (auto _ : state) {
-    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, stream);
-    (void)cudaEventRecord(t0, stream);
-    const cudaError_t e = graph ? cudaGraphLaunch(exec, stream) : step();
-    (void)cudaEventRecord(t1, stream);
-    const cudaError_t e2 = cudaEventSynchronize(t1);
-    if (e != cudaSuccess || e2 != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
-      break;
-    }
-    float ms = 0;
-    (void)cudaEventElapsedTime(&ms, t0, t1);
-    ms_all.push_back(ms);
-    state.SetIterationTime(ms * 1e-3);
-  }
+  const double med_s = thinkv::bench::time_launches(
+      state, [&] { return graph ? cudaGraphLaunch(exec, stream) : step(); }, su.flush, stream);
   if (exec) (void)cudaGraphExecDestroy(exec);
-  (void)cudaEventDestroy(t0);
-  (void)cudaEventDestroy(t1);
   (void)cudaStreamDestroy(stream);
   (void)cudaFree(ws);
-  if (ms_all.empty()) return;
-  std::sort(ms_all.begin(), ms_all.end());
-  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
+  if (med_s == 0.0) return;
   const double bytes = su.bytes_read + su.bytes_written;  // all 32 layers
-  state.counters["bytes"] = bytes;
-  state.counters["med_us"] = med_s * 1e6;
-  state.counters["GBps"] = bytes / med_s * 1e-9;
-  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
+  thinkv::bench::bandwidth_counters(state, bytes, med_s);
   state.counters["roofline_us"] = bytes / (kCeilingGBps * 1e9) * 1e6;
   state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (ev ? " evict50" : " evict0") +
                  (graph ? " graph" : " launches"));

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench.cuh"
 #include "thinkv/kernels/quantize_append.hpp"
 #include "thinkv/types.hpp"
 
@@ -42,44 +43,24 @@ namespace {
 using thinkv::kNumPrecisions;
 using thinkv::Precision;
 namespace tk = thinkv::kernels;
+using thinkv::bench::hash32;
+using thinkv::bench::kL2FlushBytes;
+using thinkv::bench::splitmix;
+
+const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_quantize_append"};
 
 constexpr int kD = 128;
 constexpr int kG = 16;  // group size
 constexpr int kB = 16;  // block size
 constexpr int kLayers = 32;
 constexpr int kKvHeads = 8;
-constexpr std::size_t kL2FlushBytes = 2ull * 60 * 1024 * 1024;
-constexpr double kCeilingGBps = 4300.0;
 
-struct NoGpuSkip {  // runs before benchmark_main's main()
-  NoGpuSkip() {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-      std::fprintf(stderr, "bench_quantize_append: no CUDA device, skipping (exit 77)\n");
-      std::exit(77);
-    }
-  }
-} const g_no_gpu_skip;
 
 int bits_of(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
 std::size_t row_bytes(int p) { return static_cast<std::size_t>(kD * bits_of(p) / 8); }
 std::size_t page_bytes(int p) { return kB * (2 * row_bytes(p) + (p == 0 ? 0 : kD / kG)); }
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
-__device__ std::uint32_t hash32(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return static_cast<std::uint32_t>(x);
-}
 
 /// Random BF16 values with exponent 125..128 (|x| in [2^-2, 2^2)), random sign and mantissa.
 __global__ void fill_staging(std::uint16_t* x, std::size_t n, std::uint64_t seed) {
@@ -91,40 +72,13 @@ __global__ void fill_staging(std::uint16_t* x, std::size_t n, std::uint64_t seed
   }
 }
 
-#define BENCH_CUDA(call)                                                                 \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return e_;                                                                         \
-    }                                                                                    \
-  } while (0)
 
-struct Setup {
+struct Setup : thinkv::bench::DeviceAllocs {
   long batch = 0, scatter = 0, fresh_s2 = 0;
-  std::vector<void*> allocs;
   tk::QuantizeAppendParams prm{};
   std::size_t s2_bytes = 0;
   double bytes_read = 0, bytes_written = 0;
   void* flush = nullptr;
-
-  ~Setup() {
-    for (void* p : allocs) (void)cudaFree(p);
-  }
-  template <typename T>
-  cudaError_t alloc(T*& dst, std::size_t count) {
-    void* p = nullptr;
-    BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(count * sizeof(T), 1)));
-    allocs.push_back(p);
-    dst = static_cast<T*>(p);
-    return cudaSuccess;
-  }
-  template <typename T>
-  cudaError_t put(T*& dst, const std::vector<T>& h) {
-    BENCH_CUDA(alloc(dst, h.size()));
-    BENCH_CUDA(cudaMemcpy(dst, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return cudaSuccess;
-  }
 
   cudaError_t build() {
     std::uint64_t rng = 0x0A99E2Dull + static_cast<std::uint64_t>(batch * 31 + scatter * 7 + fresh_s2);
@@ -240,58 +194,26 @@ struct Setup {
   }
 };
 
-std::unique_ptr<Setup> g_setup;  // kept across the repetitions of one configuration
+thinkv::bench::SetupCache<Setup> g_setups;  // kept across the repetitions of one configuration
 
 void BM_QuantizeAppend(benchmark::State& state) {
   const long batch = state.range(0), scatter = state.range(1), fresh = state.range(2);
-  if (!g_setup || g_setup->batch != batch || g_setup->scatter != scatter || g_setup->fresh_s2 != fresh) {
-    g_setup.reset();
-    (void)cudaGetLastError();
-    auto s = std::make_unique<Setup>();
-    s->batch = batch;
-    s->scatter = scatter;
-    s->fresh_s2 = fresh;
-    if (cudaError_t e = s->build(); e != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e));
-      (void)cudaGetLastError();
-      return;
-    }
-    g_setup = std::move(s);
-  }
-  Setup& su = *g_setup;
-  cudaEvent_t t0, t1;
-  (void)cudaEventCreate(&t0);
-  (void)cudaEventCreate(&t1);
-  std::vector<float> ms_all;
-  int salt = 0;
-  for (auto _ : state) {
-    (void)cudaMemsetAsync(su.flush, ++salt & 0xFF, kL2FlushBytes, nullptr);  // flush L2, untimed
-    if (su.fresh_s2) (void)cudaMemsetAsync(su.prm.cache.s2, 0, su.s2_bytes, nullptr);
-    (void)cudaEventRecord(t0, nullptr);
-    const cudaError_t e = tk::launch_quantize_append(su.prm, nullptr);
-    (void)cudaEventRecord(t1, nullptr);
-    const cudaError_t e2 = cudaEventSynchronize(t1);
-    if (e != cudaSuccess || e2 != cudaSuccess) {
-      state.SkipWithError(cudaGetErrorString(e != cudaSuccess ? e : e2));
-      break;
-    }
-    float ms = 0;
-    (void)cudaEventElapsedTime(&ms, t0, t1);
-    ms_all.push_back(ms);
-    state.SetIterationTime(ms * 1e-3);
-  }
-  (void)cudaEventDestroy(t0);
-  (void)cudaEventDestroy(t1);
-  if (ms_all.empty()) return;
-  std::sort(ms_all.begin(), ms_all.end());
-  const double med_s = ms_all[ms_all.size() / 2] * 1e-3;
-  const double bytes = su.bytes_read + su.bytes_written;
+  Setup* setup = g_setups.get(state, {batch, scatter, fresh}, [&](Setup& s) {
+    s.batch = batch;
+    s.scatter = scatter;
+    s.fresh_s2 = fresh;
+  });
+  if (setup == nullptr) return;
+  Setup& su = *setup;
+  const double med_s = thinkv::bench::time_launches(
+      state, [&] { return tk::launch_quantize_append(su.prm, nullptr); }, su.flush, nullptr, [&] {
+        if (su.fresh_s2) (void)cudaMemsetAsync(su.prm.cache.s2, 0, su.s2_bytes, nullptr);  // untimed
+      });
+  if (med_s == 0.0) return;
+  thinkv::bench::bandwidth_counters(state, su.bytes_read + su.bytes_written, med_s);
   state.counters["jobs"] = static_cast<double>(su.prm.num_jobs);
   state.counters["bytes_read"] = su.bytes_read;
   state.counters["bytes_written"] = su.bytes_written;
-  state.counters["med_us"] = med_s * 1e6;
-  state.counters["GBps"] = bytes / med_s * 1e-9;
-  state.counters["frac_4p3TBs"] = bytes / med_s * 1e-9 / kCeilingGBps;
   state.SetLabel(std::string("R4E4T2") + (scatter ? " scattered" : " fresh-block") + (fresh ? " s2-unset" : ""));
 }
 
