@@ -375,6 +375,12 @@ int main() {
     run_case({"D=128 g=8 8q/1kv B=100", 128, 8, 100, 8, 1, 1, map, 500, 2000, 1.0f, 0.0f}, rng);
     run_case({"D=64 g=16 8q/4kv B=16 scale=0.2", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.2f}, rng);
     run_case({"D=128 g=16 32q/8kv staged only", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f}, rng);
+    // GQA groups that are not powers of two run in the next larger instance with padded heads
+    // (Qwen2.5-1.5B: 12q/2kv, G = 6; Qwen2.5-7B: 28q/4kv, G = 7; G = 3, 5).
+    run_case({"G=3 D=64 g=16 12q/4kv B=16", 64, 16, 16, 12, 4, 1, map, 100, 500, 1.0f, 0.0f}, rng);
+    run_case({"G=5 D=128 g=16 10q/2kv B=32", 128, 16, 32, 10, 2, 1, map, 100, 500, 1.5f, 0.0f}, rng);
+    run_case({"G=6 D=128 g=16 12q/2kv B=16", 128, 16, 16, 12, 2, 1, map, 200, 800, 1.0f, 0.0f}, rng);
+    run_case({"G=7 D=128 g=16 28q/4kv B=16", 128, 16, 16, 28, 4, 1, map, 200, 800, 1.0f, 0.0f}, rng);
     // Split-K: one chunk (no split), odd chunk counts whose boundaries fall inside blocks
     // (B = 100 and 128 with 16-slot tiles; B = 16 with 32-slot tiles at D = 64), many chunks
     // (most empty for these short streams), and staged-only streams split many ways.
