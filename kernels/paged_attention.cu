@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "thinkv/formats/bf16.hpp"
+#include "thinkv/formats/fp16_placement.hpp"
 #include "thinkv/formats/group_quant.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/reference/attention.hpp"
@@ -437,7 +438,7 @@ __device__ __forceinline__ Raw<P> load_raw(const std::uint8_t* p, bool vec) {
 /// FP16 subnormals with the same factor). Codes 0x7F / 0xFF (NaN) are never stored (the encoder
 /// saturates finite inputs and the cache refuses NaN).
 __device__ __forceinline__ float2 e4m3x2_scaled(std::uint32_t w) {
-  const std::uint32_t h = ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+  const std::uint32_t h = e4m3x2_to_fp16x2(w);  // thinkv/formats/fp16_placement.hpp
   return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
                      __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
 }
@@ -445,7 +446,7 @@ __device__ __forceinline__ float2 e4m3x2_scaled(std::uint32_t w) {
 /// Two E2M1 codes (nibbles 0 and 1 of `w`) -> two floats times 2^-14, exactly (exponent and
 /// mantissa bits at FP16 bits 11..9).
 __device__ __forceinline__ float2 e2m1x2_scaled(std::uint32_t w) {
-  const std::uint32_t h = ((w & 0x7u) << 9) | ((w & 0x8u) << 12) | ((w & 0x70u) << 21) | ((w & 0x80u) << 24);
+  const std::uint32_t h = e2m1x2_to_fp16x2(w);
   return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
                      __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
 }
@@ -488,7 +489,7 @@ __device__ __forceinline__ void decode_raw(const Raw<P>& r, float (&x)[8]) {
 /// so the scales they are multiplied by are multiplied by it (exact: powers of two).
 template <int P>
 constexpr float elem_unscale() {
-  return P == 1 ? 256.0f : P == 2 ? 16384.0f : 1.0f;
+  return P == 1 ? kE4M3Fp16Unscale : P == 2 ? kE2M1Fp16Unscale : 1.0f;
 }
 
 template <int D, int G>
@@ -587,7 +588,7 @@ __device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeA
           float f[8];
           decode_raw<1>(sr, f);  // scale codes times 2^-8
 #pragma unroll
-          for (int j = 0; j < 8; ++j) st.kscale[j] = f[j] * (rs.s2k * (256.0f * elem_unscale<P>()));
+          for (int j = 0; j < 8; ++j) st.kscale[j] = f[j] * (rs.s2k * (kE4M3Fp16Unscale * elem_unscale<P>()));
         }
       }
 #pragma unroll
@@ -633,7 +634,7 @@ __device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeA
     if (i * S::kTpi + ts >= n) continue;
     float x[8];
     decode_raw<P>(vr[i], x);
-    const float vs = P == 0 ? 1.0f : vsc[i] * (rs.s2v * (256.0f * elem_unscale<P>()));
+    const float vs = P == 0 ? 1.0f : vsc[i] * (rs.s2v * (kE4M3Fp16Unscale * elem_unscale<P>()));
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       const float w = s[i][h] * vs;

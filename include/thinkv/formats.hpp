@@ -6,5 +6,6 @@
 #include "thinkv/formats/bf16.hpp"        // IWYU pragma: export
 #include "thinkv/formats/bits.hpp"        // IWYU pragma: export
 #include "thinkv/formats/e2m1.hpp"        // IWYU pragma: export
+#include "thinkv/formats/fp16_placement.hpp"  // IWYU pragma: export
 #include "thinkv/formats/fp8_e4m3.hpp"    // IWYU pragma: export
 #include "thinkv/formats/group_quant.hpp" // IWYU pragma: export

@@ -204,6 +204,20 @@ TEST_CASE("BF16 decode matches __bfloat162float on all 65536 codes", "[oracle][b
   CHECK(mismatches == 0);
 }
 
+TEST_CASE("FP16 decode (bit-placement dequant's reference) matches __half2float on all 65536 codes",
+          "[oracle][fp16]") {
+  int bad = 0;
+  for (std::uint32_t c = 0; c < 65536; ++c) {
+    __half_raw raw;
+    raw.x = static_cast<unsigned short>(c);
+    const float want = __half2float(__half(raw));
+    const float got = thinkv::decode_fp16(static_cast<std::uint16_t>(c));
+    const bool same = std::isnan(want) ? std::isnan(got) : thinkv::float_to_bits(got) == thinkv::float_to_bits(want);
+    bad += !same;
+  }
+  CHECK(bad == 0);
+}
+
 TEST_CASE("E4M3 encode matches __nv_cvt_float_to_fp8(SATFINITE, E4M3) bit for bit",
           "[oracle][e4m3]") {
   const auto ours = [](float x) { return thinkv::encode_e4m3(x); };

@@ -802,3 +802,43 @@ TEST_CASE("report: NMSE table for docs/formats.md", "[.report]") {
                 twn / groups, opt / groups);
   }
 }
+
+TEST_CASE("FP16 bit placement of E4M3 and E2M1 codes is exact (the attention kernel's dequant)",
+          "[formats][fp16_placement]") {
+  // Every finite E4M3 code, alone and in both halves of a pair: value / 256, bit for bit.
+  int checked = 0;
+  for (unsigned lo = 0; lo < 256; ++lo) {
+    for (unsigned hi = 0; hi < 256; ++hi) {
+      if ((lo & 0x7F) == 0x7F || (hi & 0x7F) == 0x7F) continue;  // NaN codes: never stored
+      const std::uint32_t h = thinkv::e4m3x2_to_fp16x2(lo | (hi << 8) | 0xABCD0000u);  // upper bytes ignored
+      const float flo = thinkv::decode_fp16(static_cast<std::uint16_t>(h & 0xFFFF));
+      const float fhi = thinkv::decode_fp16(static_cast<std::uint16_t>(h >> 16));
+      const float want_lo = thinkv::decode_e4m3(static_cast<std::uint8_t>(lo)) / thinkv::kE4M3Fp16Unscale;
+      const float want_hi = thinkv::decode_e4m3(static_cast<std::uint8_t>(hi)) / thinkv::kE4M3Fp16Unscale;
+      if (float_to_bits(flo) != float_to_bits(want_lo) || float_to_bits(fhi) != float_to_bits(want_hi)) {
+        FAIL("E4M3 codes " << lo << ", " << hi << ": FP16 gives " << flo << ", " << fhi << ", want " << want_lo
+                           << ", " << want_hi);
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked == 254 * 254);
+  // Every pair of E2M1 codes: value / 16384, bit for bit (signed zeros included).
+  for (unsigned lo = 0; lo < 16; ++lo) {
+    for (unsigned hi = 0; hi < 16; ++hi) {
+      const std::uint32_t h = thinkv::e2m1x2_to_fp16x2(lo | (hi << 4) | 0xFFFFFF00u);  // other nibbles ignored
+      const float flo = thinkv::decode_fp16(static_cast<std::uint16_t>(h & 0xFFFF));
+      const float fhi = thinkv::decode_fp16(static_cast<std::uint16_t>(h >> 16));
+      CHECK(float_to_bits(flo) == float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(lo)) / thinkv::kE2M1Fp16Unscale));
+      CHECK(float_to_bits(fhi) == float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(hi)) / thinkv::kE2M1Fp16Unscale));
+    }
+  }
+  // decode_fp16 itself: a few hand-checked patterns (the oracle test compares all 65,536).
+  CHECK(thinkv::decode_fp16(0x3C00) == 1.0f);
+  CHECK(thinkv::decode_fp16(0xC000) == -2.0f);
+  CHECK(thinkv::decode_fp16(0x0001) == 0x1p-24f);
+  CHECK(thinkv::decode_fp16(0x7BFF) == 65504.0f);
+  CHECK(std::isinf(thinkv::decode_fp16(0xFC00)));
+  CHECK(std::isnan(thinkv::decode_fp16(0x7E00)));
+  CHECK(std::signbit(thinkv::decode_fp16(0x8000)));
+}

@@ -1,0 +1,54 @@
+#pragma once
+/// \file fp16_placement.hpp
+/// Dequantization by bit placement, as the decode-attention kernel does it (Hopper has no FP4
+/// conversion instruction): an E4M3 or E2M1 code's exponent and mantissa bits are copied into the
+/// matching bit fields of an IEEE binary16, which then holds the code's exact value times a power
+/// of two (the binary16 exponent bias is larger). No table, no branch: two codes per 32-bit word
+/// become two FP16 in one word (the low code in the low half), ready for a half2 -> float2
+/// conversion. The factor is folded into the scale the element is multiplied by.
+///
+///   E4M3 s.eeee.mmm  -> FP16 s.0eeee.mmm0000000 = value * 2^-8   (normal and subnormal codes;
+///                       the NaN codes 0x7F / 0xFF are never stored: the encoder saturates and
+///                       the cache refuses NaN)
+///   E2M1 s.ee.m      -> FP16 s.000ee.m000000000 = value * 2^-14
+///
+/// tests/unit/test_formats.cpp checks every code against decode_e4m3 / decode_e2m1;
+/// decode_fp16 is checked against cuda_fp16.h's __half2float on all 65,536 patterns
+/// (tests/oracle/).
+
+#include <cstdint>
+
+#include "thinkv/config.hpp"
+#include "thinkv/formats/bits.hpp"
+
+namespace thinkv {
+
+/// The FP16 of an E4M3 code is its value divided by this.
+inline constexpr float kE4M3Fp16Unscale = 256.0f;
+/// The FP16 of an E2M1 code is its value divided by this.
+inline constexpr float kE2M1Fp16Unscale = 16384.0f;
+
+/// Bytes 0 and 1 of `w` (E4M3 codes) -> two FP16 (low and high half of the result).
+THINKV_HD constexpr std::uint32_t e4m3x2_to_fp16x2(std::uint32_t w) noexcept {
+  return ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
+}
+
+/// Nibbles 0 and 1 of `w` (E2M1 codes) -> two FP16 (low and high half of the result).
+THINKV_HD constexpr std::uint32_t e2m1x2_to_fp16x2(std::uint32_t w) noexcept {
+  return ((w & 0x7u) << 9) | ((w & 0x8u) << 12) | ((w & 0x70u) << 21) | ((w & 0x80u) << 24);
+}
+
+/// The exact float value of an IEEE binary16 (host reference; kernels convert in hardware).
+/// Inf stays Inf; NaN becomes a quiet NaN with the payload's top bits.
+THINKV_HD constexpr float decode_fp16(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1Fu;
+  const std::uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) return bits_to_float(sign | 0x7F800000u | (man << 13));  // Inf / NaN
+  if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+  // Subnormal (or zero): man * 2^-24, exact in float.
+  const float v = static_cast<float>(man) * 0x1p-24f;
+  return sign ? -v : v;
+}
+
+}  // namespace thinkv
