@@ -243,6 +243,15 @@ inline std::size_t min_size(GgufType t) {
   return 1;
 }
 
+/// Reads one little-endian scalar of type T into `dst` (the value's u, i or f field).
+template <class T, class D>
+Status read_scalar(ByteReader& r, const std::string& what, D& dst) {
+  T x{};
+  THINKV_RETURN_IF_ERROR(r.read(x, what));
+  dst = static_cast<D>(x);
+  return Status::ok();
+}
+
 inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const std::string& key,
                          int depth) {
   if (type > 12) {
@@ -252,66 +261,16 @@ inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const 
   v.type = static_cast<GgufType>(type);
   const std::string what = "value of '" + key + "' (" + gguf_type_name(type) + ")";
   switch (v.type) {
-    case GgufType::kU8: {
-      std::uint8_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.u = x;
-      break;
-    }
-    case GgufType::kI8: {
-      std::int8_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.i = x;
-      break;
-    }
-    case GgufType::kU16: {
-      std::uint16_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.u = x;
-      break;
-    }
-    case GgufType::kI16: {
-      std::int16_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.i = x;
-      break;
-    }
-    case GgufType::kU32: {
-      std::uint32_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.u = x;
-      break;
-    }
-    case GgufType::kI32: {
-      std::int32_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.i = x;
-      break;
-    }
-    case GgufType::kU64: {
-      std::uint64_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.u = x;
-      break;
-    }
-    case GgufType::kI64: {
-      std::int64_t x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.i = x;
-      break;
-    }
-    case GgufType::kF32: {
-      float x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.f = x;
-      break;
-    }
-    case GgufType::kF64: {
-      double x = 0;
-      THINKV_RETURN_IF_ERROR(r.read(x, what));
-      v.f = x;
-      break;
-    }
+    case GgufType::kU8: THINKV_RETURN_IF_ERROR(read_scalar<std::uint8_t>(r, what, v.u)); break;
+    case GgufType::kI8: THINKV_RETURN_IF_ERROR(read_scalar<std::int8_t>(r, what, v.i)); break;
+    case GgufType::kU16: THINKV_RETURN_IF_ERROR(read_scalar<std::uint16_t>(r, what, v.u)); break;
+    case GgufType::kI16: THINKV_RETURN_IF_ERROR(read_scalar<std::int16_t>(r, what, v.i)); break;
+    case GgufType::kU32: THINKV_RETURN_IF_ERROR(read_scalar<std::uint32_t>(r, what, v.u)); break;
+    case GgufType::kI32: THINKV_RETURN_IF_ERROR(read_scalar<std::int32_t>(r, what, v.i)); break;
+    case GgufType::kU64: THINKV_RETURN_IF_ERROR(read_scalar<std::uint64_t>(r, what, v.u)); break;
+    case GgufType::kI64: THINKV_RETURN_IF_ERROR(read_scalar<std::int64_t>(r, what, v.i)); break;
+    case GgufType::kF32: THINKV_RETURN_IF_ERROR(read_scalar<float>(r, what, v.f)); break;
+    case GgufType::kF64: THINKV_RETURN_IF_ERROR(read_scalar<double>(r, what, v.f)); break;
     case GgufType::kBool: {
       std::uint8_t x = 0;
       const std::size_t at = r.offset();
