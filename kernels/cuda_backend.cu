@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/cuda_backend.hpp"
 #include "thinkv/formats.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
@@ -105,42 +106,40 @@ struct CudaKvBackend::Impl {
     return pools.local_index(block) * static_cast<std::size_t>(layout.page_bytes(pools.precision_of(block)));
   }
 
+  /// The pool fields both kernel views share.
+  template <class View>
+  void fill_pools(View& v) const {
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      v.pages[p] = pages[p];
+      v.pool_base[p] = pools.base[p];
+      v.pool_count[p] = pools.count[p];
+    }
+    v.total_blocks = pools.total;
+    v.key_scales = records;
+    v.s2 = s2;
+    v.staging = staging;
+  }
+
   [[nodiscard]] kernels::QuantizeAppendView append_view() const {
     kernels::QuantizeAppendView v;
     v.num_streams = config.num_streams;
     v.head_dim = config.head_dim;
     v.group_size = config.group_size;
     v.block_size = config.block_size;
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      v.pages[p] = pages[p];
-      v.pool_base[p] = pools.base[p];
-      v.pool_count[p] = pools.count[p];
-    }
-    v.total_blocks = pools.total;
-    v.key_scales = records;
+    fill_pools(v);
     v.num_records = num_records;
-    v.s2 = s2;
-    v.staging = staging;
     return v;
   }
 
   [[nodiscard]] kernels::PagedKvView attention_view() const {
     kernels::PagedKvView v;
     v.num_streams = config.num_streams;
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      v.pages[p] = pages[p];
-      v.pool_base[p] = pools.base[p];
-      v.pool_count[p] = pools.count[p];
-    }
-    v.total_blocks = pools.total;
-    v.key_scales = records;
-    v.s2 = s2;
+    fill_pools(v);
     v.block_fill = fill;
     v.evict_mask = mask;
     v.slot_record = slot_record;
     v.block_indptr = indptr;
     v.block_indices = indices;
-    v.staging = staging;
     v.staged_count = staged;
     return v;
   }
@@ -330,10 +329,7 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   THINKV_CUDA_TRY(cudaMemcpy(vr.data(), page + (static_cast<std::size_t>(bs) + slot.slot) * rb, rb,
                              cudaMemcpyDeviceToHost));
   if (p == Precision::kBf16) {
-    for (int c = 0; c < d; ++c) {
-      k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
-      v[c] = decode_bf16(static_cast<std::uint16_t>(vr[2 * c] | (vr[2 * c + 1] << 8)));
-    }
+    CpuKvBackend::dequantize_token(p, kr.data(), vr.data(), nullptr, nullptr, 0.0f, 0.0f, d, g, k, v);
     return Status::ok();
   }
   const std::int32_t owner = table.block_owner(slot.block);
@@ -352,16 +348,8 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
                              vs.size(), cudaMemcpyDeviceToHost));
   THINKV_CUDA_TRY(cudaMemcpy(s2, m.s2 + static_cast<std::size_t>(owner) * 2 * kNumPrecisions, sizeof(s2),
                              cudaMemcpyDeviceToHost));
-  const float s2k = s2[static_cast<int>(p)];
-  const float s2v = s2[kNumPrecisions + static_cast<int>(p)];
-  // CpuKvBackend::read_token's expression: element * (decode_e4m3(scale) * s2).
-  for (int c = 0; c < d; ++c) {
-    k[c] = decode_element(p, load_code(p, kr.data(), c)) * (decode_e4m3(rec[static_cast<std::size_t>(c)]) * s2k);
-  }
-  for (int j = 0; j < d / g; ++j) {
-    const float scale = decode_e4m3(vs[static_cast<std::size_t>(j)]) * s2v;
-    for (int c = j * g; c < (j + 1) * g; ++c) v[c] = decode_element(p, load_code(p, vr.data(), c)) * scale;
-  }
+  CpuKvBackend::dequantize_token(p, kr.data(), vr.data(), vs.data(), rec.data(), s2[static_cast<int>(p)],
+                                 s2[kNumPrecisions + static_cast<int>(p)], d, g, k, v);
   return Status::ok();
 }
 

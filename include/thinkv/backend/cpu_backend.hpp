@@ -153,10 +153,7 @@ class CpuKvBackend {
     const std::uint8_t* kr = row_ptr(slot, 0);
     const std::uint8_t* vr = row_ptr(slot, 1);
     if (p == Precision::kBf16) {
-      for (int c = 0; c < d; ++c) {
-        k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
-        v[c] = decode_bf16(static_cast<std::uint16_t>(vr[2 * c] | (vr[2 * c + 1] << 8)));
-      }
+      dequantize_token(p, kr, vr, nullptr, nullptr, 0.0f, 0.0f, d, config_.group_size, k, v);
       return Status::ok();
     }
     const std::int32_t owner = table.block_owner(slot.block);
@@ -167,13 +164,26 @@ class CpuKvBackend {
                                                 "} holds no token"};
     }
     // 0 (unset) only when every group so far was all zero: their codes decode to 0 for any s2.
-    const float s2k = s2_[s2_index(owner, 0, p)];
-    const float s2v = s2_[s2_index(owner, 1, p)];
-    const std::uint8_t* rec = records_.data() + static_cast<std::size_t>(r) * d;
-    const std::uint8_t* vs = value_scales_ptr(slot);
-    const int g = config_.group_size;
-    // Same expression as dequantize(): element * (decode_e4m3(scale) * s2), via lookup tables
-    // and per-precision unpacking (bit-identical; tests compare against dequantize()).
+    dequantize_token(p, kr, vr, value_scales_ptr(slot), records_.data() + static_cast<std::size_t>(r) * d,
+                     s2_[s2_index(owner, 0, p)], s2_[s2_index(owner, 1, p)], d, config_.group_size, k, v);
+    return Status::ok();
+  }
+
+  /// One stored token from its raw bytes: K and V rows at precision p, the slot's D/g value-scale
+  /// codes and its record's D key-scale codes (both unused for kBf16), the stream's second-level
+  /// scales. The expression of dequantize(): element * (decode_e4m3(scale) * s2), via lookup
+  /// tables (bit-identical; tests compare against dequantize()). Device backends call it on bytes
+  /// they copied back, so every backend reads tokens exactly as this one does.
+  static void dequantize_token(Precision p, const std::uint8_t* kr, const std::uint8_t* vr,
+                               const std::uint8_t* value_scales, const std::uint8_t* key_scales,
+                               float s2k, float s2v, int d, int g, float* k, float* v) {
+    if (p == Precision::kBf16) {
+      for (int c = 0; c < d; ++c) {
+        k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
+        v[c] = decode_bf16(static_cast<std::uint16_t>(vr[2 * c] | (vr[2 * c + 1] << 8)));
+      }
+      return;
+    }
     const auto& lut = tables();
     auto element = [&](const std::uint8_t* row, int c) -> float {
       switch (p) {
@@ -182,12 +192,11 @@ class CpuKvBackend {
         default: return lut.ternary[(row[c >> 2] >> ((c & 3) * 2)) & 0x3];
       }
     };
-    for (int c = 0; c < d; ++c) k[c] = element(kr, c) * (lut.e4m3[rec[c]] * s2k);
+    for (int c = 0; c < d; ++c) k[c] = element(kr, c) * (lut.e4m3[key_scales[c]] * s2k);
     for (int j = 0; j < d / g; ++j) {
-      const float scale = lut.e4m3[vs[j]] * s2v;
+      const float scale = lut.e4m3[value_scales[j]] * s2v;
       for (int c = j * g; c < (j + 1) * g; ++c) v[c] = element(vr, c) * scale;
     }
-    return Status::ok();
   }
 
   /// Reference decode attention: dequantizes each KV head's live slots (block-list order, then
