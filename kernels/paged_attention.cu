@@ -46,7 +46,7 @@ constexpr int kMergeThreads = 128;
 constexpr std::uint32_t kNoRecordId = 0xFFFFFFFFu;
 constexpr int kG = kMaxQueryHeadsPerKv;
 
-/// Slots per tile: K and V tiles take about 2 * kTile * D * 4 bytes = 16 KiB.
+/// Slots per tile of the sparsity passes (their K tile takes about kTile * D * 4 bytes = 8 KiB).
 template <int D>
 constexpr int tile_for() {
   return (2048 / D) < 32 ? (2048 / D) : 32;
@@ -58,8 +58,7 @@ struct SharedState {
   static constexpr int kKStride = D + 1;  // padded: conflict-free column reads in tile_scores
   float q[kG][D];
   float k[kTile][kKStride];
-  float v[kTile][D];
-  float p[kG][kTile];      // scores, then probabilities
+  float p[kG][kTile];      // scores
   float m[kG];             // row max (exact)
   int below[kG];           // sparsity counts
   int valid[kTile];        // slot of the tile holds a live token
@@ -132,70 +131,49 @@ __device__ inline std::uint8_t byte_of(const uint4& w, int j) {
   return static_cast<std::uint8_t>(word_of(w, j >> 2) >> (8 * (j & 3)));
 }
 
-/// Vectorized dequantization of the tile's rows (16-byte units), precision P known at compile
+/// Vectorized dequantization of the tile's key rows (16-byte units), precision P known at compile
 /// time. Same per-element expression as the scalar path.
 template <int D, int P>
 __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
-                              const TileSource& src, bool with_v, float s2k, float s2v, SharedState<D>& sh) {
+                              const TileSource& src, float s2k, SharedState<D>& sh) {
   constexpr int kTile = SharedState<D>::kTile;
   constexpr int kBits = P == 0 ? 16 : P == 1 ? 8 : P == 2 ? 4 : 2;
   constexpr int kRb = D * kBits / 8;
   constexpr int kUpr = kRb / 16;      // units per row
   constexpr int kEpu = 128 / kBits;   // elements per unit
   static_assert(kRb % 16 == 0, "vector path needs 16-byte rows");
-  const int bs = prm.block_size;
   const int g = prm.group_size;
-  const int units = (with_v ? 2 : 1) * kTile * kUpr;
-  for (int i = static_cast<int>(threadIdx.x); i < units; i += kThreads) {
-    const int r = i / kUpr;
+  for (int i = static_cast<int>(threadIdx.x); i < kTile * kUpr; i += kThreads) {
+    const int t = i / kUpr;
     const int u = i % kUpr;
-    const int kv = r / kTile;
-    const int t = r % kTile;
     if (!sh.valid[t]) continue;
     const int slot = src.base + t;
     const int c0 = u * kEpu;
-    float* dst = kv ? &sh.v[t][c0] : &sh.k[t][c0];
+    float* dst = &sh.k[t][c0];
     const uint4* rowp;
     if (src.staged) {
-      rowp = reinterpret_cast<const uint4*>(view.staging + ((static_cast<std::size_t>(stream) * 2 + kv) * g + slot) * D);
+      rowp = reinterpret_cast<const uint4*>(view.staging + (static_cast<std::size_t>(stream) * 2 * g + slot) * D);
     } else {
-      rowp = reinterpret_cast<const uint4*>(src.page + (static_cast<std::size_t>(kv) * bs + slot) * kRb);
+      rowp = reinterpret_cast<const uint4*>(src.page + static_cast<std::size_t>(slot) * kRb);
     }
     const uint4 w = __ldg(rowp + u);
     if constexpr (P == 0) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) dst[j] = decode_bf16(static_cast<std::uint16_t>(word_of(w, j >> 1) >> (16 * (j & 1))));
     } else {
-      if (kv == 0) {
-        const std::uint32_t rec = sh.record[t];
-        if (rec == kNoRecordId) {
+      const std::uint32_t rec = sh.record[t];
+      if (rec == kNoRecordId) {
 #pragma unroll
-          for (int j = 0; j < kEpu; ++j) dst[j] = NAN;
-          continue;
-        }
-        const uint4* ks = reinterpret_cast<const uint4*>(view.key_scales + static_cast<std::size_t>(rec) * D + c0);
+        for (int j = 0; j < kEpu; ++j) dst[j] = NAN;
+        continue;
+      }
+      const uint4* ks = reinterpret_cast<const uint4*>(view.key_scales + static_cast<std::size_t>(rec) * D + c0);
 #pragma unroll
-        for (int v16 = 0; v16 < kEpu / 16; ++v16) {
-          const uint4 sc = __ldg(ks + v16);
+      for (int v16 = 0; v16 < kEpu / 16; ++v16) {
+        const uint4 sc = __ldg(ks + v16);
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int e = v16 * 16 + j;  // element within the unit
-            float x;
-            if constexpr (P == 1) {
-              x = decode_e4m3(byte_of(w, e));
-            } else if constexpr (P == 2) {
-              x = decode_e2m1(static_cast<std::uint8_t>((byte_of(w, e >> 1) >> ((e & 1) * 4)) & 0xF));
-            } else {
-              x = decode_element(Precision::kTernary, static_cast<std::uint8_t>((byte_of(w, e >> 2) >> ((e & 3) * 2)) & 0x3));
-            }
-            dst[e] = x * (decode_e4m3(byte_of(sc, j)) * s2k);
-          }
-        }
-      } else {
-        const std::uint8_t* vs = src.page + 2 * static_cast<std::size_t>(bs) * kRb +
-                                 static_cast<std::size_t>(slot) * (D / g);
-#pragma unroll
-        for (int e = 0; e < kEpu; ++e) {
+        for (int j = 0; j < 16; ++j) {
+          const int e = v16 * 16 + j;  // element within the unit
           float x;
           if constexpr (P == 1) {
             x = decode_e4m3(byte_of(w, e));
@@ -204,18 +182,18 @@ __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionPara
           } else {
             x = decode_element(Precision::kTernary, static_cast<std::uint8_t>((byte_of(w, e >> 2) >> ((e & 3) * 2)) & 0x3));
           }
-          dst[e] = x * (decode_e4m3(__ldg(vs + (c0 + e) / g)) * s2v);
+          dst[e] = x * (decode_e4m3(byte_of(sc, j)) * s2k);
         }
       }
     }
   }
 }
 
-/// Marks the tile's live slots and dequantizes their K (and V when with_v) into shared memory.
-/// Returns (block-uniformly) whether any slot of the tile is live.
+/// Marks the tile's live slots and dequantizes their keys into shared memory (the sparsity passes
+/// need scores only). Returns (block-uniformly) whether any slot of the tile is live.
 template <int D>
 __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
-                          const TileSource& src, bool with_v, SharedState<D>& sh) {
+                          const TileSource& src, SharedState<D>& sh) {
   constexpr int kTile = SharedState<D>::kTile;
   const int tid = static_cast<int>(threadIdx.x);
   const int bs = prm.block_size;
@@ -238,23 +216,22 @@ __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& 
   const Precision p = static_cast<Precision>(src.precision);
   const int rb = (D * bits_of(p) + 7) / 8;
   const float s2k_raw = src.staged ? 0.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
-  const float s2v_raw = src.staged ? 0.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision];
   // 16-byte path: rows a multiple of 16 bytes and a 16-byte aligned page (staging: BF16 rows).
   const bool vec = src.staged ? (D * 2) % 16 == 0 && (reinterpret_cast<std::uintptr_t>(view.staging) & 15) == 0
                               : rb % 16 == 0 && (reinterpret_cast<std::uintptr_t>(src.page) & 15) == 0 &&
                                     (p == Precision::kBf16 || (reinterpret_cast<std::uintptr_t>(view.key_scales) & 15) == 0);
   if (vec) {
     if constexpr (D * 2 % 16 == 0) {
-      if (src.staged || p == Precision::kBf16) load_rows_vec<D, 0>(view, prm, stream, src, with_v, s2k_raw, s2v_raw, sh);
+      if (src.staged || p == Precision::kBf16) load_rows_vec<D, 0>(view, prm, stream, src, s2k_raw, sh);
     }
     if constexpr (D % 16 == 0) {
-      if (!src.staged && p == Precision::kFp8E4M3) load_rows_vec<D, 1>(view, prm, stream, src, with_v, s2k_raw, s2v_raw, sh);
+      if (!src.staged && p == Precision::kFp8E4M3) load_rows_vec<D, 1>(view, prm, stream, src, s2k_raw, sh);
     }
     if constexpr (D % 32 == 0) {
-      if (!src.staged && p == Precision::kNvfp4) load_rows_vec<D, 2>(view, prm, stream, src, with_v, s2k_raw, s2v_raw, sh);
+      if (!src.staged && p == Precision::kNvfp4) load_rows_vec<D, 2>(view, prm, stream, src, s2k_raw, sh);
     }
     if constexpr (D % 64 == 0) {
-      if (!src.staged && p == Precision::kTernary) load_rows_vec<D, 3>(view, prm, stream, src, with_v, s2k_raw, s2v_raw, sh);
+      if (!src.staged && p == Precision::kTernary) load_rows_vec<D, 3>(view, prm, stream, src, s2k_raw, sh);
     }
     __syncthreads();
     return true;
@@ -264,18 +241,14 @@ __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& 
     const int c = i % D;
     if (!sh.valid[t]) continue;
     const int slot = src.base + t;
-    float kx, vx = 0.0f;
+    float kx;
     if (src.staged) {
-      const std::uint16_t* sk = view.staging + ((static_cast<std::size_t>(stream) * 2 + 0) * g + slot) * D;
-      const std::uint16_t* sv = view.staging + ((static_cast<std::size_t>(stream) * 2 + 1) * g + slot) * D;
+      const std::uint16_t* sk = view.staging + (static_cast<std::size_t>(stream) * 2 * g + slot) * D;
       kx = decode_bf16(sk[c]);
-      if (with_v) vx = decode_bf16(sv[c]);
     } else {
       const std::uint8_t* kr = src.page + static_cast<std::size_t>(slot) * rb;
-      const std::uint8_t* vr = src.page + (static_cast<std::size_t>(bs) + slot) * rb;
       if (p == Precision::kBf16) {
         kx = element_of(src.precision, kr, c);
-        if (with_v) vx = element_of(src.precision, vr, c);
       } else {
         // read_token: element * (decode_e4m3(scale) * s2), s2 as stored (0 only when every
         // group so far was all zero, whose codes decode to 0 for any s2).
@@ -284,15 +257,9 @@ __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& 
                  ? NAN
                  : element_of(src.precision, kr, c) *
                        (decode_e4m3(view.key_scales[static_cast<std::size_t>(rec) * D + c]) * s2k_raw);
-        if (with_v) {
-          const std::uint8_t* vs = src.page + 2 * static_cast<std::size_t>(bs) * rb +
-                                   static_cast<std::size_t>(slot) * (D / g);
-          vx = element_of(src.precision, vr, c) * (decode_e4m3(vs[c / g]) * s2v_raw);
-        }
       }
     }
     sh.k[t][c] = kx;
-    if (with_v) sh.v[t][c] = vx;
   }
   __syncthreads();
   return true;
@@ -871,7 +838,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_sparsity_kernel(PagedKv
   }
   __syncthreads();
   for_each_chunk_tile<D, kTile, kTile>(view, prm, stream, split, splits, [&](const TileSource& src) {
-    if (!load_tile<D>(view, prm, stream, src, false, sh)) return;
+    if (!load_tile<D>(view, prm, stream, src, sh)) return;
     tile_scores<D>(group, scale, sh);
     if (tid < group) {
       const int h = tid;
