@@ -19,7 +19,6 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <stdexcept>
 #include <span>
 #include <string>
 #include <vector>
@@ -43,13 +42,12 @@ inline Status make_session_cache(const ThinKvConfig& cfg, const BackendFactory& 
                                  std::unique_ptr<SessionCache>& out) {
   std::unique_ptr<KvBackend> b = backend ? backend() : std::make_unique<BackendModel<CpuKvBackend>>();
   if (!b) return {StatusCode::kInvalidArgument, "the backend factory returned no backend"};
-  const bool cuda = b->name() == "cuda";
   try {
     out = std::make_unique<SessionCache>(cfg, DynamicBackend(std::move(b)));
   } catch (const ConfigError& e) {
     return e.status();
-  } catch (const std::runtime_error& e) {  // the backend could not initialise (message says why)
-    return {cuda ? StatusCode::kCudaError : StatusCode::kInternal, e.what()};
+  } catch (const BackendError& e) {  // the backend could not set itself up (no device, no memory)
+    return e.status();
   }
   return Status::ok();
 }

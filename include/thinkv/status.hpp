@@ -74,6 +74,17 @@ class ConfigError : public std::invalid_argument {
   Status status_;
 };
 
+/// Thrown by constructors when a backend cannot set itself up (no device, no memory); carries
+/// the backend's Status (its code kept, the message naming the backend).
+class BackendError : public std::runtime_error {
+ public:
+  explicit BackendError(const Status& s) : std::runtime_error(s.to_string()), status_(s) {}
+  [[nodiscard]] const Status& status() const noexcept { return status_; }
+
+ private:
+  Status status_;
+};
+
 /// Returns from the enclosing function when `expr` (a Status) is not ok.
 #define THINKV_RETURN_IF_ERROR(expr)          \
   do {                                        \

@@ -213,8 +213,9 @@ TEST_CASE("PagedKvCache: backend init failures are reported", "[backend][errors]
     FAIL("init failure ignored");
   } catch (const ConfigError&) {
     FAIL("an allocation failure is not a configuration error");
-  } catch (const std::runtime_error& e) {
+  } catch (const BackendError& e) {
     CHECK_THAT(std::string(e.what()), Contains("flaky") && Contains("flaky init refused"));
+    CHECK(e.status().code() == StatusCode::kCudaError);  // the backend's code is kept
   }
   ctl->init = StatusCode::kInvalidArgument;
   CHECK_THROWS_AS(PagedKvCache<FlakyBackend>(cfg, FlakyBackend(ctl)), ConfigError);

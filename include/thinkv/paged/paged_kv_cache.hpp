@@ -96,13 +96,14 @@ template <kv_backend B = CpuKvBackend>
 class PagedKvCache {
  public:
   /// Throws ConfigError when `config` is invalid (the message names the value and the allowed
-  /// range), std::runtime_error when the backend cannot allocate its pools.
+  /// range), BackendError (a std::runtime_error carrying the backend's Status) when the backend
+  /// cannot set up its pools.
   explicit PagedKvCache(const CacheConfig& config, B backend = B{})
       : table_(config), backend_(std::move(backend)) {
     if (Status s = backend_.init(config); !s.is_ok()) {
       if (s.code() == StatusCode::kInvalidArgument) throw ConfigError(s);
-      throw std::runtime_error("thinkv: backend '" + std::string(backend_.name()) +
-                               "' failed to initialise: " + s.to_string());
+      throw BackendError(Status{s.code(), "thinkv: backend '" + std::string(backend_.name()) +
+                                              "' failed to initialise: " + s.message()});
     }
   }
 
