@@ -284,7 +284,10 @@ __device__ void tile_scores(int group, float scale, SharedState<D>& sh) {
 
 /// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,
 /// then staging rows). All threads see the same values (block-uniform).
-template <int D, int kTile, int kAlign, typename Fn>
+/// kWarpLoads (only when the 32 lanes of a warp call it together): the block ids and fills of 32
+/// blocks at a time are loaded by the warp's lanes in parallel and broadcast by shuffles, instead
+/// of two dependent global loads per block in every thread's critical path.
+template <int D, int kTile, int kAlign, bool kWarpLoads = false, typename Fn>
 __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
                                     int split, int splits, Fn&& fn) {
   const int g = prm.group_size;
@@ -301,27 +304,50 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
   const long long hi = lo + chunk < total ? lo + chunk : total;
   if (lo >= hi) return;
   const long long bhi = hi < block_pos ? hi : block_pos;
-  for (long long j = lo / bs; j * bs < bhi; ++j) {
-    const std::uint32_t b = view.block_indices[j_begin + j];
-    int pr = 0;
-    for (int q = kNumPrecisions - 1; q > 0; --q) {
-      if (b >= view.pool_base[q]) {
-        pr = q;
-        break;
+  const long long j_lo = lo / bs;
+  const long long j_hi = bhi > 0 ? (bhi + bs - 1) / bs : 0;  // blocks j with j * bs < bhi
+  constexpr int kBatch = kWarpLoads ? 32 : 1;
+  for (long long j0 = j_lo; j0 < j_hi; j0 += kBatch) {
+    std::uint32_t lane_block = 0;
+    int lane_fill = 0;
+    if constexpr (kWarpLoads) {
+      const int lane = static_cast<int>(threadIdx.x) & 31;
+      if (j0 + lane < j_hi) {
+        lane_block = view.block_indices[j_begin + j0 + lane];
+        lane_fill = view.block_fill[lane_block];
       }
     }
-    const Precision p = static_cast<Precision>(pr);
-    const std::size_t page_bytes =
-        static_cast<std::size_t>(bs) *
-        (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
-    const std::uint8_t* page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
-    const int fill = view.block_fill[b];
-    const long long a = lo > j * bs ? lo - j * bs : 0;
-    long long e = bhi - j * bs;
-    if (e > bs) e = bs;
-    if (e > fill) e = fill;
-    for (long long base = a; base < e; base += kTile) {
-      fn(TileSource{false, b, pr, page, static_cast<int>(base), static_cast<int>(e)});
+    const int count = j_hi - j0 < kBatch ? static_cast<int>(j_hi - j0) : kBatch;
+    for (int i = 0; i < count; ++i) {
+      const long long j = j0 + i;
+      std::uint32_t b;
+      int fill;
+      if constexpr (kWarpLoads) {
+        b = __shfl_sync(0xFFFFFFFFu, lane_block, i);
+        fill = __shfl_sync(0xFFFFFFFFu, lane_fill, i);
+      } else {
+        b = view.block_indices[j_begin + j];
+        fill = view.block_fill[b];
+      }
+      int pr = 0;
+      for (int q = kNumPrecisions - 1; q > 0; --q) {
+        if (b >= view.pool_base[q]) {
+          pr = q;
+          break;
+        }
+      }
+      const Precision p = static_cast<Precision>(pr);
+      const std::size_t page_bytes =
+          static_cast<std::size_t>(bs) *
+          (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
+      const std::uint8_t* page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+      const long long a = lo > j * bs ? lo - j * bs : 0;
+      long long e = bhi - j * bs;
+      if (e > bs) e = bs;
+      if (e > fill) e = fill;
+      for (long long base = a; base < e; base += kTile) {
+        fn(TileSource{false, b, pr, page, static_cast<int>(base), static_cast<int>(e)});
+      }
     }
   }
   if (hi > block_pos) {
@@ -655,7 +681,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
     const int g = prm.group_size;
     const int bs = prm.block_size;
     int tile = 0;
-    for_each_chunk_tile<D, S::kWin, S::kWin * kWarps>(view, prm, stream, split, splits, [&](const TileSource& src) {
+    for_each_chunk_tile<D, S::kWin, S::kWin * kWarps, true>(view, prm, stream, split, splits, [&](const TileSource& src) {
       if ((tile++ % kWarps) != warp) return;
       // Live slots of the window, compacted by a ballot.
       const int slot = src.base + lane;
