@@ -37,13 +37,13 @@
 #include "thinkv/formats/group_quant.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/reference/attention.hpp"
+#include "paged_attention_common.cuh"
 
 namespace thinkv::kernels {
 namespace {
+using namespace detail;  // paged_attention_common.cuh
 
-constexpr int kThreads = 128;
 constexpr int kMergeThreads = 128;
-constexpr std::uint32_t kNoRecordId = 0xFFFFFFFFu;
 constexpr int kG = kMaxQueryHeadsPerKv;
 
 /// Slots per tile of the sparsity passes (their K tile takes about kTile * D * 4 bytes = 8 KiB).
@@ -65,53 +65,6 @@ struct SharedState {
   std::uint32_t record[kTile];
 };
 
-/// Where one tile's slots come from: a block (slot = base + t) or the staging buffer (row).
-struct TileSource {
-  bool staged;
-  std::uint32_t block;
-  int precision;
-  const std::uint8_t* page;
-  int base;   // first slot / staging row of the tile
-  int limit;  // end of the tile's slot range (<= fill) or of its staging rows
-};
-
-/// Workspace layout (all offsets 16-byte aligned).
-struct Workspace {
-  float* acc;   // [Hkv * splits * G, D]
-  float* ml;    // [Hkv * splits * G, 2] (m, l)
-  int* ntok;    // [Hkv * splits] live tokens of each chunk
-  unsigned* smax;  // [Hq] exact row max of the sparsity pass (ordered_key)
-  int* count;   // [Hq] sparsity counts
-  int* total;   // [Hkv] tokens per KV head
-};
-
-__host__ __device__ inline std::size_t align16(std::size_t x) { return (x + 15) & ~std::size_t{15}; }
-
-__host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, int splits, Workspace* w,
-                                                      void* base) {
-  const std::size_t parts = static_cast<std::size_t>(hkv) * splits * (hq / hkv);
-  std::size_t off = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = off;
-    off += align16(bytes);
-    return static_cast<char*>(base) + at;
-  };
-  char* acc = take(parts * d * sizeof(float));
-  char* ml = take(parts * 2 * sizeof(float));
-  char* ntok = take(static_cast<std::size_t>(hkv) * splits * sizeof(int));
-  char* smax = take(static_cast<std::size_t>(hq) * sizeof(unsigned));
-  char* count = take(static_cast<std::size_t>(hq) * sizeof(int));
-  char* total = take(static_cast<std::size_t>(hkv) * sizeof(int));
-  if (w != nullptr) {
-    w->acc = reinterpret_cast<float*>(acc);
-    w->ml = reinterpret_cast<float*>(ml);
-    w->ntok = reinterpret_cast<int*>(ntok);
-    w->smax = reinterpret_cast<unsigned*>(smax);
-    w->count = reinterpret_cast<int*>(count);
-    w->total = reinterpret_cast<int*>(total);
-  }
-  return off;
-}
 
 __device__ inline float element_of(int precision, const std::uint8_t* row, int c) {
   switch (static_cast<Precision>(precision)) {
@@ -282,82 +235,6 @@ __device__ void tile_scores(int group, float scale, SharedState<D>& sh) {
   __syncthreads();
 }
 
-/// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,
-/// then staging rows). All threads see the same values (block-uniform).
-/// kWarpLoads (only when the 32 lanes of a warp call it together): the block ids and fills of 32
-/// blocks at a time are loaded by the warp's lanes in parallel and broadcast by shuffles, instead
-/// of two dependent global loads per block in every thread's critical path.
-template <int D, int kTile, int kAlign, bool kWarpLoads = false, typename Fn>
-__device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
-                                    int split, int splits, Fn&& fn) {
-  const int g = prm.group_size;
-  const long long bs = prm.block_size;
-  const int j_begin = view.block_indptr[stream];
-  const long long nb = view.block_indptr[stream + 1] - j_begin;
-  const long long staged = view.staged_count[stream];
-  const long long block_pos = nb * bs;
-  const long long total = block_pos + staged;
-  long long chunk = (total + splits - 1) / splits;
-  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
-  if (chunk < kAlign) chunk = kAlign;
-  const long long lo = static_cast<long long>(split) * chunk;
-  const long long hi = lo + chunk < total ? lo + chunk : total;
-  if (lo >= hi) return;
-  const long long bhi = hi < block_pos ? hi : block_pos;
-  const long long j_lo = lo / bs;
-  const long long j_hi = bhi > 0 ? (bhi + bs - 1) / bs : 0;  // blocks j with j * bs < bhi
-  constexpr int kBatch = kWarpLoads ? 32 : 1;
-  for (long long j0 = j_lo; j0 < j_hi; j0 += kBatch) {
-    std::uint32_t lane_block = 0;
-    int lane_fill = 0;
-    if constexpr (kWarpLoads) {
-      const int lane = static_cast<int>(threadIdx.x) & 31;
-      if (j0 + lane < j_hi) {
-        lane_block = view.block_indices[j_begin + j0 + lane];
-        lane_fill = view.block_fill[lane_block];
-      }
-    }
-    const int count = j_hi - j0 < kBatch ? static_cast<int>(j_hi - j0) : kBatch;
-    for (int i = 0; i < count; ++i) {
-      const long long j = j0 + i;
-      std::uint32_t b;
-      int fill;
-      if constexpr (kWarpLoads) {
-        b = __shfl_sync(0xFFFFFFFFu, lane_block, i);
-        fill = __shfl_sync(0xFFFFFFFFu, lane_fill, i);
-      } else {
-        b = view.block_indices[j_begin + j];
-        fill = view.block_fill[b];
-      }
-      int pr = 0;
-      for (int q = kNumPrecisions - 1; q > 0; --q) {
-        if (b >= view.pool_base[q]) {
-          pr = q;
-          break;
-        }
-      }
-      const Precision p = static_cast<Precision>(pr);
-      const std::size_t page_bytes =
-          static_cast<std::size_t>(bs) *
-          (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
-      const std::uint8_t* page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
-      const long long a = lo > j * bs ? lo - j * bs : 0;
-      long long e = bhi - j * bs;
-      if (e > bs) e = bs;
-      if (e > fill) e = fill;
-      for (long long base = a; base < e; base += kTile) {
-        fn(TileSource{false, b, pr, page, static_cast<int>(base), static_cast<int>(e)});
-      }
-    }
-  }
-  if (hi > block_pos) {
-    const long long a = lo > block_pos ? lo - block_pos : 0;
-    const long long e = hi - block_pos;
-    for (long long base = a; base < e; base += kTile) {
-      fn(TileSource{true, 0, static_cast<int>(Precision::kBf16), nullptr, static_cast<int>(base), static_cast<int>(e)});
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Main pass: warp-level partial attention (no block barrier per tile).
@@ -376,114 +253,6 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
 // (FMA, different order): the sparsity pass recomputes them exactly (paged_decode_sparsity_kernel).
 // ---------------------------------------------------------------------------------------------
 
-constexpr int kWarps = kThreads / 32;
-constexpr float kLog2e = 1.4426950408889634f;
-
-template <int D>
-struct WarpShape {
-  static constexpr int kVec = 8;                        // channels per lane
-  static constexpr int kLpt = D / kVec;                 // lanes per token
-  static constexpr int kTpi = 32 / kLpt;                // tokens per iteration
-  static constexpr int kWin = kTpi > 16 ? kTpi : 16;    // slot positions per warp tile
-  static constexpr int kIters = kWin / kTpi;
-  static_assert(D % kVec == 0 && kLpt >= 1 && kLpt <= 32 && 32 % kLpt == 0, "head_dim");
-};
-
-/// Raw bits of one lane's 8 channels of one row.
-template <int P>
-struct Raw {
-  uint4 w;  // BF16: 16 bytes; FP8: .x, .y; NVFP4: .x; ternary: low 16 bits of .x
-};
-
-template <int P>
-constexpr int raw_bytes() {
-  return P == 0 ? 16 : P == 1 ? 8 : P == 2 ? 4 : 2;
-}
-
-/// Loads the lane's raw bytes at p (vector load when `vec`, i.e. p is raw_bytes-aligned).
-template <int P>
-__device__ __forceinline__ Raw<P> load_raw(const std::uint8_t* p, bool vec) {
-  Raw<P> r;
-  r.w = make_uint4(0u, 0u, 0u, 0u);
-  if (vec) {
-    if constexpr (P == 0) {
-      r.w = __ldg(reinterpret_cast<const uint4*>(p));
-    } else if constexpr (P == 1) {
-      const uint2 t = __ldg(reinterpret_cast<const uint2*>(p));
-      r.w.x = t.x;
-      r.w.y = t.y;
-    } else if constexpr (P == 2) {
-      r.w.x = __ldg(reinterpret_cast<const unsigned int*>(p));
-    } else {
-      r.w.x = __ldg(reinterpret_cast<const unsigned short*>(p));
-    }
-    return r;
-  }
-  std::uint32_t b[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int i = 0; i < raw_bytes<P>(); ++i) b[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
-  r.w = make_uint4(b[0], b[1], b[2], b[3]);
-  return r;
-}
-
-/// Two E4M3 codes (bytes 0 and 1 of `w`) -> two floats times 2^-8, exactly: the 7 exponent and
-/// mantissa bits placed at bits 13..7 of an FP16 (bias 15 instead of 7; E4M3 subnormals land on
-/// FP16 subnormals with the same factor). Codes 0x7F / 0xFF (NaN) are never stored (the encoder
-/// saturates finite inputs and the cache refuses NaN).
-__device__ __forceinline__ float2 e4m3x2_scaled(std::uint32_t w) {
-  const std::uint32_t h = e4m3x2_to_fp16x2(w);  // thinkv/formats/fp16_placement.hpp
-  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
-}
-
-/// Two E2M1 codes (nibbles 0 and 1 of `w`) -> two floats times 2^-14, exactly (exponent and
-/// mantissa bits at FP16 bits 11..9).
-__device__ __forceinline__ float2 e2m1x2_scaled(std::uint32_t w) {
-  const std::uint32_t h = e2m1x2_to_fp16x2(w);
-  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
-}
-
-/// The lane's 8 elements, before scaling, times elem_factor<P>() (exact).
-template <int P>
-__device__ __forceinline__ void decode_raw(const Raw<P>& r, float (&x)[8]) {
-  if constexpr (P == 0) {
-    const std::uint32_t w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[2 * i] = __uint_as_float(w[i] << 16);
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-  } else if constexpr (P == 1) {
-    const std::uint32_t w[2] = {r.w.x, r.w.y};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = e4m3x2_scaled(w[i / 2] >> (16 * (i % 2)));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    }
-  } else if constexpr (P == 2) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = e2m1x2_scaled(r.w.x >> (8 * i));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const std::uint32_t t = (r.w.x >> (2 * i)) & 3u;  // 0 -> 0, 1 -> +1, 3 -> -1 (2 -> -0)
-      x[i] = __uint_as_float(((t & 1u) * 0x3F800000u) | ((t & 2u) << 30));
-    }
-  }
-}
-
-/// decode_raw's elements come out DIVIDED by this power of two (2^8 for E4M3, 2^14 for E2M1),
-/// so the scales they are multiplied by are multiplied by it (exact: powers of two).
-template <int P>
-constexpr float elem_unscale() {
-  return P == 1 ? kE4M3Fp16Unscale : P == 2 ? kE2M1Fp16Unscale : 1.0f;
-}
 
 template <int D, int G>
 struct WarpShared {
@@ -918,7 +687,11 @@ cudaError_t launch_for(const PagedKvView& view, const DecodeAttentionParams& p, 
   // One instance per power-of-two bound on G (G = 3 runs as 4, 5..7 as 8: padded heads have
   // zero queries and are not written), to keep the number of instances (and nvcc time) down.
   const int group = p.num_q_heads / p.num_kv_heads;
-  if (group <= 1) {
+  if constexpr (D >= 64) {
+    // Tensor cores (paged_attention_tc.cu): all 8 query-head columns in one mma, so no G bound.
+    (void)group;
+    e = launch_partial_tc<D>(view, p, ws, splits, s);
+  } else if (group <= 1) {
     e = launch_for_group<D, 1>(view, p, ws, splits, s);
   } else if (group <= 2) {
     e = launch_for_group<D, 2>(view, p, ws, splits, s);

@@ -1,0 +1,559 @@
+/// \file paged_attention_tc.cu
+/// Decode attention main pass on the tensor cores (head_dim 64, 128, 256).
+///
+/// Same work split as the CUDA-core pass (paged_attention.cu): grid (splits, Hkv), 4 warps per CTA
+/// taking the chunk's 16-slot windows round robin, live slots compacted by a ballot over the
+/// eviction mask, partial (m, l, acc) per chunk into the workspace, then the merge kernel. What
+/// changes is the math of a window: two BF16 mma.sync.m16n8k16 products with FP32 accumulation.
+///
+///   scores  S[16 tokens x 8 heads]  = K'[16 x D] . Q^T[D x 8]     (A = K', B = Q)
+///   output  O^T[D x 8 heads]       += V'^T[D x 16 tokens] . P'^T[16 x 8] (A = V'^T, B = P')
+///
+/// The 8 mma columns are the GQA group's query heads, padded with zero queries (G <= 8).
+///
+/// Exactness. K' and V' are the stored elements times their E4M3 group scales, computed in FP32
+/// and rounded to BF16, which is exact: an element has at most 4 significant bits (E4M3; E2M1 has
+/// 2, ternary 1) and a scale at most 4, so the product has at most 8, BF16's precision, and its
+/// exponent is far inside BF16's range. BF16 pages and staged rows are BF16 already. The powers of
+/// two of the bit-placement decoding and the FP32 second-level scales s2 are applied outside the
+/// products: s2k to the scores, s2v to the probabilities. Q and P (FP32) are split into three BF16
+/// terms (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied in its own mma, so every
+/// product is exact and only the FP32 accumulation rounds, as in the CUDA-core pass (the result is
+/// not bit-identical to the CPU reference; the sparsity passes recompute exact scores).
+///
+/// Layouts. The dot products do not care about channel order, so each lane takes contiguous
+/// channels: for Q.K^T, lane (gq = lane / 4, t = lane % 4) holds tokens gq and gq + 8 and the
+/// channels t*D/4 .. t*D/4 + D/4 - 1 (k-step s uses channels t*D/4 + 4s .. + 3, the same map in
+/// the Q fragments); for P.V, lane (gq, t) holds tokens 2t, 2t+1, 2t+8, 2t+9 and the channels
+/// gq*D/8 .. gq*D/8 + D/8 - 1 (m-tile i is channels gq*D/8 + 2i, + 1), so every lane reads whole
+/// contiguous pieces of rows (16 + 8 bytes per token and lane for NVFP4 at D = 128). The scores
+/// come out as (tokens gq, gq+8) x (heads 2t, 2t+1); they reach P.V's B layout through a 16 x 8
+/// shared-memory transpose per warp.
+
+#include <cuda_bf16.h>
+
+#include "paged_attention_common.cuh"
+
+namespace thinkv::kernels::detail {
+namespace {
+
+constexpr int kN = 8;  // mma N: the query heads of one KV head, zero-padded
+static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 query heads per KV head");
+constexpr int kWin = 16;  // slot positions per window (mma M of the scores, K of P.V)
+
+template <int D>
+struct TcShape {
+  static_assert(D % 64 == 0, "head_dim 64, 128 or 256");
+  static constexpr int kNC = D > 128 ? 2 : 1;               // channel chunks (register budget)
+  static constexpr int kKSteps = D / 16;                     // k16 steps of Q.K^T
+  static constexpr int kKStepsPerChunk = kKSteps / kNC;
+  static constexpr int kKCh = D / 4 / kNC;                   // K channels per lane, token, chunk
+  static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
+  static constexpr int kMTilesPerChunk = kMTiles / kNC;
+  static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
+  // CTAs per SM asked of ptxas: D = 64 fits 128 registers without spills; D = 128 takes 168
+  // (3 CTAs per SM), and forcing 128 spills.
+  static constexpr int kMinBlocks = D == 64 ? 4 : 1;
+};
+
+template <int D>
+struct TcShared {
+  union {
+    uint2 qf[TcShape<D>::kKSteps][3][32];  // B fragments of Q (hi, mid, lo), during the walk
+    float acc[kWarps][kN][D];              // warps' partial outputs, after it
+  } u;
+  float m[kWarps][kN];
+  float l[kWarps][kN];
+  int ntok[kWarps];
+  float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
+  int slot[kWarps][32];
+  std::uint32_t record[kWarps][32];
+};
+
+template <int D>
+struct TcState {
+  float o[TcShape<D>::kMTiles][4];  // O^T fragments: (ch0, 2t) (ch0, 2t+1) (ch1, 2t) (ch1, 2t+1)
+  float m[2];                       // running max of heads 2t, 2t+1 (log2 units, same on all gq)
+  float l[2];                       // this lane's share of the denominators
+  int ntok;
+};
+
+struct TcRows {
+  const std::uint8_t* kbase;
+  const std::uint8_t* vbase;
+  const std::uint8_t* vscales;
+  int row_stride;
+  float fk, fv;  // factors applied to the scores' products and to the probabilities
+};
+
+__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+/// x = hi + mid + lo, each a BF16 value (the residuals are exact in FP32).
+__device__ __forceinline__ void split3(float x, float (&s)[3]) {
+  s[0] = bf16_round(x);
+  const float r = x - s[0];
+  s[1] = bf16_round(r);
+  s[2] = bf16_round(r - s[1]);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/// NB bytes (a power of two, 2..64) at p into 32-bit words (little-endian); vector loads when `vec`
+/// (p aligned to min(NB, 16)), else byte loads.
+template <int NB>
+__device__ __forceinline__ void load_words(const std::uint8_t* p, bool vec, std::uint32_t (&w)[(NB + 3) / 4]) {
+  if (vec) {
+    if constexpr (NB >= 16) {
+#pragma unroll
+      for (int i = 0; i < NB / 16; ++i) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        w[4 * i] = u.x;
+        w[4 * i + 1] = u.y;
+        w[4 * i + 2] = u.z;
+        w[4 * i + 3] = u.w;
+      }
+    } else if constexpr (NB == 8) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = u.x;
+      w[1] = u.y;
+    } else if constexpr (NB == 4) {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+  for (int i = 0; i < NB; ++i) w[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
+}
+
+template <int NW>
+__device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
+#pragma unroll
+  for (int i = 0; i < NW; ++i) w[i] = 0u;
+}
+
+/// The 8-channel piece j of a lane's raw words, as decode_raw<P> takes it.
+template <int P, int NW>
+__device__ __forceinline__ Raw<P> raw8(const std::uint32_t (&w)[NW], int j) {
+  Raw<P> r;
+  r.w = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (P == 0) {
+    r.w = make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
+  } else if constexpr (P == 1) {
+    r.w.x = w[2 * j];
+    r.w.y = w[2 * j + 1];
+  } else if constexpr (P == 2) {
+    r.w.x = w[j];
+  } else {
+    r.w.x = (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
+  }
+  return r;
+}
+
+constexpr int bits_of_p(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
+constexpr int min16(int x) { return x < 16 ? x : 16; }
+
+/// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows).
+template <int D, int P>
+__device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int g, int n, const int* slots,
+                                          const std::uint32_t* records, float scale_log2,
+                                          const TcShared<D>& sh, float (*pt)[kN + 1], TcState<D>& st) {
+  using S = TcShape<D>;
+  constexpr int kBits = bits_of_p(P);
+  constexpr int kKB = S::kKCh * kBits / 8;   // K bytes per lane, token and chunk
+  constexpr int kVB = S::kVCh * kBits / 8;   // V bytes per lane, token and chunk
+  constexpr int kKW = (kKB + 3) / 4;
+  constexpr int kVW = (kVB + 3) / 4;
+  constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
+  constexpr int kV8 = S::kVCh / 8;           // 8-channel pieces of V per lane, token and chunk
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int gq = lane >> 2;
+  const int t = lane & 3;
+  const bool vec = (((reinterpret_cast<std::uintptr_t>(rs.kbase) | static_cast<std::uintptr_t>(rs.row_stride)) %
+                     min16(kKB)) == 0) &&
+                   (((reinterpret_cast<std::uintptr_t>(rs.vbase) | static_cast<std::uintptr_t>(rs.row_stride)) %
+                     min16(kVB)) == 0);
+  const bool ks_vec = (reinterpret_cast<std::uintptr_t>(view.key_scales) % 16) == 0;
+
+  // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9.
+  const int kt[2] = {gq, gq + 8};
+  const int vt[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  std::size_t krow[2], vrow[4];
+  std::uint32_t krec[2];
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    krow[a] = kt[a] < n ? static_cast<std::size_t>(slots[kt[a]]) * rs.row_stride : 0;
+    krec[a] = kt[a] < n && P != 0 ? records[kt[a]] : kNoRecordId;
+  }
+  int vslot[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    vslot[i] = vt[i] < n ? slots[vt[i]] : -1;
+    vrow[i] = vslot[i] >= 0 ? static_cast<std::size_t>(vslot[i]) * rs.row_stride : 0;
+  }
+
+  // V rows (and value scales) of one chunk.
+  std::uint32_t vw[4][kVW];
+  float vsc[4][kV8 > 0 ? kV8 : 1];
+  auto load_v = [&](int c) {
+    const int ch = gq * (D / 8) + c * S::kVCh;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (vslot[i] >= 0) {
+        load_words<kVB>(rs.vbase + vrow[i] + static_cast<std::size_t>(ch) * kBits / 8, vec, vw[i]);
+      } else {
+        zero_words(vw[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < kV8; ++j) {
+        vsc[i][j] = 0.0f;
+        if constexpr (P != 0) {
+          if (vslot[i] >= 0) {
+            vsc[i][j] = e4m3x2_scaled(__ldg(rs.vscales + static_cast<std::size_t>(vslot[i]) * (D / g) + (ch + 8 * j) / g)).x;
+          }
+        }
+      }
+    }
+  };
+  if constexpr (S::kNC == 1) load_v(0);
+
+  // Scores: K'.Q^T over all chunks.
+  float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int c = 0; c < S::kNC; ++c) {
+    const int ch = t * (D / 4) + c * S::kKCh;
+    std::uint32_t kw[2][kKW];
+    std::uint32_t ksw[2][P != 0 ? kKSW : 1];
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      if (kt[a] < n) {
+        load_words<kKB>(rs.kbase + krow[a] + static_cast<std::size_t>(ch) * kBits / 8, vec, kw[a]);
+      } else {
+        zero_words(kw[a]);
+      }
+      if constexpr (P != 0) {
+        if (kt[a] < n && krec[a] != kNoRecordId) {
+          load_words<S::kKCh>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ks_vec, ksw[a]);
+        } else {
+          zero_words(ksw[a]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8 channels = 2 k-steps
+      std::uint32_t a2[2][4];                           // [k-step of the pair][A register]
+      if constexpr (P == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int s = 2 * j + h;  // channels 4s .. 4s + 3 = words 2s, 2s + 1
+          a2[h][0] = kw[0][2 * s];
+          a2[h][1] = kw[1][2 * s];
+          a2[h][2] = kw[0][2 * s + 1];
+          a2[h][3] = kw[1][2 * s + 1];
+        }
+      } else {
+        float x[2][8];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          decode_raw<P>(raw8<P>(kw[a], j), x[a]);
+          float f[8];
+          Raw<1> sr;
+          sr.w = make_uint4(ksw[a][2 * j], ksw[a][2 * j + 1], 0u, 0u);
+          decode_raw<1>(sr, f);  // scale codes times 2^-8
+          const bool none = kt[a] < n && krec[a] == kNoRecordId;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[a][e] = none ? NAN : x[a][e] * f[e];  // exact (8 bits)
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a2[h][0] = pack_bf16(x[0][4 * h], x[0][4 * h + 1]);
+          a2[h][1] = pack_bf16(x[1][4 * h], x[1][4 * h + 1]);
+          a2[h][2] = pack_bf16(x[0][4 * h + 2], x[0][4 * h + 3]);
+          a2[h][3] = pack_bf16(x[1][4 * h + 2], x[1][4 * h + 3]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = c * S::kKStepsPerChunk + 2 * j + h;
+#pragma unroll
+        for (int k = 2; k >= 0; --k) {  // small terms first
+          const uint2 b = sh.u.qf[s][k][lane];
+          mma_bf16(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
+        }
+      }
+    }
+  }
+
+  // Online softmax (base 2) for heads 2t, 2t+1; sc = (token gq: 2t, 2t+1), (token gq+8: 2t, 2t+1).
+  const float kf = scale_log2 * rs.fk;
+  float p[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = kt[i / 2] < n ? sc[i] * kf : -INFINITY;
+  float f[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float mx = fmaxf(p[hh], p[2 + hh]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+    const float m_new = fmaxf(st.m[hh], mx);
+    f[hh] = exp2f(st.m[hh] - m_new);  // first window: exp2(-inf) = 0
+    st.m[hh] = m_new;
+    p[hh] = exp2f(p[hh] - m_new);          // -inf (no token) -> 0
+    p[2 + hh] = exp2f(p[2 + hh] - m_new);
+    st.l[hh] = st.l[hh] * f[hh] + (p[hh] + p[2 + hh]);
+  }
+#pragma unroll
+  for (int i = 0; i < S::kMTiles; ++i) {
+    st.o[i][0] *= f[0];
+    st.o[i][1] *= f[1];
+    st.o[i][2] *= f[0];
+    st.o[i][3] *= f[1];
+  }
+  // P to the B layout of P.V: lane (gq, t) needs tokens 2t, 2t+1, 2t+8, 2t+9 of head gq.
+  pt[gq][2 * t] = p[0];
+  pt[gq][2 * t + 1] = p[1];
+  pt[gq + 8][2 * t] = p[2];
+  pt[gq + 8][2 * t + 1] = p[3];
+  __syncwarp();
+  std::uint32_t pb[3][2];
+  {
+    float xs[4][3];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split3(pt[vt[i]][gq] * rs.fv, xs[i]);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      pb[k][0] = pack_bf16(xs[0][k], xs[1][k]);
+      pb[k][1] = pack_bf16(xs[2][k], xs[3][k]);
+    }
+  }
+  __syncwarp();  // pt is rewritten by the next window
+
+  // O^T += V'^T . P'.
+#pragma unroll
+  for (int c = 0; c < S::kNC; ++c) {
+    if constexpr (S::kNC > 1) load_v(c);
+#pragma unroll
+    for (int j = 0; j < S::kVCh / 8; ++j) {
+      float x[4][8];
+      if constexpr (P != 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          decode_raw<P>(raw8<P>(vw[i], j), x[i]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[i][e] *= vsc[i][j];  // exact (8 bits)
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {  // m-tile: channels 8j + 2u, 8j + 2u + 1
+        std::uint32_t a0, a1, a2, a3;
+        if constexpr (P == 0) {
+          const std::uint32_t w0 = vw[0][4 * j + u], w1 = vw[1][4 * j + u];
+          const std::uint32_t w2 = vw[2][4 * j + u], w3 = vw[3][4 * j + u];
+          a0 = __byte_perm(w0, w1, 0x5410);
+          a1 = __byte_perm(w0, w1, 0x7632);
+          a2 = __byte_perm(w2, w3, 0x5410);
+          a3 = __byte_perm(w2, w3, 0x7632);
+        } else {
+          a0 = pack_bf16(x[0][2 * u], x[1][2 * u]);
+          a1 = pack_bf16(x[0][2 * u + 1], x[1][2 * u + 1]);
+          a2 = pack_bf16(x[2][2 * u], x[3][2 * u]);
+          a3 = pack_bf16(x[2][2 * u + 1], x[3][2 * u + 1]);
+        }
+        float(&o)[4] = st.o[c * S::kMTilesPerChunk + 4 * j + u];
+#pragma unroll
+        for (int k = 2; k >= 0; --k) mma_bf16(o, a0, a1, a2, a3, pb[k][0], pb[k][1]);
+      }
+    }
+  }
+  st.ntok += n;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, TcShape<D>::kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
+                                                                           DecodeAttentionParams prm,
+                                                                           Workspace ws, int splits) {
+  using S = TcShape<D>;
+  __shared__ TcShared<D> sh;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int gq = lane >> 2;
+  const int t = lane & 3;
+  const int split = static_cast<int>(blockIdx.x);
+  const int kvh = static_cast<int>(blockIdx.y);
+  const int stream = prm.streams[kvh];
+  const int group = prm.num_q_heads / prm.num_kv_heads;
+  const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale : 1.0f / sqrtf(static_cast<float>(D));
+  const float scale_log2 = scale * kLog2e;
+  const std::size_t part = static_cast<std::size_t>(kvh) * splits + split;
+  float* acc_out = ws.acc + part * group * D;
+  float* ml_out = ws.ml + part * group * 2;
+  const bool stream_ok = stream >= 0 && stream < view.num_streams;
+
+  // Q fragments: k-step s, lane (h = lane / 4, tq = lane % 4): channels tq*D/4 + 4s .. + 3 of head h.
+  const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
+  for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
+    const int s = i / 32;
+    const int ln = i % 32;
+    const int h = ln >> 2;
+    const int c = (ln & 3) * (D / 4) + 4 * s;
+    float x[4][3];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split3(h < group ? q[h * D + c + e] : 0.0f, x[e]);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) sh.u.qf[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+  }
+  __syncthreads();
+
+  TcState<D> st;
+#pragma unroll
+  for (int i = 0; i < S::kMTiles; ++i) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.0f;
+  st.ntok = 0;
+
+  if (stream_ok) {
+    const int g = prm.group_size;
+    const int bs = prm.block_size;
+    int tile = 0;
+    for_each_chunk_tile<D, kWin, kWin * kWarps, true>(view, prm, stream, split, splits, [&](const TileSource& src) {
+      if ((tile++ % kWarps) != warp) return;
+      const int slot = src.base + lane;
+      bool valid = lane < kWin && slot < src.limit;
+      std::uint32_t rec = kNoRecordId;
+      if (valid && !src.staged) {
+        const int words = (bs + 63) / 64;
+        const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(src.block) * words + slot / 64];
+        if (src.precision != 0) rec = view.slot_record[static_cast<std::size_t>(src.block) * bs + slot];
+        valid = ((w >> (slot % 64)) & 1u) == 0;
+      }
+      const unsigned vm = __ballot_sync(0xFFFFFFFFu, valid);
+      if (vm == 0u) return;
+      if (valid) {
+        const int r = __popc(vm & ((1u << lane) - 1u));
+        sh.slot[warp][r] = slot;
+        sh.record[warp][r] = rec;
+      }
+      __syncwarp();
+      const int n = __popc(vm);
+      TcRows rs;
+      if (src.staged) {
+        const std::uint8_t* base = reinterpret_cast<const std::uint8_t*>(view.staging);
+        rs.kbase = base + (static_cast<std::size_t>(stream) * 2 + 0) * g * D * 2;
+        rs.vbase = base + (static_cast<std::size_t>(stream) * 2 + 1) * g * D * 2;
+        rs.vscales = nullptr;
+        rs.row_stride = 2 * D;
+        rs.fk = rs.fv = 1.0f;
+      } else {
+        const int rb = D * bits_of_p(src.precision) / 8;
+        rs.kbase = src.page;
+        rs.vbase = src.page + static_cast<std::size_t>(bs) * rb;
+        rs.vscales = src.page + 2 * static_cast<std::size_t>(bs) * rb;
+        rs.row_stride = rb;
+        const float unscale = src.precision == 1   ? kE4M3Fp16Unscale * kE4M3Fp16Unscale
+                              : src.precision == 2 ? kE4M3Fp16Unscale * kE2M1Fp16Unscale
+                                                   : kE4M3Fp16Unscale;  // ternary elements are exact
+        rs.fk = src.precision == 0 ? 1.0f
+                                   : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision] * unscale;
+        rs.fv = src.precision == 0 ? 1.0f
+                                   : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision] * unscale;
+      }
+      float(*pt)[kN + 1] = sh.pt[warp];
+      switch (src.staged ? 0 : src.precision) {
+        case 0: tc_window<D, 0>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
+        case 1: tc_window<D, 1>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
+        case 2: tc_window<D, 2>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
+        default: tc_window<D, 3>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
+      }
+      __syncwarp();  // the slot list is rewritten by the next window
+    });
+  }
+  // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 4);
+    st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 8);
+    st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 16);
+  }
+  __syncthreads();  // every warp is done with the Q fragments: sh.u.acc may overwrite them
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = 2 * t + hh;
+    if (h < group) {
+      if (gq == 0) {
+        sh.m[warp][h] = st.m[hh];
+        sh.l[warp][h] = st.l[hh];
+      }
+#pragma unroll
+      for (int i = 0; i < S::kMTiles; ++i) {
+        const int c = i / S::kMTilesPerChunk;
+        const int ch0 = gq * (D / 8) + c * S::kVCh + 2 * (i % S::kMTilesPerChunk);
+        sh.u.acc[warp][h][ch0] = st.o[i][hh];
+        sh.u.acc[warp][h][ch0 + 1] = st.o[i][2 + hh];
+      }
+    }
+  }
+  if (lane == 0) sh.ntok[warp] = st.ntok;
+  __syncthreads();
+  for (int i = tid; i < group * D; i += kThreads) {
+    const int h = i / D;
+    const int c = i % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) {
+      if (sh.l[w][h] > 0.0f || sh.l[w][h] != sh.l[w][h]) mm = fmaxf(mm, sh.m[w][h]);
+    }
+    float a = 0.0f, l = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float lw = sh.l[w][h];
+      if (!(lw > 0.0f) && lw == lw) continue;  // no token in this warp (NaN propagates)
+      const float fw = exp2f(sh.m[w][h] - mm);
+      a += sh.u.acc[w][h][c] * fw;
+      l += lw * fw;
+    }
+    acc_out[i] = a;
+    if (c == 0) {
+      ml_out[2 * h] = mm;
+      ml_out[2 * h + 1] = l;
+    }
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int w = 0; w < kWarps; ++w) n += sh.ntok[w];
+    ws.ntok[part] = n;
+  }
+}
+
+}  // namespace
+
+template <int D>
+cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
+                              int splits, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
+  paged_decode_partial_tc_kernel<D><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  return cudaGetLastError();
+}
+
+template cudaError_t launch_partial_tc<64>(const PagedKvView&, const DecodeAttentionParams&, const Workspace&, int,
+                                           cudaStream_t);
+template cudaError_t launch_partial_tc<128>(const PagedKvView&, const DecodeAttentionParams&, const Workspace&, int,
+                                            cudaStream_t);
+template cudaError_t launch_partial_tc<256>(const PagedKvView&, const DecodeAttentionParams&, const Workspace&, int,
+                                            cudaStream_t);
+
+}  // namespace thinkv::kernels::detail
