@@ -50,6 +50,14 @@ if(NOT TARGET Catch2::Catch2)
 endif()
 set(Catch2_FOUND TRUE)
 CMAKE
+  # The real model for the CLI's --backend cuda smoke test (the GPU machine has no ../shared).
+  local models=${THINKV_MODELS:-$ROOT/../shared/models}
+  if [[ -f $models/stories260K.bin && -f $models/tok512.bin ]]; then
+    mkdir -p "$DEPS/models"
+    cp "$models/stories260K.bin" "$models/tok512.bin" "$DEPS/models/"
+  else
+    echo "prepare: no stories260K.bin + tok512.bin in $models: the CLI smoke test will be skipped" >&2
+  fi
   local excl
   excl=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)
   mkdir -p "$(dirname "$excl")"
@@ -132,17 +140,28 @@ fi
 
 step configure cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$NVCC" -DTHINKV_CUDA_ARCHITECTURES="$ARCH" -DTHINKV_WERROR=ON \
-  -DTHINKV_BUILD_TESTS=ON -DTHINKV_BUILD_BENCH=OFF -DTHINKV_BUILD_EXAMPLES=OFF \
+  -DTHINKV_BUILD_TESTS=ON -DTHINKV_BUILD_BENCH=OFF -DTHINKV_BUILD_EXAMPLES=ON \
   -DCMAKE_PREFIX_PATH="$DEPS" || { cat "$SUMMARY"; exit 1; }
 
 # Only the CUDA-related targets: the kernels, the GPU tests and the oracle tests.
 mapfile -t TARGETS < <(ninja -C "$BUILD" -t targets all 2>/dev/null |
   grep -oE '^(gpu|oracle)_test_[A-Za-z0-9_]+:' | tr -d ':' | sort -u)
-note "targets: thinkv_kernels ${TARGETS[*]}"
-step build cmake --build "$BUILD" --target thinkv_kernels "${TARGETS[@]}" || { cat "$SUMMARY"; exit 1; }
+note "targets: thinkv_kernels thinkv ${TARGETS[*]}"
+step build cmake --build "$BUILD" --target thinkv_kernels thinkv "${TARGETS[@]}" || { cat "$SUMMARY"; exit 1; }
 
 # -V: the GPU tests print their measured errors per case; keep them in the log.
 step ctest ctest --test-dir "$BUILD" -L 'gpu|oracle' -V --timeout 300
+
+# The CLI on the real model with --backend cuda: same text as the CPU backend
+# (tests/cli/generate_smoke.sh; models from --prepare's copy or $THINKV_MODELS).
+MODELS=${THINKV_MODELS:-$DEPS/models}
+if [[ -f $MODELS/stories260K.bin ]]; then
+  step cli_generate_smoke env THINKV_MODELS="$MODELS" bash tests/cli/generate_smoke.sh \
+    "$BUILD/examples/thinkv/thinkv" "$MODELS"
+  grep -E 'note:|FAIL' "$LOGS/cli_generate_smoke.log"
+else
+  note "SKIP cli_generate_smoke (no stories260K.bin in $MODELS: run --prepare where ../shared/models exists)"
+fi
 
 # Every GPU test executable under compute-sanitizer (smaller inputs: THINKV_TEST_SMALL).
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -152,7 +171,7 @@ for exe in "$BUILD"/tests/kernels/test_*; do
   for tool in memcheck racecheck; do
     extra=()
     [[ $tool == memcheck ]] && extra=(--leak-check full)
-    step "${name}_${tool}" env THINKV_TEST_SMALL=1 timeout 240 "$SAN" --tool "$tool" \
+    step "${name}_${tool}" env THINKV_TEST_SMALL=1 THINKV_UNDER_SANITIZER=1 timeout 240 "$SAN" --tool "$tool" \
       --error-exitcode 3 "${extra[@]}" "$exe"
   done
 done

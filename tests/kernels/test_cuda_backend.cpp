@@ -57,7 +57,7 @@ CacheConfig make_config(const Shape& s, int streams, int max_tokens) {
   cfg.group_size = s.g;
   cfg.block_size = s.b;
   cfg.precision = s.map;
-  const int blocks = streams * (2 * max_tokens / s.b + 8);
+  const int blocks = streams * (3 * max_tokens / s.b + 8);  // two appends of up to 1.5 max_tokens
   for (int p = 0; p < thinkv::kNumPrecisions; ++p) {
     cfg.pool_blocks[p] = s.map.uses(static_cast<Precision>(p)) ? blocks : 0;
   }
@@ -211,7 +211,11 @@ TEST_CASE("CudaKvBackend stores, reads back and attends exactly as CpuKvBackend"
         REQUIRE(cpu.evict(s, live).is_ok());
         REQUIRE(gpu.evict(s, live).is_ok());
       }
-      for (int s = 0; s < streams; ++s) append_both(cpu, gpu, s, 1 + static_cast<int>(rng() % max_tokens), rng);
+      // At least half a stream's worth each, so that groups of every thought type commit and
+      // some land on the evicted slots of their precision (a short draw could reuse none).
+      for (int s = 0; s < streams; ++s) {
+        append_both(cpu, gpu, s, max_tokens / 2 + static_cast<int>(rng() % max_tokens), rng);
+      }
       CHECK(cpu.table().stats().slots_reused > 0);
       compare_storage(cpu, gpu);
       compare_tokens(cpu, gpu);
@@ -311,6 +315,11 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
     CHECK(s.message().find("head_dim 32") != std::string::npos);
   }
   SECTION("device memory exhausted at init") {
+    if (std::getenv("THINKV_UNDER_SANITIZER") != nullptr) {
+      // compute-sanitizer reports the failing cudaMalloc this section provokes as an error.
+      WARN("skipped under compute-sanitizer (THINKV_UNDER_SANITIZER): it makes cudaMalloc fail on purpose");
+      return;
+    }
     CacheConfig cfg;
     cfg.num_streams = 1;
     cfg.head_dim = 256;
