@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -449,9 +450,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
   if (stream_ok) {
     const int g = prm.group_size;
     const int bs = prm.block_size;
-    int tile = 0;
     for_each_chunk_tile<D, S::kWin, S::kWin * kWarps, true>(view, prm, stream, split, splits, [&](const TileSource& src) {
-      if ((tile++ % kWarps) != warp) return;
       // Live slots of the window, compacted by a ballot.
       const int slot = src.base + lane;
       bool valid = lane < S::kWin && slot < src.limit;
@@ -719,6 +718,44 @@ bool heads_ok(const DecodeAttentionParams& p) {
 
 }  // namespace
 
+namespace {
+
+/// Resident CTAs per SM of the main pass that a launch with head_dim d and group size `group`
+/// runs (occupancy API, cached per device; 0 when it cannot be queried).
+int main_pass_ctas_per_sm(int dev, int d, int group) noexcept {
+  constexpr int kDevs = 16;
+  static std::atomic<int> cache[kDevs][4][4] = {};  // [device][D 8/64/128/256][G bound 1/2/4/8]
+  const int di = d == 8 ? 0 : d == 64 ? 1 : d == 128 ? 2 : d == 256 ? 3 : -1;
+  const int gi = group <= 1 ? 0 : group <= 2 ? 1 : group <= 4 ? 2 : 3;
+  if (di < 0) return 0;
+  std::atomic<int>* slot = dev >= 0 && dev < kDevs ? &cache[dev][di][gi] : nullptr;
+  if (slot != nullptr) {
+    if (const int v = slot->load(std::memory_order_relaxed); v > 0) return v;
+  }
+  int n = 0;
+  cudaError_t e = cudaSuccess;
+  switch (di) {
+    case 0: {
+      static constexpr void (*kKernels[4])(PagedKvView, DecodeAttentionParams, Workspace, int) = {
+          paged_decode_partial_kernel<8, 1>, paged_decode_partial_kernel<8, 2>, paged_decode_partial_kernel<8, 4>,
+          paged_decode_partial_kernel<8, 8>};
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernels[gi], kThreads, 0);
+      break;
+    }
+    case 1: n = partial_tc_ctas_per_sm<64>(); break;
+    case 2: n = partial_tc_ctas_per_sm<128>(); break;
+    default: n = partial_tc_ctas_per_sm<256>(); break;
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (slot != nullptr && n > 0) slot->store(n, std::memory_order_relaxed);
+  return n;
+}
+
+}  // namespace
+
 int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   if (p.num_splits > 0) return p.num_splits < kMaxSplits ? p.num_splits : kMaxSplits;
   int dev = 0, sms = 132;
@@ -728,10 +765,25 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
     sms = 132;
   }
   const int hkv = p.num_kv_heads > 0 ? p.num_kv_heads : 1;
-  int splits = (4 * sms + hkv - 1) / hkv;  // ~4 CTAs per SM
-  if (splits < 1) splits = 1;
-  if (splits > kMaxSplits) splits = kMaxSplits;
-  return splits;
+  const int group = p.num_q_heads / hkv;
+  int per_sm = main_pass_ctas_per_sm(dev, p.head_dim, group);
+  if (per_sm < 1) per_sm = 4;
+  const long long resident = static_cast<long long>(per_sm) * sms;
+  // Whole waves: the fewest chunks per KV head whose Hkv * splits CTAs fill the last wave of
+  // resident CTAs to >= 90% (a launch of 1.3 waves takes as long as one of 2). Equal-length
+  // streams make this exact; with unequal ones it still avoids a mostly idle last wave.
+  int best = 1;
+  double best_eff = 0.0;
+  for (int s = 1; s <= kMaxSplits; ++s) {
+    const double waves = static_cast<double>(hkv) * s / static_cast<double>(resident);
+    const double eff = waves / std::ceil(waves);
+    if (eff >= 0.9) return s;
+    if (eff > best_eff + 1e-9) {
+      best = s;
+      best_eff = eff;
+    }
+  }
+  return best;
 }
 
 std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept {

@@ -20,6 +20,7 @@
 namespace thinkv::kernels::detail {
 
 constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
 constexpr std::uint32_t kNoRecordId = 0xFFFFFFFFu;
 
 
@@ -75,7 +76,9 @@ __host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, i
 /// then staging rows). All threads see the same values (block-uniform).
 /// kWarpLoads (only when the 32 lanes of a warp call it together): the block ids and fills of 32
 /// blocks at a time are loaded by the warp's lanes in parallel and broadcast by shuffles, instead
-/// of two dependent global loads per block in every thread's critical path.
+/// of two dependent global loads per block in every thread's critical path; and the chunk's tiles
+/// are dealt round robin to the CTA's kWarps warps (tile i to warp i % kWarps): fn sees only the
+/// calling warp's tiles, and a block without one costs two shuffles and a few integer operations.
 template <int D, int kTile, int kAlign, bool kWarpLoads = false, typename Fn>
 __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
                                     int split, int splits, Fn&& fn) {
@@ -96,6 +99,11 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
   const long long j_lo = lo / bs;
   const long long j_hi = bhi > 0 ? (bhi + bs - 1) / bs : 0;  // blocks j with j * bs < bhi
   constexpr int kBatch = kWarpLoads ? 32 : 1;
+  constexpr long long kStep = kWarpLoads ? static_cast<long long>(kTile) * kWarps : kTile;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  int tile = 0;  // tiles of the chunk so far (kWarpLoads: dealt round robin to the warps)
+  (void)warp;
+  (void)tile;
   for (long long j0 = j_lo; j0 < j_hi; j0 += kBatch) {
     std::uint32_t lane_block = 0;
     int lane_fill = 0;
@@ -118,6 +126,19 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
         b = view.block_indices[j_begin + j];
         fill = view.block_fill[b];
       }
+      const long long a = lo > j * bs ? lo - j * bs : 0;
+      long long e = bhi - j * bs;
+      if (e > bs) e = bs;
+      if (e > fill) e = fill;
+      if (e <= a) continue;
+      long long first = a;  // first tile of this block to hand to fn
+      if constexpr (kWarpLoads) {
+        const int nt = static_cast<int>((e - a + kTile - 1) / kTile);
+        const int mine = (warp - tile % kWarps + kWarps) % kWarps;  // this warp's first tile here
+        tile += nt;
+        if (mine >= nt) continue;
+        first = a + static_cast<long long>(mine) * kTile;
+      }
       int pr = 0;
       for (int q = kNumPrecisions - 1; q > 0; --q) {
         if (b >= view.pool_base[q]) {
@@ -130,11 +151,7 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
           static_cast<std::size_t>(bs) *
           (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
       const std::uint8_t* page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
-      const long long a = lo > j * bs ? lo - j * bs : 0;
-      long long e = bhi - j * bs;
-      if (e > bs) e = bs;
-      if (e > fill) e = fill;
-      for (long long base = a; base < e; base += kTile) {
+      for (long long base = first; base < e; base += kStep) {
         fn(TileSource{false, b, pr, page, static_cast<int>(base), static_cast<int>(e)});
       }
     }
@@ -142,13 +159,14 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
   if (hi > block_pos) {
     const long long a = lo > block_pos ? lo - block_pos : 0;
     const long long e = hi - block_pos;
-    for (long long base = a; base < e; base += kTile) {
+    long long first = a;
+    if constexpr (kWarpLoads) first = a + static_cast<long long>((warp - tile % kWarps + kWarps) % kWarps) * kTile;
+    for (long long base = first; base < e; base += kStep) {
       fn(TileSource{true, 0, static_cast<int>(Precision::kBf16), nullptr, static_cast<int>(base), static_cast<int>(e)});
     }
   }
 }
 
-constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
@@ -262,5 +280,9 @@ constexpr float elem_unscale() {
 template <int D>
 cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
                               int splits, cudaStream_t s);
+
+/// Resident CTAs per SM of the tensor-core main pass for head_dim D (occupancy API; 0 on error).
+template <int D>
+int partial_tc_ctas_per_sm() noexcept;
 
 }  // namespace thinkv::kernels::detail

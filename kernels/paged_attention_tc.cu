@@ -39,7 +39,9 @@ namespace {
 
 constexpr int kN = 8;  // mma N: the query heads of one KV head, zero-padded
 static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 query heads per KV head");
-constexpr int kWin = 16;  // slot positions per window (mma M of the scores, K of P.V)
+constexpr int kWin = 16;        // tokens per window (mma M of the scores, K of P.V)
+constexpr int kTileSlots = 32;  // slot positions per warp tile (one lane each)
+constexpr int kStagedGroup = kNumPrecisions;  // precision group of the staged (BF16) rows
 
 template <int D>
 struct TcShape {
@@ -51,9 +53,11 @@ struct TcShape {
   static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
   static constexpr int kMTilesPerChunk = kMTiles / kNC;
   static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
-  // CTAs per SM asked of ptxas: D = 64 fits 128 registers without spills; D = 128 takes 168
-  // (3 CTAs per SM), and forcing 128 spills.
-  static constexpr int kMinBlocks = D == 64 ? 4 : 1;
+  // CTAs per SM asked of ptxas (Release, sm_90a): D = 64 fits 128 registers; D = 128 gets 168
+  // (3 CTAs per SM, 28 bytes of spills) and D = 256 252. Measured on the H200 (2026-11-29,
+  // bench_paged_attention): forcing 4 CTAs at D = 128 (128 registers, 204 bytes of spills) was
+  // no faster once the number of waves is accounted for.
+  static constexpr int kMinBlocks = D == 64 ? 4 : D == 128 ? 3 : 2;
 };
 
 template <int D>
@@ -68,6 +72,7 @@ struct TcShared {
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
   int slot[kWarps][32];
   std::uint32_t record[kWarps][32];
+  const std::uint8_t* page[kWarps][32];
 };
 
 template <int D>
@@ -78,11 +83,13 @@ struct TcState {
   int ntok;
 };
 
+/// Where a group's rows are: token k's K row at pages[k] + slots[k] * rb, its V row at
+/// pages[k] + (rows + slots[k]) * rb, its value scales at pages[k] + 2 * rows * rb +
+/// slots[k] * D / g (a block's page: rows = B; the stream's staging rows: rows = g, no scales).
 struct TcRows {
-  const std::uint8_t* kbase;
-  const std::uint8_t* vbase;
-  const std::uint8_t* vscales;
-  int row_stride;
+  int rb;      // bytes per row
+  int rows;    // rows per page (K rows, then as many V rows)
+  bool vec;    // every page and rb 16-byte aligned: vector loads
   float fk, fv;  // factors applied to the scores' products and to the probabilities
 };
 
@@ -166,12 +173,12 @@ __device__ __forceinline__ Raw<P> raw8(const std::uint32_t (&w)[NW], int j) {
 }
 
 constexpr int bits_of_p(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
-constexpr int min16(int x) { return x < 16 ? x : 16; }
 
 /// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows).
 template <int D, int P>
-__device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int g, int n, const int* slots,
-                                          const std::uint32_t* records, float scale_log2,
+__device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n, const int* slots,
+                                          const std::uint8_t* const* pages, const std::uint32_t* records,
+                                          float scale_log2,
                                           const TcShared<D>& sh, float (*pt)[kN + 1], TcState<D>& st) {
   using S = TcShape<D>;
   constexpr int kBits = bits_of_p(P);
@@ -181,32 +188,30 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   constexpr int kVW = (kVB + 3) / 4;
   constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
   constexpr int kV8 = S::kVCh / 8;           // 8-channel pieces of V per lane, token and chunk
+  constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int gq = lane >> 2;
   const int t = lane & 3;
-  const bool vec = (((reinterpret_cast<std::uintptr_t>(rs.kbase) | static_cast<std::uintptr_t>(rs.row_stride)) %
-                     min16(kKB)) == 0) &&
-                   (((reinterpret_cast<std::uintptr_t>(rs.vbase) | static_cast<std::uintptr_t>(rs.row_stride)) %
-                     min16(kVB)) == 0);
+  const bool vec = rs.vec;
   const bool ks_vec = (reinterpret_cast<std::uintptr_t>(view.key_scales) % 16) == 0;
 
   // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9.
   const int kt[2] = {gq, gq + 8};
   const int vt[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-  std::size_t krow[2], vrow[4];
+  const std::uint8_t* krow[2];  // K row of each K-side token (null: no token)
+  const std::uint8_t* vpage[4];
   std::uint32_t krec[2];
 #pragma unroll
   for (int a = 0; a < 2; ++a) {
-    krow[a] = kt[a] < n ? static_cast<std::size_t>(slots[kt[a]]) * rs.row_stride : 0;
+    krow[a] = kt[a] < n ? pages[kt[a]] + static_cast<std::size_t>(slots[kt[a]]) * rs.rb : nullptr;
     krec[a] = kt[a] < n && P != 0 ? records[kt[a]] : kNoRecordId;
   }
   int vslot[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     vslot[i] = vt[i] < n ? slots[vt[i]] : -1;
-    vrow[i] = vslot[i] >= 0 ? static_cast<std::size_t>(vslot[i]) * rs.row_stride : 0;
+    vpage[i] = vt[i] < n ? pages[vt[i]] : nullptr;
   }
-
   // V rows (and value scales) of one chunk.
   std::uint32_t vw[4][kVW];
   float vsc[4][kV8 > 0 ? kV8 : 1];
@@ -215,7 +220,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (vslot[i] >= 0) {
-        load_words<kVB>(rs.vbase + vrow[i] + static_cast<std::size_t>(ch) * kBits / 8, vec, vw[i]);
+        load_words<kVB>(vpage[i] + static_cast<std::size_t>(rs.rows + vslot[i]) * rs.rb + ch * kBits / 8, vec, vw[i]);
       } else {
         zero_words(vw[i]);
       }
@@ -224,7 +229,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
         vsc[i][j] = 0.0f;
         if constexpr (P != 0) {
           if (vslot[i] >= 0) {
-            vsc[i][j] = e4m3x2_scaled(__ldg(rs.vscales + static_cast<std::size_t>(vslot[i]) * (D / g) + (ch + 8 * j) / g)).x;
+            vsc[i][j] = e4m3x2_scaled(__ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
+                                           (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg))).x;
           }
         }
       }
@@ -233,6 +239,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   if constexpr (S::kNC == 1) load_v(0);
 
   // Scores: K'.Q^T over all chunks.
+  bool one_rec = false;
+  if constexpr (P != 0) one_rec = __all_sync(0xFFFFFFFFu, kt[1] >= n || krec[1] == krec[0]);
   float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int c = 0; c < S::kNC; ++c) {
@@ -242,12 +250,16 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
 #pragma unroll
     for (int a = 0; a < 2; ++a) {
       if (kt[a] < n) {
-        load_words<kKB>(rs.kbase + krow[a] + static_cast<std::size_t>(ch) * kBits / 8, vec, kw[a]);
+        load_words<kKB>(krow[a] + ch * kBits / 8, vec, kw[a]);
       } else {
         zero_words(kw[a]);
       }
       if constexpr (P != 0) {
-        if (kt[a] < n && krec[a] != kNoRecordId) {
+        // Token gq + 8 shares token gq's key scales when the window has one record (the usual
+        // case: a group of g tokens is committed into consecutive slots): one load and decode.
+        if (a == 1 && one_rec) {
+          zero_words(ksw[1]);
+        } else if (kt[a] < n && krec[a] != kNoRecordId) {
           load_words<S::kKCh>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ks_vec, ksw[a]);
         } else {
           zero_words(ksw[a]);
@@ -268,16 +280,20 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
         }
       } else {
         float x[2][8];
+        float f[2][8];
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
           decode_raw<P>(raw8<P>(kw[a], j), x[a]);
-          float f[8];
-          Raw<1> sr;
-          sr.w = make_uint4(ksw[a][2 * j], ksw[a][2 * j + 1], 0u, 0u);
-          decode_raw<1>(sr, f);  // scale codes times 2^-8
-          const bool none = kt[a] < n && krec[a] == kNoRecordId;
+          if (a == 0 || !one_rec) {
+            Raw<1> sr;
+            sr.w = make_uint4(ksw[a][2 * j], ksw[a][2 * j + 1], 0u, 0u);
+            decode_raw<1>(sr, f[a]);  // scale codes times 2^-8
+          } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[a][e] = none ? NAN : x[a][e] * f[e];  // exact (8 bits)
+            for (int e = 0; e < 8; ++e) f[1][e] = f[0][e];
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[a][e] *= f[a][e];  // exact (at most 8 significant bits)
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -303,7 +319,11 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   const float kf = scale_log2 * rs.fk;
   float p[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = kt[i / 2] < n ? sc[i] * kf : -INFINITY;
+  for (int i = 0; i < 4; ++i) {
+    const int a = i / 2;
+    // A quantized slot without a key-scale record (the CPU reads NaN keys there) scores NaN.
+    p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : sc[i] * kf;
+  }
   float f[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -384,8 +404,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   st.ntok += n;
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads, TcShape<D>::kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
+template <int D, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
                                                                            DecodeAttentionParams prm,
                                                                            Workspace ws, int splits) {
   using S = TcShape<D>;
@@ -430,59 +450,123 @@ __global__ void __launch_bounds__(kThreads, TcShape<D>::kMinBlocks) paged_decode
 
   if (stream_ok) {
     const int g = prm.group_size;
+    const int lg = g == 8 ? 3 : g == 16 ? 4 : 5;  // check_paged_decode_attention: g is 8, 16 or 32
     const int bs = prm.block_size;
-    int tile = 0;
-    for_each_chunk_tile<D, kWin, kWin * kWarps, true>(view, prm, stream, split, splits, [&](const TileSource& src) {
-      if ((tile++ % kWarps) != warp) return;
-      const int slot = src.base + lane;
-      bool valid = lane < kWin && slot < src.limit;
+    // This chunk's slot positions (blocks in list order, then the staging rows), as the CUDA-core
+    // pass cuts them (whole 128-position pieces), in 32-position tiles dealt round robin to the
+    // warps. A tile may span several blocks: the live slots of its 32 positions are compacted per
+    // precision (one group per precision present, usually one) and processed 16 at a time, so
+    // evicted slots and partly filled blocks cost no mma work.
+    const int j_begin = view.block_indptr[stream];
+    const long long nb = view.block_indptr[stream + 1] - j_begin;
+    const long long block_pos = nb * bs;
+    const long long total = block_pos + view.staged_count[stream];
+    long long chunk = (total + splits - 1) / splits;
+    chunk = (chunk + kTileSlots * kWarps - 1) / (kTileSlots * kWarps) * (kTileSlots * kWarps);
+    const long long lo = static_cast<long long>(split) * chunk;
+    const long long hi = lo + chunk < total ? lo + chunk : total;
+    const int words = (bs + 63) / 64;
+    const std::uint8_t* staging = reinterpret_cast<const std::uint8_t*>(view.staging) +
+                                  static_cast<std::size_t>(stream) * 2 * g * D * 2;
+    long long jb = -1;  // first block of the metadata batch held by the lanes
+    std::uint32_t lane_block = 0;
+    int lane_fill = 0;
+    for (long long t0 = lo + static_cast<long long>(warp) * kTileSlots; t0 < hi; t0 += kTileSlots * kWarps) {
+      const long long vp = t0 + lane;
+      const bool in = vp < hi;
+      const bool staged = vp >= block_pos;
+      // Block ids and fills of 32 blocks at a time, one per lane, shuffled to the tile's lanes.
+      if (t0 < block_pos) {
+        const long long jf = t0 / bs;
+        const long long last = (t0 + kTileSlots < block_pos ? t0 + kTileSlots : block_pos) - 1;
+        if (jb < 0 || jf < jb || last / bs >= jb + 32) {
+          jb = jf;
+          lane_block = 0;
+          lane_fill = 0;
+          if (jb + lane < nb) {
+            lane_block = view.block_indices[j_begin + jb + lane];
+            lane_fill = view.block_fill[lane_block];
+          }
+        }
+      }
+      const long long j = staged ? jb : vp / bs;
+      const int src_lane = static_cast<int>(j - jb) & 31;
+      const std::uint32_t b = __shfl_sync(0xFFFFFFFFu, lane_block, src_lane);
+      const int fill = __shfl_sync(0xFFFFFFFFu, lane_fill, src_lane);
+      int slot = 0, pr = kStagedGroup;
+      bool valid = in;
       std::uint32_t rec = kNoRecordId;
-      if (valid && !src.staged) {
-        const int words = (bs + 63) / 64;
-        const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(src.block) * words + slot / 64];
-        if (src.precision != 0) rec = view.slot_record[static_cast<std::size_t>(src.block) * bs + slot];
-        valid = ((w >> (slot % 64)) & 1u) == 0;
+      const std::uint8_t* page = staging;
+      if (in && !staged) {
+        slot = static_cast<int>(vp - j * bs);
+        pr = 0;
+        for (int q = kNumPrecisions - 1; q > 0; --q) {
+          if (b >= view.pool_base[q]) {
+            pr = q;
+            break;
+          }
+        }
+        const int rb = D * bits_of_p(pr) / 8;
+        const std::size_t page_bytes = static_cast<std::size_t>(bs) * (2 * rb + (pr != 0 ? (D >> lg) : 0));
+        page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+        valid = slot < fill;
+        if (valid) {
+          const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(b) * words + slot / 64];
+          if (pr != 0) rec = view.slot_record[static_cast<std::size_t>(b) * bs + slot];
+          valid = ((w >> (slot % 64)) & 1u) == 0;
+        }
+      } else if (in) {
+        slot = static_cast<int>(vp - block_pos);  // staging row
       }
-      const unsigned vm = __ballot_sync(0xFFFFFFFFu, valid);
-      if (vm == 0u) return;
-      if (valid) {
-        const int r = __popc(vm & ((1u << lane) - 1u));
-        sh.slot[warp][r] = slot;
-        sh.record[warp][r] = rec;
+      unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
+      while (todo != 0u) {
+        const int group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
+        const bool mine = valid && pr == group_pr;
+        const unsigned m = __ballot_sync(0xFFFFFFFFu, mine);
+        todo &= ~m;
+        const bool aligned = (reinterpret_cast<std::uintptr_t>(page) & 15u) == 0;
+        const bool vec = __all_sync(0xFFFFFFFFu, !mine || aligned);
+        if (mine) {
+          const int r = __popc(m & ((1u << lane) - 1u));
+          sh.slot[warp][r] = slot;
+          sh.record[warp][r] = rec;
+          sh.page[warp][r] = page;
+        }
+        __syncwarp();
+        const int n = __popc(m);
+        TcRows rs;
+        rs.vec = vec;
+        if (group_pr == kStagedGroup) {
+          rs.rb = 2 * D;
+          rs.rows = g;
+          rs.fk = rs.fv = 1.0f;
+        } else {
+          rs.rb = D * bits_of_p(group_pr) / 8;
+          rs.rows = bs;
+          const float unscale = group_pr == 1   ? kE4M3Fp16Unscale * kE4M3Fp16Unscale
+                                : group_pr == 2 ? kE4M3Fp16Unscale * kE2M1Fp16Unscale
+                                                : kE4M3Fp16Unscale;  // ternary elements are exact
+          rs.fk = group_pr == 0 ? 1.0f
+                                : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr] * unscale;
+          rs.fv = group_pr == 0 ? 1.0f
+                                : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr] * unscale;
+        }
+        float(*pt)[kN + 1] = sh.pt[warp];
+        for (int k0 = 0; k0 < n; k0 += kWin) {
+          const int nk = n - k0 < kWin ? n - k0 : kWin;
+          const int* sl = sh.slot[warp] + k0;
+          const std::uint8_t* const* pg = sh.page[warp] + k0;
+          const std::uint32_t* rc = sh.record[warp] + k0;
+          switch (group_pr == kStagedGroup ? 0 : group_pr) {
+            case 0: tc_window<D, 0>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 1: tc_window<D, 1>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 2: tc_window<D, 2>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            default: tc_window<D, 3>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+          }
+        }
+        __syncwarp();  // the lists are rewritten by the next group
       }
-      __syncwarp();
-      const int n = __popc(vm);
-      TcRows rs;
-      if (src.staged) {
-        const std::uint8_t* base = reinterpret_cast<const std::uint8_t*>(view.staging);
-        rs.kbase = base + (static_cast<std::size_t>(stream) * 2 + 0) * g * D * 2;
-        rs.vbase = base + (static_cast<std::size_t>(stream) * 2 + 1) * g * D * 2;
-        rs.vscales = nullptr;
-        rs.row_stride = 2 * D;
-        rs.fk = rs.fv = 1.0f;
-      } else {
-        const int rb = D * bits_of_p(src.precision) / 8;
-        rs.kbase = src.page;
-        rs.vbase = src.page + static_cast<std::size_t>(bs) * rb;
-        rs.vscales = src.page + 2 * static_cast<std::size_t>(bs) * rb;
-        rs.row_stride = rb;
-        const float unscale = src.precision == 1   ? kE4M3Fp16Unscale * kE4M3Fp16Unscale
-                              : src.precision == 2 ? kE4M3Fp16Unscale * kE2M1Fp16Unscale
-                                                   : kE4M3Fp16Unscale;  // ternary elements are exact
-        rs.fk = src.precision == 0 ? 1.0f
-                                   : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision] * unscale;
-        rs.fv = src.precision == 0 ? 1.0f
-                                   : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision] * unscale;
-      }
-      float(*pt)[kN + 1] = sh.pt[warp];
-      switch (src.staged ? 0 : src.precision) {
-        case 0: tc_window<D, 0>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
-        case 1: tc_window<D, 1>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
-        case 2: tc_window<D, 2>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
-        default: tc_window<D, 3>(view, rs, g, n, sh.slot[warp], sh.record[warp], scale_log2, sh, pt, st); break;
-      }
-      __syncwarp();  // the slot list is rewritten by the next window
-    });
+    }
   }
   // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
 #pragma unroll
@@ -545,9 +629,24 @@ template <int D>
 cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
                               int splits, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
-  paged_decode_partial_tc_kernel<D><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
   return cudaGetLastError();
 }
+
+template <int D>
+int partial_tc_ctas_per_sm() noexcept {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks>,
+                                                    kThreads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+template int partial_tc_ctas_per_sm<64>() noexcept;
+template int partial_tc_ctas_per_sm<128>() noexcept;
+template int partial_tc_ctas_per_sm<256>() noexcept;
 
 template cudaError_t launch_partial_tc<64>(const PagedKvView&, const DecodeAttentionParams&, const Workspace&, int,
                                            cudaStream_t);

@@ -64,8 +64,9 @@ struct DecodeAttentionParams {
   float* sparsity = nullptr;  // [Hq] or null
   /// Split-K (flash-decoding): each KV head's token list (its blocks' slot positions, then its
   /// staged tokens) is cut into num_splits chunks of whole tiles, one CTA each, whose partial
-  /// (m, l, acc) go to `workspace`; a merge kernel combines them. 0 = automatic (enough CTAs for
-  /// ~4 per SM). Chunks of a short stream may be empty (they cost one early exit).
+  /// (m, l, acc) go to `workspace`; a merge kernel combines them. 0 = automatic: the fewest
+  /// chunks whose Hkv * num_splits CTAs fill whole waves of the CTAs the device keeps resident
+  /// (occupancy API) to >= 90%. Chunks of a short stream may be empty (they cost one early exit).
   int num_splits = 0;
   /// Caller-provided device scratch of paged_decode_attention_workspace_size(p) bytes, 16-byte
   /// aligned; the kernels allocate nothing. Must not be shared by launches that may overlap.
