@@ -11,15 +11,18 @@
 ///
 /// The 8 mma columns are the GQA group's query heads, padded with zero queries (G <= 8).
 ///
-/// Exactness. K' and V' are the stored elements times their E4M3 group scales, computed in FP32
-/// and rounded to BF16, which is exact: an element has at most 4 significant bits (E4M3; E2M1 has
-/// 2, ternary 1) and a scale at most 4, so the product has at most 8, BF16's precision, and its
-/// exponent is far inside BF16's range. BF16 pages and staged rows are BF16 already. The powers of
-/// two of the bit-placement decoding and the FP32 second-level scales s2 are applied outside the
-/// products: s2k to the scores, s2v to the probabilities. Q and P (FP32) are split into three BF16
-/// terms (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied in its own mma, so every
-/// product is exact and only the FP32 accumulation rounds, as in the CUDA-core pass (the result is
-/// not bit-identical to the CPU reference; the sparsity passes recompute exact scores).
+/// Exactness. K' and V' are the stored elements times their E4M3 group scales, exact in BF16: an
+/// element has at most 4 significant bits (E4M3; E2M1 has 2, ternary 1) and a scale at most 4, so
+/// the product has at most 8, BF16's precision, and its exponent is far inside BF16's range.
+/// NVFP4 bytes (two E2M1 codes) become BF16x2 through a 256-entry shared-memory table and are
+/// multiplied by the scales in BF16x2 (one lookup and one HMUL2 per two elements); FP8 codes and
+/// scales go through the hardware E4M3x2 -> F16x2 conversion and an FP32 product; ternary codes
+/// are +-1. BF16 pages and staged rows are BF16 already. The FP32 second-level scales s2 are
+/// applied outside the products: s2k to the scores, s2v to the probabilities. Q and P (FP32) are
+/// split into three BF16 terms (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied
+/// in its own mma, so every product is exact and only the FP32 accumulation rounds, as in the
+/// CUDA-core pass (the result is not bit-identical to the CPU reference; the sparsity passes
+/// recompute exact scores).
 ///
 /// Layouts. The dot products do not care about channel order, so each lane takes contiguous
 /// channels: for Q.K^T, lane (gq = lane / 4, t = lane % 4) holds tokens gq and gq + 8 and the
@@ -31,6 +34,7 @@
 /// shared-memory transpose per warp.
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "paged_attention_common.cuh"
 
@@ -53,6 +57,7 @@ struct TcShape {
   static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
   static constexpr int kMTilesPerChunk = kMTiles / kNC;
   static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
+  static constexpr int kLutRep = D <= 128 ? 16 : 8;          // NVFP4 table copies (smem budget)
   // CTAs per SM asked of ptxas (Release, sm_90a): D = 64 fits 128 registers; D = 128 gets 168
   // (3 CTAs per SM, 28 bytes of spills) and D = 256 252. Measured on the H200 (2026-11-29,
   // bench_paged_attention): forcing 4 CTAs at D = 128 (128 registers, 204 bytes of spills) was
@@ -70,10 +75,28 @@ struct TcShared {
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
+  // NVFP4 byte (two E2M1 codes) -> BF16x2 of their exact values, kLutRep copies interleaved so
+  // that lane l reads copy l % kLutRep (at most 32 / kLutRep lanes share a bank).
+  std::uint32_t lut[256 * TcShape<D>::kLutRep];
+  // Ternary nibble (two 2-bit codes) -> BF16x2 of their values, one copy per lane (lane l reads
+  // bank l).
+  std::uint32_t lut3[16 * 32];
   int slot[kWarps][32];
   std::uint32_t record[kWarps][32];
   const std::uint8_t* page[kWarps][32];
 };
+
+/// BF16x2 of the exact values of the codes of channels 8j + 2q and 8j + 2q + 1 of a lane's raw
+/// words (8 channels per word for NVFP4, per half word for ternary), through the tables.
+template <int P, int D, int NW>
+__device__ __forceinline__ std::uint32_t code_pair(const TcShared<D>& sh, const std::uint32_t (&w)[NW], int j, int q,
+                                                   int lane, int lrep) {
+  if constexpr (P == 2) {
+    return sh.lut[((w[j] >> (8 * q)) & 0xFFu) * TcShape<D>::kLutRep + lrep];
+  } else {
+    return sh.lut3[((w[j / 2] >> (16 * (j % 2) + 4 * q)) & 0xFu) * 32 + lane];
+  }
+}
 
 template <int D>
 struct TcState {
@@ -148,6 +171,31 @@ __device__ __forceinline__ void load_words(const std::uint8_t* p, bool vec, std:
   for (int i = 0; i < NB; ++i) w[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
 }
 
+/// Two E4M3 codes (bytes 0 and 1 of w) -> their exact values (hardware cvt.rn.f16x2.e4m3x2 on
+/// sm_89+; E4M3 values are exact in FP16 and FP32).
+__device__ __forceinline__ float2 e4m3x2_exact(std::uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+  __half2 v;
+  *reinterpret_cast<__half2_raw*>(&v) = h;
+  return __half22float2(v);
+}
+
+/// Eight E4M3 codes (w0, w1) -> exact values.
+__device__ __forceinline__ void e4m3x8_exact(std::uint32_t w0, std::uint32_t w1, float (&x)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = e4m3x2_exact((i < 2 ? w0 : w1) >> (16 * (i % 2)));
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
+/// The BF16x2 of a pair of exact values (FP32 -> BF16 is exact for them: at most 8 significant bits).
+__device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+
 template <int NW>
 __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
 #pragma unroll
@@ -192,6 +240,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int gq = lane >> 2;
   const int t = lane & 3;
+  const int lrep = lane % S::kLutRep;
   const bool vec = rs.vec;
   const bool ks_vec = (reinterpret_cast<std::uintptr_t>(view.key_scales) % 16) == 0;
 
@@ -229,8 +278,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
         vsc[i][j] = 0.0f;
         if constexpr (P != 0) {
           if (vslot[i] >= 0) {
-            vsc[i][j] = e4m3x2_scaled(__ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
-                                           (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg))).x;
+            vsc[i][j] = e4m3x2_exact(__ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
+                                          (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg))).x;
           }
         }
       }
@@ -278,22 +327,54 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a2[h][2] = kw[0][2 * s + 1];
           a2[h][3] = kw[1][2 * s + 1];
         }
+      } else if constexpr (P == 2 || P == 3) {
+        // NVFP4 (ternary): one table lookup per byte (nibble) of two codes gives their exact
+        // values as BF16x2, times the BF16x2 of the two channels' key scales (exact: at most 6
+        // significant bits).
+        std::uint32_t ks2[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            if (a == 1 && one_rec) {
+              ks2[1][q] = ks2[0][q];
+            } else {
+              const float2 f = e4m3x2_exact(ksw[a][2 * j + q / 2] >> (16 * (q % 2)));
+              ks2[a][q] = pack_bf16(f.x, f.y);
+            }
+          }
+        }
+        std::uint32_t kp[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            kp[a][q] = bf16x2_mul(code_pair<P, D>(sh, kw[a], j, q, lane, lrep), ks2[a][q]);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a2[h][0] = kp[0][2 * h];
+          a2[h][1] = kp[1][2 * h];
+          a2[h][2] = kp[0][2 * h + 1];
+          a2[h][3] = kp[1][2 * h + 1];
+        }
       } else {
+        // FP8: exact element values times exact key scales in FP32 (at most 8 significant bits:
+        // exact), rounded to BF16 (exact).
         float x[2][8];
         float f[2][8];
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
-          decode_raw<P>(raw8<P>(kw[a], j), x[a]);
+          e4m3x8_exact(kw[a][2 * j], kw[a][2 * j + 1], x[a]);
           if (a == 0 || !one_rec) {
-            Raw<1> sr;
-            sr.w = make_uint4(ksw[a][2 * j], ksw[a][2 * j + 1], 0u, 0u);
-            decode_raw<1>(sr, f[a]);  // scale codes times 2^-8
+            e4m3x8_exact(ksw[a][2 * j], ksw[a][2 * j + 1], f[a]);
           } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) f[1][e] = f[0][e];
           }
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[a][e] *= f[a][e];  // exact (at most 8 significant bits)
+          for (int e = 0; e < 8; ++e) x[a][e] *= f[a][e];
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -371,20 +452,40 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
 #pragma unroll
     for (int j = 0; j < S::kVCh / 8; ++j) {
       float x[4][8];
-      if constexpr (P != 0) {
+      std::uint32_t vp2[4][4];  // NVFP4: BF16x2 of (channel 8j + 2u, + 1) of token i, scaled
+      if constexpr (P == 2 || P == 3) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          decode_raw<P>(raw8<P>(vw[i], j), x[i]);
+          const std::uint32_t s2x = pack_bf16(vsc[i][j], vsc[i][j]);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[i][e] *= vsc[i][j];  // exact (8 bits)
+          for (int u = 0; u < 4; ++u) {
+            vp2[i][u] = bf16x2_mul(code_pair<P, D>(sh, vw[i], j, u, lane, lrep), s2x);  // exact
+          }
+        }
+      } else if constexpr (P == 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          e4m3x8_exact(vw[i][2 * j], vw[i][2 * j + 1], x[i]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[i][e] *= vsc[i][j];  // exact (at most 8 significant bits)
         }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {  // m-tile: channels 8j + 2u, 8j + 2u + 1
         std::uint32_t a0, a1, a2, a3;
-        if constexpr (P == 0) {
-          const std::uint32_t w0 = vw[0][4 * j + u], w1 = vw[1][4 * j + u];
-          const std::uint32_t w2 = vw[2][4 * j + u], w3 = vw[3][4 * j + u];
+        if constexpr (P != 1) {
+          std::uint32_t w0, w1, w2, w3;  // BF16x2 (channel 8j + 2u, + 1) of tokens 2t, 2t+1, 2t+8, 2t+9
+          if constexpr (P == 0) {
+            w0 = vw[0][4 * j + u];
+            w1 = vw[1][4 * j + u];
+            w2 = vw[2][4 * j + u];
+            w3 = vw[3][4 * j + u];
+          } else {
+            w0 = vp2[0][u];
+            w1 = vp2[1][u];
+            w2 = vp2[2][u];
+            w3 = vp2[3][u];
+          }
           a0 = __byte_perm(w0, w1, 0x5410);
           a1 = __byte_perm(w0, w1, 0x7632);
           a2 = __byte_perm(w2, w3, 0x5410);
@@ -438,6 +539,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     for (int e = 0; e < 4; ++e) split3(h < group ? q[h * D + c + e] : 0.0f, x[e]);
 #pragma unroll
     for (int k = 0; k < 3; ++k) sh.u.qf[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+  }
+  for (int i = tid; i < 256 * S::kLutRep; i += kThreads) {
+    const int e = i / S::kLutRep;
+    sh.lut[i] = pack_bf16(decode_e2m1(static_cast<std::uint8_t>(e & 15)), decode_e2m1(static_cast<std::uint8_t>(e >> 4)));
+  }
+  for (int i = tid; i < 16 * 32; i += kThreads) {
+    const int e = i / 32;  // code 0 -> 0, 1 -> +1, 3 -> -1, 2 -> -0 (decode_element)
+    sh.lut3[i] = pack_bf16(decode_element(Precision::kTernary, static_cast<std::uint8_t>(e & 3)),
+                           decode_element(Precision::kTernary, static_cast<std::uint8_t>(e >> 2)));
   }
   __syncthreads();
 
@@ -543,13 +653,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         } else {
           rs.rb = D * bits_of_p(group_pr) / 8;
           rs.rows = bs;
-          const float unscale = group_pr == 1   ? kE4M3Fp16Unscale * kE4M3Fp16Unscale
-                                : group_pr == 2 ? kE4M3Fp16Unscale * kE2M1Fp16Unscale
-                                                : kE4M3Fp16Unscale;  // ternary elements are exact
-          rs.fk = group_pr == 0 ? 1.0f
-                                : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr] * unscale;
-          rs.fv = group_pr == 0 ? 1.0f
-                                : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr] * unscale;
+          // K' and V' hold exact element x scale products: only s2 is left to apply.
+          rs.fk = group_pr == 0 ? 1.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
+          rs.fv = group_pr == 0 ? 1.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
         }
         float(*pt)[kN + 1] = sh.pt[warp];
         for (int k0 = 0; k0 < n; k0 += kWin) {
