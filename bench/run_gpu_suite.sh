@@ -11,7 +11,10 @@
 # .git/info/exclude); carry ".gpu-deps" with the run. Then on the GPU machine, from the repo root:
 #   bash bench/run_gpu_suite.sh
 # Environment: THINKV_CUDA_ARCHITECTURES (default 90a), THINKV_GPU_BUILD_DIR (build-gpu-suite),
-# THINKV_TEST_SEED (pins the random tests' seed).
+# THINKV_TEST_SEED (pins the random tests' seed), THINKV_COMMIT (the commit to print when the copy
+# has no or stale git metadata, as the device tool's copies do: pass $(git rev-parse --short HEAD)),
+# THINKV_GPU_TAR=1 (pack every log and JSON into one $LOGS/gpu-suite.tgz at the end: the device
+# tool brings back at most 8 files).
 #
 # The full round ends with the GPU benchmarks (every bench/bench_*.cu, Google Benchmark; JSON in
 # $LOGS/<name>.json) and PyTorch SDPA's numbers on the same BF16 decode shapes
@@ -103,8 +106,8 @@ step() {  # step NAME CMD...: runs CMD, log in $LOGS/NAME.log, records pass/fail
 
 [[ -d $DEPS/lib/cmake/Catch2 ]] || prepare || true
 NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-note "gpu suite: $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git metadata in this copy)")" \
-     "(+ working tree changes), arch $ARCH"
+COMMIT=${THINKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git metadata in this copy)")}
+note "gpu suite: $(date -u +%FT%TZ) commit $COMMIT (+ working tree changes), arch $ARCH"
 command -v nvidia-smi >/dev/null &&
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$SUMMARY"
 
@@ -132,9 +135,17 @@ run_bench() {
     note "SKIP torch_sdpa_decode (python3 cannot import torch here)"
   fi
 }
+pack_logs() {  # THINKV_GPU_TAR=1: everything under $LOGS into one tarball
+  [[ ${THINKV_GPU_TAR:-0} == 1 ]] || return 0
+  local tgz=gpu-suite.tgz
+  [[ $BENCH_ONLY -eq 1 ]] && tgz=gpu-bench.tgz
+  (cd "$LOGS" && tar czf "../$tgz.tmp" --exclude='gpu-*.tgz' . && find . -mindepth 1 -maxdepth 1 ! -name 'gpu-*.tgz' -exec rm -rf {} + &&
+    mv "../$tgz.tmp" "$tgz") && echo "logs packed into $LOGS/$tgz"
+}
 if [[ $BENCH_ONLY -eq 1 ]]; then
   run_bench
   note "gpu bench: $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) in $SECONDS s"
+  pack_logs
   exit $status
 fi
 
@@ -179,4 +190,5 @@ done
 [[ ${THINKV_GPU_SKIP_BENCH:-0} == 1 ]] || run_bench
 
 note "gpu suite: $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) in $SECONDS s"
+pack_logs
 exit $status

@@ -1,12 +1,16 @@
 /// \file paged_attention.cu
 /// Decode attention over the compressed paged cache: split-K (flash-decoding) + merge.
 ///
+/// Dispatch: head_dim 64, 128 and 256 run the tensor-core main pass (paged_attention_tc.cu);
+/// head_dim 8 (the stories260K shapes) runs the CUDA-core main pass below. The merge, the exact
+/// sparsity passes, the checks and the split choice live here for both.
+///
 /// Design. Each KV head's token list is seen as virtual positions: block j of its CSR list covers
 /// positions [j * B, j * B + B) (slots; unwritten slots >= fill and evicted slots are skipped),
 /// then its staged tokens. The list is cut into `splits` chunks (whole windows of 4 warps);
 /// CTA (split, kvh) of the partial kernel walks its chunk in windows clipped to block boundaries.
 ///
-/// Main pass (paged_decode_partial_kernel, 4 warps per CTA, no block barrier until the end): the
+/// CUDA-core main pass (paged_decode_partial_kernel, 4 warps per CTA, no block barrier until the end): the
 /// warps take the chunk's windows (16 slot positions; 32 for D = 8) round robin. Per window a
 /// ballot over the eviction mask compacts the live slots (an evicted slot costs a mask bit, no
 /// load, no math); each lane owns 8 consecutive channels of one token (D / 8 lanes per token),
