@@ -40,6 +40,7 @@
 #include "thinkv/formats/bf16.hpp"
 #include "thinkv/formats/fp16_placement.hpp"
 #include "thinkv/formats/group_quant.hpp"
+#include "thinkv/kernels/launch_plan.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/reference/attention.hpp"
 #include "paged_attention_common.cuh"
@@ -772,22 +773,8 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   const int group = p.num_q_heads / hkv;
   int per_sm = main_pass_ctas_per_sm(dev, p.head_dim, group);
   if (per_sm < 1) per_sm = 4;
-  const long long resident = static_cast<long long>(per_sm) * sms;
-  // Whole waves: the fewest chunks per KV head whose Hkv * splits CTAs fill the last wave of
-  // resident CTAs to >= 90% (a launch of 1.3 waves takes as long as one of 2). Equal-length
-  // streams make this exact; with unequal ones it still avoids a mostly idle last wave.
-  int best = 1;
-  double best_eff = 0.0;
-  for (int s = 1; s <= kMaxSplits; ++s) {
-    const double waves = static_cast<double>(hkv) * s / static_cast<double>(resident);
-    const double eff = waves / std::ceil(waves);
-    if (eff >= 0.9) return s;
-    if (eff > best_eff + 1e-9) {
-      best = s;
-      best_eff = eff;
-    }
-  }
-  return best;
+  // The fewest chunks whose CTAs fill the last wave of resident ones to >= 90% (launch_plan.hpp).
+  return plan_decode_splits(hkv, static_cast<long long>(per_sm) * sms, kMaxSplits);
 }
 
 std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept {
