@@ -64,19 +64,26 @@ const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_paged_attention"};
 // Precision modes of the benchmark (argument 2).
 enum Mode : int { kModeBf16 = 0, kModeFp8, kModeNvfp4, kModeTernary, kModeR4E4T2, kNumModes };
 const char* const kModeName[kNumModes] = {"BF16", "R8E8T8", "R4E4T4", "R2E2T2", "R4E4T2"};
+/// Not in the matrix (BM_ModelStep's layout 1): R4E4T2 with the precision changing only at
+/// thought-segment edges, as ThinKV's caches do: runs of 8 blocks (128 tokens, one segment) whose
+/// thought cycles R, E, T, so every third segment is ternary (the same 2:1 byte mix as kModeR4E4T2,
+/// whose every third *block* is ternary: a worst case for the kernels' per-precision grouping).
+constexpr int kModeR4E4T2Segments = kNumModes;
+constexpr int kSegmentBlocks = 8;
 
 int bits_of(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
 std::size_t row_bytes(int p) { return static_cast<std::size_t>(kD * bits_of(p) / 8); }
 std::size_t page_bytes(int p) { return kB * (2 * row_bytes(p) + (p == 0 ? 0 : kD / kG)); }
 
 /// Block precision of the k-th block of a stream in a mode. R4E4T2: every third block ternary
-/// (transition thoughts), the others NVFP4.
+/// (transition thoughts), the others NVFP4; R4E4T2 segments: every third 8-block segment ternary.
 int block_precision(int mode, std::size_t k) {
   switch (mode) {
     case kModeBf16: return 0;
     case kModeFp8: return 1;
     case kModeNvfp4: return 2;
     case kModeTernary: return 3;
+    case kModeR4E4T2Segments: return (k / kSegmentBlocks) % 3 == 2 ? 3 : 2;
     default: return k % 3 == 2 ? 3 : 2;
   }
 }
@@ -231,7 +238,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
     // Metadata the kernel reads: per live slot of a quantized block its record id (u32; BF16
     // blocks have no key-scale record); per block its list entry (u32), fill (u16), evict-mask word (u64); per KV head
     // indptr[s], indptr[s + 1], staged_count[s], streams[h], s2 K and V of its precisions.
-    const int precisions_used = mode == kModeR4E4T2 ? 2 : 1;
+    const int precisions_used = mode == kModeR4E4T2 || mode == kModeR4E4T2Segments ? 2 : 1;
     bytes_read += static_cast<double>(quant_live_slots) * 4 + static_cast<double>(blocks_total) * (4 + 2 + 8) +
                   static_cast<double>(S) * (8 + 4 + 4 + 8.0 * precisions_used);
     (void)live_slots;
@@ -320,15 +327,18 @@ BENCHMARK(BM_PagedDecodeAttention)
 /// 64, 1024 live tokens per stream (the budget), R4E4T2 (argument 0: 0% or 50% evicted slots),
 /// as 32 launches in sequence (each layer reads its own 512 streams: the cache of all layers is
 /// one synthetic cache of 64 x 32 sequences), L2 flushed once before the step. Argument 1:
-/// 0 = plain launches, 1 = the 32 launches captured once in a CUDA graph and replayed.
+/// 0 = plain launches, 1 = the 32 launches captured once in a CUDA graph and replayed. Argument 2
+/// (layout): 0 = every third block ternary (kModeR4E4T2, the matrix's mix), 1 = every third
+/// 128-token thought segment ternary (kModeR4E4T2Segments, how ThinKV lays a stream out).
 void BM_ModelStep(benchmark::State& state) {
   constexpr int kLayers = 32;
-  const long ev = state.range(0), graph = state.range(1);
+  const long ev = state.range(0), graph = state.range(1), layout = state.range(2);
   const long batch = 64, tokens = 1024;
-  Setup* setup = g_setups.get(state, {tokens, batch * kLayers, kModeR4E4T2, ev}, [&](Setup& s) {
+  const long mode = layout ? kModeR4E4T2Segments : kModeR4E4T2;
+  Setup* setup = g_setups.get(state, {tokens, batch * kLayers, mode, ev}, [&](Setup& s) {
     s.tokens = tokens;
     s.batch = batch * kLayers;
-    s.mode = kModeR4E4T2;
+    s.mode = mode;
     s.evict_pct = ev;
   });
   if (setup == nullptr) return;
@@ -380,16 +390,20 @@ void BM_ModelStep(benchmark::State& state) {
   const double bytes = su.bytes_read + su.bytes_written;  // all 32 layers
   thinkv::bench::bandwidth_counters(state, bytes, med_s);
   state.counters["roofline_us"] = bytes / (kCeilingGBps * 1e9) * 1e6;
-  state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (ev ? " evict50" : " evict0") +
-                 (graph ? " graph" : " launches"));
+  state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (layout ? " segments" : " per-block") +
+                 (ev ? " evict50" : " evict0") + (graph ? " graph" : " launches"));
 }
 
 BENCHMARK(BM_ModelStep)
-    ->ArgNames({"evict", "graph"})
-    ->Args({0, 0})
-    ->Args({0, 1})
-    ->Args({50, 0})
-    ->Args({50, 1})
+    ->ArgNames({"evict", "graph", "layout"})
+    ->Args({0, 0, 0})
+    ->Args({0, 1, 0})
+    ->Args({50, 0, 0})
+    ->Args({50, 1, 0})
+    ->Args({0, 0, 1})
+    ->Args({0, 1, 1})
+    ->Args({50, 0, 1})
+    ->Args({50, 1, 1})
     ->UseManualTime()
     ->Iterations(10)
     ->Repetitions(5)

@@ -30,9 +30,10 @@ def load_attention(path):
             t, bt, mode, ev = map(int, m.groups())
             rows[(t, bt, mode, ev)] = b
             continue
-        m = re.match(r"BM_ModelStep/evict:(\d+)/graph:(\d+)/", b["name"])
+        m = re.match(r"BM_ModelStep/evict:(\d+)/graph:(\d+)(?:/layout:(\d+))?/", b["name"])
         if m:
-            step[tuple(map(int, m.groups()))] = b
+            ev, g, layout = m.groups()
+            step[(int(layout or 0), int(ev), int(g))] = b
     return rows, step
 
 
@@ -80,11 +81,13 @@ def tables(rows, step, sdpa):
               if (t, b, m, 50) in rows and (t, b, m, 0) in rows else "-" for m in range(len(MODES))]
         print(f"| {t} | {b} | " + " | ".join(sp) + f" | {rel} | " + " | ".join(ev) + " |")
     if step:
-        print("\nOne decode step's attention, 32 layers, batch 64, 1024 live tokens per stream, R4E4T2:\n")
-        print("| evicted | launch | median µs | bytes | roofline µs (bytes / 4.3 TB/s) | % of 4.3 TB/s |")
-        print("|---:|---|---:|---:|---:|---:|")
-        for (ev, g), r in sorted(step.items()):
-            print(f"| {ev}% | {'CUDA graph' if g else '32 launches'} | {r['med_us']:,.0f} | {r['bytes'] / 1e9:.2f} GB | "
+        print("\nOne decode step's attention, 32 layers, batch 64, 1024 live tokens per stream, R4E4T2 "
+              "(ternary: every third block, or every third 128-token thought segment):\n")
+        print("| ternary | evicted | launch | median µs | bytes | roofline µs (bytes / 4.3 TB/s) | % of 4.3 TB/s |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        for (layout, ev, g), r in sorted(step.items()):
+            print(f"| {'segments' if layout else 'blocks'} | {ev}% | {'CUDA graph' if g else '32 launches'} | "
+                  f"{r['med_us']:,.0f} | {r['bytes'] / 1e9:.2f} GB | "
                   f"{r['roofline_us']:.0f} | {100 * r['frac_4p3TBs']:.1f}% |")
 
 
