@@ -534,32 +534,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
     sh.ntok[warp] = st.ntok;
   }
   __syncthreads();
-  for (int i = tid; i < group * D; i += kThreads) {
-    const int h = i / D;
-    const int c = i % D;
-    float mm = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) {
-      if (sh.l[w][h] > 0.0f || sh.l[w][h] != sh.l[w][h]) mm = fmaxf(mm, sh.m[w][h]);
-    }
-    float a = 0.0f, l = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float lw = sh.l[w][h];
-      if (!(lw > 0.0f) && lw == lw) continue;  // no token in this warp (NaN propagates)
-      const float fw = exp2f(sh.m[w][h] - mm);
-      a += sh.acc[w][h][c] * fw;
-      l += lw * fw;
-    }
-    acc_out[i] = a;
-    if (c == 0) {
-      ml_out[2 * h] = mm;
-      ml_out[2 * h + 1] = l;
-    }
-  }
-  if (tid == 0) {
-    int n = 0;
-    for (int w = 0; w < kWarps; ++w) n += sh.ntok[w];
-    ws.ntok[part] = n;
-  }
+  merge_warps_to_workspace(sh.m, sh.l, sh.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part);
 }
 
 /// Merge: one CTA per query head. Rescales the chunks (m in log2 units) to the global max and

@@ -275,6 +275,43 @@ constexpr float elem_unscale() {
   return P == 1 ? kE4M3Fp16Unscale : P == 2 ? kE2M1Fp16Unscale : 1.0f;
 }
 
+/// Merges the CTA's kWarps partial (m in log2 units, l, acc) per query head, which the warps left
+/// in shared memory (published by a __syncthreads()), and writes the chunk's partial to the
+/// workspace: acc_out[h * D + c], ml_out[2h] = m, ml_out[2h + 1] = l for h < group, and the
+/// chunk's token count to *ntok_out. A warp without tokens (l = 0) takes no part; NaN propagates.
+template <int G, int D>
+__device__ void merge_warps_to_workspace(const float (&m)[kWarps][G], const float (&l)[kWarps][G],
+                                         const float (&acc)[kWarps][G][D], const int (&ntok)[kWarps], int group,
+                                         float* acc_out, float* ml_out, int* ntok_out) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < group * D; i += kThreads) {
+    const int h = i / D;
+    const int c = i % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) {
+      if (l[w][h] > 0.0f || l[w][h] != l[w][h]) mm = fmaxf(mm, m[w][h]);
+    }
+    float a = 0.0f, ls = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float lw = l[w][h];
+      if (!(lw > 0.0f) && lw == lw) continue;  // no token in this warp (NaN propagates)
+      const float fw = exp2f(m[w][h] - mm);
+      a += acc[w][h][c] * fw;
+      ls += lw * fw;
+    }
+    acc_out[i] = a;
+    if (c == 0) {
+      ml_out[2 * h] = mm;
+      ml_out[2 * h + 1] = ls;
+    }
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int w = 0; w < kWarps; ++w) n += ntok[w];
+    *ntok_out = n;
+  }
+}
+
 /// Launches the tensor-core main pass (paged_attention_tc.cu) for head_dim D (64, 128, 256):
 /// grid (splits, Hkv), partials into ws. Returns the launch status.
 template <int D>
