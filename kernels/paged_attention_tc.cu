@@ -190,7 +190,7 @@ __device__ __forceinline__ void e4m3x8_exact(std::uint32_t w0, std::uint32_t w1,
   }
 }
 
-/// The BF16x2 of a pair of exact values (FP32 -> BF16 is exact for them: at most 8 significant bits).
+/// a * b on BF16x2 pairs (used only where the products are exact: at most 8 significant bits).
 __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
   const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
   return *reinterpret_cast<const std::uint32_t*>(&r);
@@ -200,24 +200,6 @@ template <int NW>
 __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
 #pragma unroll
   for (int i = 0; i < NW; ++i) w[i] = 0u;
-}
-
-/// The 8-channel piece j of a lane's raw words, as decode_raw<P> takes it.
-template <int P, int NW>
-__device__ __forceinline__ Raw<P> raw8(const std::uint32_t (&w)[NW], int j) {
-  Raw<P> r;
-  r.w = make_uint4(0u, 0u, 0u, 0u);
-  if constexpr (P == 0) {
-    r.w = make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
-  } else if constexpr (P == 1) {
-    r.w.x = w[2 * j];
-    r.w.y = w[2 * j + 1];
-  } else if constexpr (P == 2) {
-    r.w.x = w[j];
-  } else {
-    r.w.x = (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
-  }
-  return r;
 }
 
 constexpr int bits_of_p(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
