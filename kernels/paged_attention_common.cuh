@@ -72,6 +72,49 @@ __host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, i
   return off;
 }
 
+/// Chunk `split` of a stream's slot positions (its blocks' slots in list order, then its staged
+/// rows): [lo, hi), the stream's total cut into `splits` pieces rounded up to whole `align`-position
+/// pieces (the last one shorter; lo >= hi: an empty chunk). block_pos = the stream's block slots.
+struct ChunkRange {
+  int j_begin;          // first entry of the stream's blocks in block_indices
+  long long nb;         // its blocks
+  long long block_pos;  // nb * block_size: positions below are block slots, above staging rows
+  long long lo, hi;
+};
+
+__device__ inline ChunkRange chunk_range(const PagedKvView& view, int stream, long long bs, int split, int splits,
+                                         long long align) {
+  ChunkRange r;
+  r.j_begin = view.block_indptr[stream];
+  r.nb = view.block_indptr[stream + 1] - r.j_begin;
+  r.block_pos = r.nb * bs;
+  const long long total = r.block_pos + view.staged_count[stream];
+  long long chunk = (total + splits - 1) / splits;
+  chunk = (chunk + align - 1) / align * align;
+  if (chunk < align) chunk = align;
+  r.lo = static_cast<long long>(split) * chunk;
+  r.hi = r.lo + chunk < total ? r.lo + chunk : total;
+  return r;
+}
+
+/// The precision pool of global block b (pools are consecutive: PoolMap).
+__device__ inline int block_pool(const PagedKvView& view, std::uint32_t b) {
+  for (int q = kNumPrecisions - 1; q > 0; --q) {
+    if (b >= view.pool_base[q]) return q;
+  }
+  return 0;
+}
+
+/// The page of global block b of pool pr (page layout: PagedKvView::pages).
+template <int D>
+__device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs, int g) {
+  const Precision p = static_cast<Precision>(pr);
+  const std::size_t page_bytes =
+      static_cast<std::size_t>(bs) *
+      (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
+  return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+}
+
 /// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,
 /// then staging rows). All threads see the same values (block-uniform).
 /// kWarpLoads (only when the 32 lanes of a warp call it together): the block ids and fills of 32
@@ -84,16 +127,9 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
                                     int split, int splits, Fn&& fn) {
   const int g = prm.group_size;
   const long long bs = prm.block_size;
-  const int j_begin = view.block_indptr[stream];
-  const long long nb = view.block_indptr[stream + 1] - j_begin;
-  const long long staged = view.staged_count[stream];
-  const long long block_pos = nb * bs;
-  const long long total = block_pos + staged;
-  long long chunk = (total + splits - 1) / splits;
-  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
-  if (chunk < kAlign) chunk = kAlign;
-  const long long lo = static_cast<long long>(split) * chunk;
-  const long long hi = lo + chunk < total ? lo + chunk : total;
+  const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kAlign);
+  const int j_begin = cr.j_begin;
+  const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
   if (lo >= hi) return;
   const long long bhi = hi < block_pos ? hi : block_pos;
   const long long j_lo = lo / bs;
@@ -139,18 +175,8 @@ __device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttenti
         if (mine >= nt) continue;
         first = a + static_cast<long long>(mine) * kTile;
       }
-      int pr = 0;
-      for (int q = kNumPrecisions - 1; q > 0; --q) {
-        if (b >= view.pool_base[q]) {
-          pr = q;
-          break;
-        }
-      }
-      const Precision p = static_cast<Precision>(pr);
-      const std::size_t page_bytes =
-          static_cast<std::size_t>(bs) *
-          (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
-      const std::uint8_t* page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+      const int pr = block_pool(view, b);
+      const std::uint8_t* page = block_page<D>(view, b, pr, bs, g);
       for (long long base = first; base < e; base += kStep) {
         fn(TileSource{false, b, pr, page, static_cast<int>(base), static_cast<int>(e)});
       }

@@ -202,8 +202,6 @@ __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
   for (int i = 0; i < NW; ++i) w[i] = 0u;
 }
 
-constexpr int bits_of_p(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
-
 /// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows).
 template <int D, int P>
 __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n, const int* slots,
@@ -211,7 +209,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
                                           float scale_log2,
                                           const TcShared<D>& sh, float (*pt)[kN + 1], TcState<D>& st) {
   using S = TcShape<D>;
-  constexpr int kBits = bits_of_p(P);
+  constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kKB = S::kKCh * kBits / 8;   // K bytes per lane, token and chunk
   constexpr int kVB = S::kVCh * kBits / 8;   // V bytes per lane, token and chunk
   constexpr int kKW = (kKB + 3) / 4;
@@ -549,14 +547,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     // warps. A tile may span several blocks: the live slots of its 32 positions are compacted per
     // precision (one group per precision present, usually one) and processed 16 at a time, so
     // evicted slots and partly filled blocks cost no mma work.
-    const int j_begin = view.block_indptr[stream];
-    const long long nb = view.block_indptr[stream + 1] - j_begin;
-    const long long block_pos = nb * bs;
-    const long long total = block_pos + view.staged_count[stream];
-    long long chunk = (total + splits - 1) / splits;
-    chunk = (chunk + kTileSlots * kWarps - 1) / (kTileSlots * kWarps) * (kTileSlots * kWarps);
-    const long long lo = static_cast<long long>(split) * chunk;
-    const long long hi = lo + chunk < total ? lo + chunk : total;
+    const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kTileSlots * kWarps);
+    const int j_begin = cr.j_begin;
+    const long long nb = cr.nb, block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
     const int words = (bs + 63) / 64;
     const std::uint8_t* staging = reinterpret_cast<const std::uint8_t*>(view.staging) +
                                   static_cast<std::size_t>(stream) * 2 * g * D * 2;
@@ -591,16 +584,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const std::uint8_t* page = staging;
       if (in && !staged) {
         slot = static_cast<int>(vp - j * bs);
-        pr = 0;
-        for (int q = kNumPrecisions - 1; q > 0; --q) {
-          if (b >= view.pool_base[q]) {
-            pr = q;
-            break;
-          }
-        }
-        const int rb = D * bits_of_p(pr) / 8;
-        const std::size_t page_bytes = static_cast<std::size_t>(bs) * (2 * rb + (pr != 0 ? (D >> lg) : 0));
-        page = view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+        pr = block_pool(view, b);
+        page = block_page<D>(view, b, pr, bs, g);
         valid = slot < fill;
         if (valid) {
           const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(b) * words + slot / 64];
@@ -633,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           rs.rows = g;
           rs.fk = rs.fv = 1.0f;
         } else {
-          rs.rb = D * bits_of_p(group_pr) / 8;
+          rs.rb = D * bits_of(static_cast<Precision>(group_pr)) / 8;
           rs.rows = bs;
           // K' and V' hold exact element x scale products: only s2 is left to apply.
           rs.fk = group_pr == 0 ? 1.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
