@@ -520,11 +520,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
 #pragma unroll
     for (int k = 0; k < 3; ++k) sh.u.qf[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
   }
-  for (int i = tid; i < 256 * S::kLutRep; i += kThreads) {
+  // The tables only where the cache has such pages (start-up work a BF16 or FP8 cache skips).
+  const int nvfp4_entries = view.pool_count[static_cast<int>(Precision::kNvfp4)] > 0 ? 256 * S::kLutRep : 0;
+  const int ternary_entries = view.pool_count[static_cast<int>(Precision::kTernary)] > 0 ? 16 * 32 : 0;
+  for (int i = tid; i < nvfp4_entries; i += kThreads) {
     const int e = i / S::kLutRep;
     sh.lut[i] = pack_bf16(decode_e2m1(static_cast<std::uint8_t>(e & 15)), decode_e2m1(static_cast<std::uint8_t>(e >> 4)));
   }
-  for (int i = tid; i < 16 * 32; i += kThreads) {
+  for (int i = tid; i < ternary_entries; i += kThreads) {
     const int e = i / 32;  // code 0 -> 0, 1 -> +1, 3 -> -1, 2 -> -0 (decode_element)
     sh.lut3[i] = pack_bf16(decode_element(Precision::kTernary, static_cast<std::uint8_t>(e & 3)),
                            decode_element(Precision::kTernary, static_cast<std::uint8_t>(e >> 2)));
