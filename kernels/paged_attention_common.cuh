@@ -105,14 +105,16 @@ __device__ inline int block_pool(const PagedKvView& view, std::uint32_t b) {
   return 0;
 }
 
+/// Bytes of one page of pool p (layout: PagedKvView::pages).
+__host__ __device__ inline std::size_t page_bytes_of(Precision p, int d, long long bs, int g) {
+  return static_cast<std::size_t>(bs) *
+         (2 * static_cast<std::size_t>((d * bits_of(p) + 7) / 8) + (has_group_scale(p) ? d / g : 0));
+}
+
 /// The page of global block b of pool pr (page layout: PagedKvView::pages).
 template <int D>
 __device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs, int g) {
-  const Precision p = static_cast<Precision>(pr);
-  const std::size_t page_bytes =
-      static_cast<std::size_t>(bs) *
-      (2 * static_cast<std::size_t>((D * bits_of(p) + 7) / 8) + (has_group_scale(p) ? D / g : 0));
-  return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+  return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes_of(static_cast<Precision>(pr), D, bs, g);
 }
 
 /// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,

@@ -2,36 +2,55 @@
 /// Decode attention main pass on the tensor cores (head_dim 64, 128, 256).
 ///
 /// Same work split as the CUDA-core pass (paged_attention.cu): grid (splits, Hkv), 4 warps per CTA
-/// taking the chunk's 16-slot windows round robin, live slots compacted by a ballot over the
-/// eviction mask, partial (m, l, acc) per chunk into the workspace, then the merge kernel. What
-/// changes is the math of a window: two BF16 mma.sync.m16n8k16 products with FP32 accumulation.
+/// taking the chunk's 32-slot tiles round robin, live slots compacted per precision by ballots
+/// over the eviction mask, 16-token windows, partial (m, l, acc) per chunk into the workspace,
+/// then the merge kernel. The math of a window is two mma.sync.m16n8k16 products with FP32
+/// accumulation:
 ///
 ///   scores  S[16 tokens x 8 heads]  = K'[16 x D] . Q^T[D x 8]     (A = K', B = Q)
 ///   output  O^T[D x 8 heads]       += V'^T[D x 16 tokens] . P'^T[16 x 8] (A = V'^T, B = P')
 ///
 /// The 8 mma columns are the GQA group's query heads, padded with zero queries (G <= 8).
 ///
-/// Exactness. K' and V' are the stored elements times their E4M3 group scales, exact in BF16: an
-/// element has at most 4 significant bits (E4M3; E2M1 has 2, ternary 1) and a scale at most 4, so
-/// the product has at most 8, BF16's precision, and its exponent is far inside BF16's range.
-/// NVFP4 bytes (two E2M1 codes) become BF16x2 through a 256-entry shared-memory table and are
-/// multiplied by the scales in BF16x2 (one lookup and one HMUL2 per two elements); FP8 codes and
-/// scales go through the hardware E4M3x2 -> F16x2 conversion and an FP32 product; ternary codes
-/// are +-1. BF16 pages and staged rows are BF16 already. The FP32 second-level scales s2 are
-/// applied outside the products: s2k to the scores, s2v to the probabilities. Q and P (FP32) are
-/// split into three BF16 terms (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied
-/// in its own mma, so every product is exact and only the FP32 accumulation rounds, as in the
-/// CUDA-core pass (the result is not bit-identical to the CPU reference; the sparsity passes
-/// recompute exact scores).
+/// Exactness: every product is exact and only the FP32 accumulation rounds, as in the CUDA-core
+/// pass (the result is not bit-identical to the CPU reference; the sparsity passes recompute
+/// exact scores). K' and V' are the stored elements times their E4M3 group scales, exact in the
+/// mma's input type; the FP32 second-level scales s2 are applied outside the products (s2k to
+/// the scores; s2v as the unit of the output accumulator, below). Two input types:
+///  - BF16 pages, staged rows and FP8 pages run BF16 mma. FP8 codes and scales go through the
+///    hardware E4M3x2 -> F16x2 conversion and an FP32 product (at most 8 significant bits: exact
+///    in BF16). Q and P are split into three BF16 terms (x = hi + mid + lo, the residual below
+///    2^-24 |x|), each multiplied in its own mma.
+///  - NVFP4 and ternary pages run FP16 mma, with no table and no FP32 round trip. The code bits
+///    are placed into FP16 fields: an E2M1 code s e1 e0 m becomes sign bit 15, exponent bits
+///    11..10 = e1 e0, mantissa bit 9 = m, i.e. its value x 2^-14 (the E2M1 subnormal maps onto the
+///    FP16 subnormal); a ternary code becomes +-2^-14 (or +-0) through one byte permute. The E4M3
+///    scales become FP16 by the hardware conversion (exact), and one FP16x2 multiply gives
+///    value x scale x 2^-14: at most 6 significant bits, a multiple of 2^-24 in [2^-24, 0.17], so
+///    exact in FP16 including its subnormals. Q is split into three FP16 terms of Q x 2^eq (eq
+///    puts max|q| in [2^14, 2^15): no overflow, residual below 2^-33 |q|max), P into two FP16
+///    terms of p x 2^14 (residual below 2^-22 p; the 2^14 cancels the codes' 2^-14).
+/// The output accumulator holds O / u, u = the s2v of the precision group being processed (a
+/// power of two; 1 for BF16 rows): a change of group rescales it by u_old / u_new together with
+/// the online-softmax factor, so P' never carries s2v (which would overflow FP16 for large s2v).
 ///
 /// Layouts. The dot products do not care about channel order, so each lane takes contiguous
 /// channels: for Q.K^T, lane (gq = lane / 4, t = lane % 4) holds tokens gq and gq + 8 and the
-/// channels t*D/4 .. t*D/4 + D/4 - 1 (k-step s uses channels t*D/4 + 4s .. + 3, the same map in
-/// the Q fragments); for P.V, lane (gq, t) holds tokens 2t, 2t+1, 2t+8, 2t+9 and the channels
-/// gq*D/8 .. gq*D/8 + D/8 - 1 (m-tile i is channels gq*D/8 + 2i, + 1), so every lane reads whole
-/// contiguous pieces of rows (16 + 8 bytes per token and lane for NVFP4 at D = 128). The scores
-/// come out as (tokens gq, gq+8) x (heads 2t, 2t+1); they reach P.V's B layout through a 16 x 8
-/// shared-memory transpose per warp.
+/// channels t*D/4 .. t*D/4 + D/4 - 1; for P.V, lane (gq, t) holds tokens 2t, 2t+1, 2t+8, 2t+9 and
+/// the channels gq*D/8 .. gq*D/8 + D/8 - 1, so every lane reads whole contiguous pieces of rows
+/// (16 + 8 bytes per token and lane for NVFP4 at D = 128). Within a lane's channels, 8-channel
+/// block j holds k-steps 2j, 2j+1 of Q.K^T and m-tiles 4j .. 4j+3 of P.V:
+///  - Q.K^T, BF16 map (BF16, FP8, staged): k-step 2j+h takes channel pairs (8j+4h, +1) and
+///    (8j+4h+2, +3); FP16 map (NVFP4, ternary): pairs (8j+2h, 8j+2h+4) and (8j+2h+1, 8j+2h+5),
+///    the pairs one shift apart in the packed codes. Q's fragments exist in both maps.
+///  - P.V (all precisions): m-tile 4j+u rows gq and gq+8 are channels 8j+u and 8j+u+4.
+/// The scores come out as (tokens gq, gq+8) x (heads 2t, 2t+1); they reach P.V's B layout through
+/// a 16 x 8 shared-memory transpose per warp.
+///
+/// Loads are 16/8/4/2-byte vectors when every page, page size, staging row and the key-scale
+/// array is 16-byte aligned (always, for caches built by the CUDA backend); a launch over any
+/// other layout runs the byte-load instance of the kernel (kVec = false) instead of branching
+/// per load.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -57,52 +76,59 @@ struct TcShape {
   static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
   static constexpr int kMTilesPerChunk = kMTiles / kNC;
   static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
-  static constexpr int kLutRep = D <= 128 ? 16 : 8;          // NVFP4 table copies (smem budget)
   // CTAs per SM asked of ptxas (Release, sm_90a): D = 64 fits 128 registers; D = 128 gets 168
-  // (3 CTAs per SM, 28 bytes of spills) and D = 256 252. Measured on the H200 (2026-11-29,
-  // bench_paged_attention): forcing 4 CTAs at D = 128 (128 registers, 204 bytes of spills) was
-  // no faster once the number of waves is accounted for.
+  // (3 CTAs per SM) and D = 256 252. Measured on the H200 (2026-11-29, bench_paged_attention):
+  // forcing 4 CTAs at D = 128 (128 registers, 204 bytes of spills) was no faster once the number
+  // of waves is accounted for.
   static constexpr int kMinBlocks = D == 64 ? 4 : D == 128 ? 3 : 2;
 };
 
 template <int D>
 struct TcShared {
   union {
-    uint2 qf[TcShape<D>::kKSteps][3][32];  // B fragments of Q (hi, mid, lo), during the walk
-    float acc[kWarps][kN][D];              // warps' partial outputs, after it
+    struct {
+      uint2 b[TcShape<D>::kKSteps][3][32];  // BF16 (hi, mid, lo) B fragments of Q, BF16 map
+      uint2 h[TcShape<D>::kKSteps][3][32];  // FP16 (hi, mid, lo) of Q x 2^eq, FP16 map
+    } qf;                                    // during the walk
+    float acc[kWarps][kN][D];                // warps' partial outputs, after it
   } u;
   float m[kWarps][kN];
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
-  // NVFP4 byte (two E2M1 codes) -> BF16x2 of their exact values, kLutRep copies interleaved so
-  // that lane l reads copy l % kLutRep (at most 32 / kLutRep lanes share a bank).
-  std::uint32_t lut[256 * TcShape<D>::kLutRep];
-  // Ternary nibble (two 2-bit codes) -> BF16x2 of their values, one copy per lane (lane l reads
-  // bank l).
-  std::uint32_t lut3[16 * 32];
   int slot[kWarps][32];
   std::uint32_t record[kWarps][32];
   const std::uint8_t* page[kWarps][32];
 };
 
-/// BF16x2 of the exact values of the codes of channels 8j + 2q and 8j + 2q + 1 of a lane's raw
-/// words (8 channels per word for NVFP4, per half word for ternary), through the tables.
-template <int P, int D, int NW>
-__device__ __forceinline__ std::uint32_t code_pair(const TcShared<D>& sh, const std::uint32_t (&w)[NW], int j, int q,
-                                                   int lane, int lrep) {
+/// FP16x2 of (value x 2^-14) of the codes of channels 8j + k and 8j + k + 4 (k = 0..3) of a
+/// lane's 8-channel block j: NVFP4 (block j = word j, channel 8j + i in bits 4i..4i+3) by
+/// placing the E2M1 bits into the FP16 fields; ternary (block j = half word j % 2 of word j / 2,
+/// channel 8j + i in bits 2i..2i+1) through a byte permute of the table {0, +2^-14, -0, -2^-14}
+/// (high bytes 0x00, 0x04, 0x80, 0x84; low bytes 0).
+template <int P, int K, int NW>
+__device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[NW], int j) {
   if constexpr (P == 2) {
-    return sh.lut[((w[j] >> (8 * q)) & 0xFFu) * TcShape<D>::kLutRep + lrep];
+    const std::uint32_t x = w[j];
+    constexpr int kMag = 9 - 4 * K;    // nibble bits 2..0 -> FP16 bits 11..9
+    constexpr int kSign = 12 - 4 * K;  // nibble bit 3 -> FP16 bit 15
+    const std::uint32_t m = kMag >= 0 ? x << kMag : x >> -kMag;
+    const std::uint32_t sg = x << kSign;
+    return (m & 0x0E000E00u) | (sg & 0x80008000u);
   } else {
-    return sh.lut3[((w[j / 2] >> (16 * (j % 2) + 4 * q)) & 0xFu) * 32 + lane];
+    const std::uint32_t x = w[j / 2];
+    const int sh = 16 * (j % 2) + 2 * K - 4;  // codes 8j+K, 8j+K+4 -> selector nibbles 1 and 3
+    const std::uint32_t sel = (sh >= 0 ? x >> sh : x << -sh) & 0x3030u;
+    return __byte_perm(0x84800400u, 0u, sel);
   }
 }
 
 template <int D>
 struct TcState {
-  float o[TcShape<D>::kMTiles][4];  // O^T fragments: (ch0, 2t) (ch0, 2t+1) (ch1, 2t) (ch1, 2t+1)
+  float o[TcShape<D>::kMTiles][4];  // O^T / u fragments: (ch0, 2t) (ch0, 2t+1) (ch1, 2t) (ch1, 2t+1)
   float m[2];                       // running max of heads 2t, 2t+1 (log2 units, same on all gq)
   float l[2];                       // this lane's share of the denominators
+  float u;                          // unit of o (the s2v of the last window's group; 1 at first)
   int ntok;
 };
 
@@ -112,13 +138,18 @@ struct TcState {
 struct TcRows {
   int rb;      // bytes per row
   int rows;    // rows per page (K rows, then as many V rows)
-  bool vec;    // every page and rb 16-byte aligned: vector loads
-  float fk, fv;  // factors applied to the scores' products and to the probabilities
+  float fk;    // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
+  float u;     // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
+  float pm;    // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
 };
 
 __device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+__device__ __forceinline__ std::uint32_t pack_f16(__half lo, __half hi) {
+  return static_cast<std::uint32_t>(__half_as_ushort(lo)) | (static_cast<std::uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -131,20 +162,40 @@ __device__ __forceinline__ void split3(float x, float (&s)[3]) {
   s[2] = bf16_round(r - s[1]);
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
-                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+/// x ~ hi + mid + lo (N = 3) or hi + lo (N = 2), FP16 terms (the residuals are exact in FP32).
+template <int N>
+__device__ __forceinline__ void split_f16(float x, __half (&s)[N]) {
+  float r = x;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    s[k] = __float2half_rn(r);
+    r -= __half2float(s[k]);
+  }
 }
 
-/// NB bytes (a power of two, 2..64) at p into 32-bit words (little-endian); vector loads when `vec`
-/// (p aligned to min(NB, 16)), else byte loads.
-template <int NB>
-__device__ __forceinline__ void load_words(const std::uint8_t* p, bool vec, std::uint32_t (&w)[(NB + 3) / 4]) {
-  if (vec) {
+template <bool kF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  if constexpr (kF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+/// NB bytes (a power of two, 2..64) at p into 32-bit words (little-endian): vector loads when
+/// kVec (p aligned to min(NB, 16)), else byte loads.
+template <int NB, bool kVec>
+__device__ __forceinline__ void load_words(const std::uint8_t* p, std::uint32_t (&w)[(NB + 3) / 4]) {
+  if constexpr (kVec) {
     if constexpr (NB >= 16) {
 #pragma unroll
       for (int i = 0; i < NB / 16; ++i) {
@@ -163,21 +214,25 @@ __device__ __forceinline__ void load_words(const std::uint8_t* p, bool vec, std:
     } else {
       w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
     }
-    return;
+  } else {
+#pragma unroll
+    for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) w[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
   }
-#pragma unroll
-  for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = 0u;
-#pragma unroll
-  for (int i = 0; i < NB; ++i) w[i / 4] |= static_cast<std::uint32_t>(__ldg(p + i)) << (8 * (i % 4));
 }
 
-/// Two E4M3 codes (bytes 0 and 1 of w) -> their exact values (hardware cvt.rn.f16x2.e4m3x2 on
-/// sm_89+; E4M3 values are exact in FP16 and FP32).
-__device__ __forceinline__ float2 e4m3x2_exact(std::uint32_t w) {
+/// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
+/// cvt.rn.f16x2.e4m3x2 on sm_89+; E4M3 values are exact in FP16).
+__device__ __forceinline__ std::uint32_t e4m3x2_f16(std::uint32_t w) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-  __half2 v;
-  *reinterpret_cast<__half2_raw*>(&v) = h;
-  return __half22float2(v);
+  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+}
+
+/// Two E4M3 codes (bytes 0 and 1 of w) -> their exact values (exact in FP32).
+__device__ __forceinline__ float2 e4m3x2_exact(std::uint32_t w) {
+  const std::uint32_t h = e4m3x2_f16(w);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
 /// Eight E4M3 codes (w0, w1) -> exact values.
@@ -190,9 +245,9 @@ __device__ __forceinline__ void e4m3x8_exact(std::uint32_t w0, std::uint32_t w1,
   }
 }
 
-/// a * b on BF16x2 pairs (used only where the products are exact: at most 8 significant bits).
-__device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+/// a * b on FP16x2 pairs (used only where the products are exact).
+__device__ __forceinline__ std::uint32_t f16x2_mul(std::uint32_t a, std::uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 
@@ -203,26 +258,26 @@ __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
 }
 
 /// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows).
-template <int D, int P>
+template <int D, int P, bool kVec>
 __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n, const int* slots,
                                           const std::uint8_t* const* pages, const std::uint32_t* records,
-                                          float scale_log2,
-                                          const TcShared<D>& sh, float (*pt)[kN + 1], TcState<D>& st) {
+                                          float scale_log2, const TcShared<D>& sh, float (*pt)[kN + 1],
+                                          TcState<D>& st) {
   using S = TcShape<D>;
+  constexpr bool kF16 = P == 2 || P == 3;    // FP16 mma (NVFP4, ternary), else BF16
   constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kKB = S::kKCh * kBits / 8;   // K bytes per lane, token and chunk
   constexpr int kVB = S::kVCh * kBits / 8;   // V bytes per lane, token and chunk
   constexpr int kKW = (kKB + 3) / 4;
   constexpr int kVW = (kVB + 3) / 4;
   constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
-  constexpr int kV8 = S::kVCh / 8;           // 8-channel pieces of V per lane, token and chunk
+  constexpr int kV8 = S::kVCh / 8;           // 8-channel blocks of V per lane, token and chunk
   constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
+  constexpr int kQTerms = 3;
+  constexpr int kPTerms = kF16 ? 2 : 3;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int gq = lane >> 2;
   const int t = lane & 3;
-  const int lrep = lane % S::kLutRep;
-  const bool vec = rs.vec;
-  const bool ks_vec = (reinterpret_cast<std::uintptr_t>(view.key_scales) % 16) == 0;
 
   // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9.
   const int kt[2] = {gq, gq + 8};
@@ -241,25 +296,25 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     vslot[i] = vt[i] < n ? slots[vt[i]] : -1;
     vpage[i] = vt[i] < n ? pages[vt[i]] : nullptr;
   }
-  // V rows (and value scales) of one chunk.
+  // V rows (and value-scale codes) of one chunk.
   std::uint32_t vw[4][kVW];
-  float vsc[4][kV8 > 0 ? kV8 : 1];
+  std::uint32_t vsc[4][kV8 > 0 ? kV8 : 1];
   auto load_v = [&](int c) {
     const int ch = gq * (D / 8) + c * S::kVCh;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if (vslot[i] >= 0) {
-        load_words<kVB>(vpage[i] + static_cast<std::size_t>(rs.rows + vslot[i]) * rs.rb + ch * kBits / 8, vec, vw[i]);
+        load_words<kVB, kVec>(vpage[i] + static_cast<std::size_t>(rs.rows + vslot[i]) * rs.rb + ch * kBits / 8, vw[i]);
       } else {
         zero_words(vw[i]);
       }
 #pragma unroll
       for (int j = 0; j < kV8; ++j) {
-        vsc[i][j] = 0.0f;
+        vsc[i][j] = 0u;
         if constexpr (P != 0) {
           if (vslot[i] >= 0) {
-            vsc[i][j] = e4m3x2_exact(__ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
-                                          (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg))).x;
+            vsc[i][j] = __ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
+                              (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg));
           }
         }
       }
@@ -279,7 +334,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
 #pragma unroll
     for (int a = 0; a < 2; ++a) {
       if (kt[a] < n) {
-        load_words<kKB>(krow[a] + ch * kBits / 8, vec, kw[a]);
+        load_words<kKB, kVec>(krow[a] + ch * kBits / 8, kw[a]);
       } else {
         zero_words(kw[a]);
       }
@@ -289,14 +344,14 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
         if (a == 1 && one_rec) {
           zero_words(ksw[1]);
         } else if (kt[a] < n && krec[a] != kNoRecordId) {
-          load_words<S::kKCh>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ks_vec, ksw[a]);
+          load_words<S::kKCh, kVec>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ksw[a]);
         } else {
           zero_words(ksw[a]);
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8 channels = 2 k-steps
+    for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8-channel block j = k-steps 2j, 2j+1
       std::uint32_t a2[2][4];                           // [k-step of the pair][A register]
       if constexpr (P == 0) {
 #pragma unroll
@@ -307,29 +362,25 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a2[h][2] = kw[0][2 * s + 1];
           a2[h][3] = kw[1][2 * s + 1];
         }
-      } else if constexpr (P == 2 || P == 3) {
-        // NVFP4 (ternary): one table lookup per byte (nibble) of two codes gives their exact
-        // values as BF16x2, times the BF16x2 of the two channels' key scales (exact: at most 6
-        // significant bits).
-        std::uint32_t ks2[2][4];
-#pragma unroll
-        for (int a = 0; a < 2; ++a) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (a == 1 && one_rec) {
-              ks2[1][q] = ks2[0][q];
-            } else {
-              const float2 f = e4m3x2_exact(ksw[a][2 * j + q / 2] >> (16 * (q % 2)));
-              ks2[a][q] = pack_bf16(f.x, f.y);
-            }
-          }
-        }
+      } else if constexpr (kF16) {
+        // Pair k = channels (8j + k, 8j + k + 4): codes x 2^-14 times the two channels' key
+        // scales, both FP16x2 (exact).
         std::uint32_t kp[2][4];
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            kp[a][q] = bf16x2_mul(code_pair<P, D>(sh, kw[a], j, q, lane, lrep), ks2[a][q]);
+          for (int k = 0; k < 4; ++k) {
+            const int src = a == 1 && one_rec ? 0 : a;
+            const std::uint32_t ks2 =
+                e4m3x2_f16(__byte_perm(ksw[src][2 * j], ksw[src][2 * j + 1], static_cast<unsigned>(k | ((4 + k) << 4))));
+            std::uint32_t code;
+            switch (k) {
+              case 0: code = code_pair_f16<P, 0>(kw[a], j); break;
+              case 1: code = code_pair_f16<P, 1>(kw[a], j); break;
+              case 2: code = code_pair_f16<P, 2>(kw[a], j); break;
+              default: code = code_pair_f16<P, 3>(kw[a], j); break;
+            }
+            kp[a][k] = f16x2_mul(code, ks2);
           }
         }
 #pragma unroll
@@ -368,9 +419,9 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
       for (int h = 0; h < 2; ++h) {
         const int s = c * S::kKStepsPerChunk + 2 * j + h;
 #pragma unroll
-        for (int k = 2; k >= 0; --k) {  // small terms first
-          const uint2 b = sh.u.qf[s][k][lane];
-          mma_bf16(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
+        for (int k = kQTerms - 1; k >= 0; --k) {  // small terms first
+          const uint2 b = kF16 ? sh.u.qf.h[s][k][lane] : sh.u.qf.b[s][k][lane];
+          mma16816<kF16>(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
         }
       }
     }
@@ -386,6 +437,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : sc[i] * kf;
   }
   float f[2];
+  const float ratio = st.u / rs.u;  // a power of two; 1 within a precision group
+  st.u = rs.u;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float mx = fmaxf(p[hh], p[2 + hh]);
@@ -398,13 +451,18 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     p[hh] = exp2f(p[hh] - m_new);          // -inf (no token) -> 0
     p[2 + hh] = exp2f(p[2 + hh] - m_new);
     st.l[hh] = st.l[hh] * f[hh] + (p[hh] + p[2 + hh]);
+    f[hh] *= ratio;
   }
+  // Rescale the accumulator only when a max or the unit moved (most windows after the first
+  // few keep both).
+  if (!__all_sync(0xFFFFFFFFu, f[0] == 1.0f && f[1] == 1.0f)) {
 #pragma unroll
-  for (int i = 0; i < S::kMTiles; ++i) {
-    st.o[i][0] *= f[0];
-    st.o[i][1] *= f[1];
-    st.o[i][2] *= f[0];
-    st.o[i][3] *= f[1];
+    for (int i = 0; i < S::kMTiles; ++i) {
+      st.o[i][0] *= f[0];
+      st.o[i][1] *= f[1];
+      st.o[i][2] *= f[0];
+      st.o[i][3] *= f[1];
+    }
   }
   // P to the B layout of P.V: lane (gq, t) needs tokens 2t, 2t+1, 2t+8, 2t+9 of head gq.
   pt[gq][2 * t] = p[0];
@@ -412,80 +470,86 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   pt[gq + 8][2 * t] = p[2];
   pt[gq + 8][2 * t + 1] = p[3];
   __syncwarp();
-  std::uint32_t pb[3][2];
-  {
+  std::uint32_t pb[kPTerms][2];
+  if constexpr (kF16) {
+    __half xs[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_f16<2>(pt[vt[i]][gq] * rs.pm, xs[i]);
+#pragma unroll
+    for (int k = 0; k < kPTerms; ++k) {
+      pb[k][0] = pack_f16(xs[0][k], xs[1][k]);
+      pb[k][1] = pack_f16(xs[2][k], xs[3][k]);
+    }
+  } else {
     float xs[4][3];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) split3(pt[vt[i]][gq] * rs.fv, xs[i]);
+    for (int i = 0; i < 4; ++i) split3(pt[vt[i]][gq] * rs.pm, xs[i]);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < kPTerms; ++k) {
       pb[k][0] = pack_bf16(xs[0][k], xs[1][k]);
       pb[k][1] = pack_bf16(xs[2][k], xs[3][k]);
     }
   }
   __syncwarp();  // pt is rewritten by the next window
 
-  // O^T += V'^T . P'.
+  // O^T += V'^T . P'; m-tile 4j + u: rows gq, gq + 8 = channels 8j + u, 8j + u + 4.
 #pragma unroll
   for (int c = 0; c < S::kNC; ++c) {
     if constexpr (S::kNC > 1) load_v(c);
 #pragma unroll
     for (int j = 0; j < S::kVCh / 8; ++j) {
       float x[4][8];
-      std::uint32_t vp2[4][4];  // NVFP4: BF16x2 of (channel 8j + 2u, + 1) of token i, scaled
-      if constexpr (P == 2 || P == 3) {
+      std::uint32_t vp2[4][4];  // FP16: pair u = (channel 8j + u, 8j + u + 4) of token i, scaled
+      if constexpr (kF16) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const std::uint32_t s2x = pack_bf16(vsc[i][j], vsc[i][j]);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            vp2[i][u] = bf16x2_mul(code_pair<P, D>(sh, vw[i], j, u, lane, lrep), s2x);  // exact
-          }
+          const std::uint32_t s2x = e4m3x2_f16(__byte_perm(vsc[i][j], 0u, 0x0000u));  // (scale, scale)
+          vp2[i][0] = f16x2_mul(code_pair_f16<P, 0>(vw[i], j), s2x);  // exact
+          vp2[i][1] = f16x2_mul(code_pair_f16<P, 1>(vw[i], j), s2x);
+          vp2[i][2] = f16x2_mul(code_pair_f16<P, 2>(vw[i], j), s2x);
+          vp2[i][3] = f16x2_mul(code_pair_f16<P, 3>(vw[i], j), s2x);
         }
       } else if constexpr (P == 1) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           e4m3x8_exact(vw[i][2 * j], vw[i][2 * j + 1], x[i]);
+          const float s = e4m3x2_exact(vsc[i][j]).x;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[i][e] *= vsc[i][j];  // exact (at most 8 significant bits)
+          for (int e = 0; e < 8; ++e) x[i][e] *= s;  // exact (at most 8 significant bits)
         }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {  // m-tile: channels 8j + 2u, 8j + 2u + 1
+      for (int u = 0; u < 4; ++u) {
         std::uint32_t a0, a1, a2, a3;
-        if constexpr (P != 1) {
-          std::uint32_t w0, w1, w2, w3;  // BF16x2 (channel 8j + 2u, + 1) of tokens 2t, 2t+1, 2t+8, 2t+9
-          if constexpr (P == 0) {
-            w0 = vw[0][4 * j + u];
-            w1 = vw[1][4 * j + u];
-            w2 = vw[2][4 * j + u];
-            w3 = vw[3][4 * j + u];
-          } else {
-            w0 = vp2[0][u];
-            w1 = vp2[1][u];
-            w2 = vp2[2][u];
-            w3 = vp2[3][u];
-          }
-          a0 = __byte_perm(w0, w1, 0x5410);
-          a1 = __byte_perm(w0, w1, 0x7632);
-          a2 = __byte_perm(w2, w3, 0x5410);
-          a3 = __byte_perm(w2, w3, 0x7632);
+        if constexpr (kF16) {
+          a0 = __byte_perm(vp2[0][u], vp2[1][u], 0x5410);
+          a1 = __byte_perm(vp2[0][u], vp2[1][u], 0x7632);
+          a2 = __byte_perm(vp2[2][u], vp2[3][u], 0x5410);
+          a3 = __byte_perm(vp2[2][u], vp2[3][u], 0x7632);
+        } else if constexpr (P == 0) {
+          // BF16 words: channel 8j + u is half u % 2 of word 4j + u / 2, 8j + u + 4 of word 4j + 2 + u / 2.
+          constexpr unsigned kSel[2] = {0x5410u, 0x7632u};
+          const unsigned sel = kSel[u % 2];
+          a0 = __byte_perm(vw[0][4 * j + u / 2], vw[1][4 * j + u / 2], sel);
+          a1 = __byte_perm(vw[0][4 * j + 2 + u / 2], vw[1][4 * j + 2 + u / 2], sel);
+          a2 = __byte_perm(vw[2][4 * j + u / 2], vw[3][4 * j + u / 2], sel);
+          a3 = __byte_perm(vw[2][4 * j + 2 + u / 2], vw[3][4 * j + 2 + u / 2], sel);
         } else {
-          a0 = pack_bf16(x[0][2 * u], x[1][2 * u]);
-          a1 = pack_bf16(x[0][2 * u + 1], x[1][2 * u + 1]);
-          a2 = pack_bf16(x[2][2 * u], x[3][2 * u]);
-          a3 = pack_bf16(x[2][2 * u + 1], x[3][2 * u + 1]);
+          a0 = pack_bf16(x[0][u], x[1][u]);
+          a1 = pack_bf16(x[0][u + 4], x[1][u + 4]);
+          a2 = pack_bf16(x[2][u], x[3][u]);
+          a3 = pack_bf16(x[2][u + 4], x[3][u + 4]);
         }
         float(&o)[4] = st.o[c * S::kMTilesPerChunk + 4 * j + u];
 #pragma unroll
-        for (int k = 2; k >= 0; --k) mma_bf16(o, a0, a1, a2, a3, pb[k][0], pb[k][1]);
+        for (int k = kPTerms - 1; k >= 0; --k) mma16816<kF16>(o, a0, a1, a2, a3, pb[k][0], pb[k][1]);
       }
     }
   }
   st.ntok += n;
 }
 
-template <int D, int kMinBlocks>
+template <int D, int kMinBlocks, bool kVec>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
                                                                            DecodeAttentionParams prm,
                                                                            Workspace ws, int splits) {
@@ -507,30 +571,48 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   float* ml_out = ws.ml + part * group * 2;
   const bool stream_ok = stream >= 0 && stream < view.num_streams;
 
-  // Q fragments: k-step s, lane (h = lane / 4, tq = lane % 4): channels tq*D/4 + 4s .. + 3 of head h.
+  // Q's FP16 terms are of Q x 2^eq, eq putting max|q| of the group in [2^14, 2^15) (every warp
+  // computes the same value).
   const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
+  float qmax = 0.0f;
+  for (int i = lane; i < group * D; i += 32) qmax = fmaxf(qmax, fabsf(q[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) qmax = fmaxf(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
+  int eq = 0;
+  if (qmax > 0.0f && qmax <= 3.0e38f) {
+    int e = 0;
+    (void)frexpf(qmax, &e);  // qmax = f x 2^e, f in [0.5, 1)
+    eq = min(max(15 - e, -100), 100);
+  }
+  const float k_unscale = ldexpf(16384.0f, -eq);  // FP16 scores: codes' 2^-14 and Q's 2^eq undone
+
+  // Q fragments, k-step s, lane (h = lane / 4, tq = lane % 4), base = tq*D/4 + 8 (s / 2):
+  // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
+  // (+ {1, 5}).
   for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
     const int s = i / 32;
     const int ln = i % 32;
     const int h = ln >> 2;
-    const int c = (ln & 3) * (D / 4) + 4 * s;
-    float x[4][3];
+    const int base = (ln & 3) * (D / 4) + 8 * (s / 2);
+    const float* qh = q + h * D;
+    auto qv = [&](int c) { return h < group ? qh[c] : 0.0f; };
+    {
+      const int c = base + 4 * (s % 2);
+      float x[4][3];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) split3(h < group ? q[h * D + c + e] : 0.0f, x[e]);
+      for (int e = 0; e < 4; ++e) split3(qv(c + e), x[e]);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) sh.u.qf[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
-  }
-  // The tables only where the cache has such pages (start-up work a BF16 or FP8 cache skips).
-  const int nvfp4_entries = view.pool_count[static_cast<int>(Precision::kNvfp4)] > 0 ? 256 * S::kLutRep : 0;
-  const int ternary_entries = view.pool_count[static_cast<int>(Precision::kTernary)] > 0 ? 16 * 32 : 0;
-  for (int i = tid; i < nvfp4_entries; i += kThreads) {
-    const int e = i / S::kLutRep;
-    sh.lut[i] = pack_bf16(decode_e2m1(static_cast<std::uint8_t>(e & 15)), decode_e2m1(static_cast<std::uint8_t>(e >> 4)));
-  }
-  for (int i = tid; i < ternary_entries; i += kThreads) {
-    const int e = i / 32;  // code 0 -> 0, 1 -> +1, 3 -> -1, 2 -> -0 (decode_element)
-    sh.lut3[i] = pack_bf16(decode_element(Precision::kTernary, static_cast<std::uint8_t>(e & 3)),
-                           decode_element(Precision::kTernary, static_cast<std::uint8_t>(e >> 2)));
+      for (int k = 0; k < 3; ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+    }
+    {
+      const int c = base + 2 * (s % 2);
+      const int cs[4] = {c, c + 4, c + 1, c + 5};
+      __half x[4][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_f16<3>(ldexpf(qv(cs[e]), eq), x[e]);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) sh.u.qf.h[s][k][ln] = make_uint2(pack_f16(x[0][k], x[1][k]), pack_f16(x[2][k], x[3][k]));
+    }
   }
   __syncthreads();
 
@@ -539,6 +621,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   for (int i = 0; i < S::kMTiles; ++i) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
+  st.u = 1.0f;
   st.ntok = 0;
 
   if (stream_ok) {
@@ -604,8 +687,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         const bool mine = valid && pr == group_pr;
         const unsigned m = __ballot_sync(0xFFFFFFFFu, mine);
         todo &= ~m;
-        const bool aligned = (reinterpret_cast<std::uintptr_t>(page) & 15u) == 0;
-        const bool vec = __all_sync(0xFFFFFFFFu, !mine || aligned);
         if (mine) {
           const int r = __popc(m & ((1u << lane) - 1u));
           sh.slot[warp][r] = slot;
@@ -615,17 +696,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         __syncwarp();
         const int n = __popc(m);
         TcRows rs;
-        rs.vec = vec;
-        if (group_pr == kStagedGroup) {
+        if (group_pr == kStagedGroup || group_pr == 0) {
           rs.rb = 2 * D;
-          rs.rows = g;
-          rs.fk = rs.fv = 1.0f;
+          rs.rows = group_pr == 0 ? bs : g;
+          rs.fk = rs.u = rs.pm = 1.0f;
         } else {
           rs.rb = D * bits_of(static_cast<Precision>(group_pr)) / 8;
           rs.rows = bs;
-          // K' and V' hold exact element x scale products: only s2 is left to apply.
-          rs.fk = group_pr == 0 ? 1.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
-          rs.fv = group_pr == 0 ? 1.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
+          // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
+          const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
+          const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
+          const bool f16 = group_pr >= 2;
+          rs.fk = f16 ? s2k * k_unscale : s2k;
+          // FP16 groups: P' = p x s2v / u x 2^14 must stay inside FP16's range and above its
+          // subnormals, so the output's unit u becomes s2v (a power of two > 0 once set) when
+          // s2v is outside [2^-14, 1]; other groups (BF16 has FP32's range) and an unset s2v
+          // (0: p scaled by it, as the CPU does) keep u = 1.
+          rs.u = f16 && s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
+          rs.pm = (s2v / rs.u) * (f16 ? 16384.0f : 1.0f);
         }
         float(*pt)[kN + 1] = sh.pt[warp];
         for (int k0 = 0; k0 < n; k0 += kWin) {
@@ -634,10 +722,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           const std::uint8_t* const* pg = sh.page[warp] + k0;
           const std::uint32_t* rc = sh.record[warp] + k0;
           switch (group_pr == kStagedGroup ? 0 : group_pr) {
-            case 0: tc_window<D, 0>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 1: tc_window<D, 1>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 2: tc_window<D, 2>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            default: tc_window<D, 3>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 0: tc_window<D, 0, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 1: tc_window<D, 1, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 2: tc_window<D, 2, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            default: tc_window<D, 3, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
           }
         }
         __syncwarp();  // the lists are rewritten by the next group
@@ -663,9 +751,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
 #pragma unroll
       for (int i = 0; i < S::kMTiles; ++i) {
         const int c = i / S::kMTilesPerChunk;
-        const int ch0 = gq * (D / 8) + c * S::kVCh + 2 * (i % S::kMTilesPerChunk);
-        sh.u.acc[warp][h][ch0] = st.o[i][hh];
-        sh.u.acc[warp][h][ch0 + 1] = st.o[i][2 + hh];
+        const int r = i % S::kMTilesPerChunk;  // 4j + u
+        const int ch0 = gq * (D / 8) + c * S::kVCh + 8 * (r / 4) + r % 4;
+        sh.u.acc[warp][h][ch0] = st.o[i][hh] * st.u;
+        sh.u.acc[warp][h][ch0 + 4] = st.o[i][2 + hh] * st.u;
       }
     }
   }
@@ -674,20 +763,39 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   merge_warps_to_workspace(sh.m, sh.l, sh.u.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part);
 }
 
+/// Whether every row load of the pass can be a vector load: pool pages, page sizes, the staging
+/// rows and the key-scale records all 16-byte aligned.
+bool tc_vector_loads(const PagedKvView& v, const DecodeAttentionParams& p) {
+  auto aligned = [](const void* q) { return (reinterpret_cast<std::uintptr_t>(q) & 15u) == 0; };
+  if (!aligned(v.staging) || !aligned(v.key_scales)) return false;
+  for (int pr = 0; pr < kNumPrecisions; ++pr) {
+    if (v.pool_count[pr] == 0) continue;
+    if (!aligned(v.pages[pr]) ||
+        page_bytes_of(static_cast<Precision>(pr), p.head_dim, p.block_size, p.group_size) % 16 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 template <int D>
 cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
                               int splits, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
-  paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  if (tc_vector_loads(view, p)) {
+    paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  } else {
+    paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, false><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  }
   return cudaGetLastError();
 }
 
 template <int D>
 int partial_tc_ctas_per_sm() noexcept {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks>,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true>,
                                                     kThreads, 0) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
