@@ -76,10 +76,10 @@ struct TcShape {
   static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
   static constexpr int kMTilesPerChunk = kMTiles / kNC;
   static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
-  // CTAs per SM asked of ptxas (Release, sm_90a): D = 64 fits 128 registers; D = 128 gets 168
-  // (3 CTAs per SM) and D = 256 252. Measured on the H200 (2026-11-29, bench_paged_attention):
-  // forcing 4 CTAs at D = 128 (128 registers, 204 bytes of spills) was no faster once the number
-  // of waves is accounted for.
+  // CTAs per SM asked of ptxas (Release, sm_90a, CUDA 13.0): D = 64 fits 128 registers; D = 128
+  // gets 168 (3 CTAs per SM, no spills; 4 CTAs would spill 160 bytes) and D = 256 255 (12 bytes of
+  // spills). Measured on the H200 (2026-11-29, bench_paged_attention): forcing 4 CTAs at D = 128
+  // (then 204 bytes of spills) was no faster once the number of waves is accounted for.
   static constexpr int kMinBlocks = D == 64 ? 4 : D == 128 ? 3 : 2;
 };
 
