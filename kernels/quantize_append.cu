@@ -9,18 +9,20 @@
 /// quantized precision it reads s2 of (stream, K/V, precision); when it is unset (0) the CTA
 /// reduces the amax of the g x D staged values (warp shuffles + one shared array) and, when that
 /// is nonzero, sets s2 = choose_stream_scale(P, amax), as the CPU does. Then:
-///  - K: one thread per output byte column j of the K rows (channels j*e .. j*e+e-1, e = codes
-///    per byte): it quantizes each of those e channel groups (the g tokens of a channel), writes
-///    the channel's E4M3 scale into the record, packs the codes of each token into one byte and
-///    writes byte j of each of the g destination rows;
+///  - K: one thread per channel: it quantizes the channel's group (the g tokens of the channel)
+///    and writes the channel's E4M3 scale into the record; the e = 8 / bits channels of a row byte
+///    are adjacent lanes, which combine their codes by shuffles, and the first writes that byte of
+///    each of the g destination rows;
 ///  - V: one thread per (token, value group): quantizes the g channels, writes the E4M3 scale into
 ///    the slot's value-scale area and the g*bits/8 packed bytes into the token's V row;
 ///  - BF16: the rows are copied as little-endian BF16.
 /// Every value goes through the THINKV_HD functions the CPU backend calls (decode_bf16,
 /// group_amax, group_scale_saturates, quantize_group, store_code, choose_stream_scale), on
 /// identical inputs in identical order, so results are bit-identical by construction (no
-/// fast-math: quantize_group divides with IEEE division). The per-item functions below are
-/// __host__ __device__, so the indexing can be exercised on a host without a GPU.
+/// fast-math: quantize_group divides with IEEE division). The offset and per-item helpers below
+/// are __host__ __device__ (key_channel, which shuffles, is device-only). Occupancy: launch
+/// bounds of 4 x 256 threads (64 registers) for g = 8 and 16, so 8 CTAs of D = 128 threads share
+/// an SM (measured on the H200: see docs/perf.md).
 
 #include <cuda_runtime.h>
 
@@ -99,27 +101,34 @@ THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int 
   return m;
 }
 
-/// K, byte column j: channels j*E .. j*E+E-1 (E codes per byte). Quantizes each channel's group
-/// (the G staged tokens of the channel, token order), writes its scale to record[c], and byte j of
-/// each of the G destination K rows. Returns the number of saturated groups.
+/// K, channel c, one thread per channel (c < d when `active`; every lane of the warp calls it):
+/// quantizes the channel's group (the G staged tokens of the channel, token order) and writes its
+/// scale to record[c]; the E = 8 / bits channels of one row byte sit on E adjacent lanes, which OR
+/// their codes together (element c of a row sits in byte c / E at bit (c % E) * bits, as
+/// store_code places it) and the first of them writes byte c / E of each of the G destination K
+/// rows. Returns the number of saturated groups (0 or 1).
 template <int P, int G>
-THINKV_HD inline int key_column(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
-                                const std::size_t* row_off, std::uint8_t* record, int j) noexcept {
+__device__ inline int key_channel(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
+                                  const std::size_t* row_off, std::uint8_t* record, int c, bool active) {
   constexpr Precision kP = static_cast<Precision>(P);
-  constexpr int kPerByte = 8 / bits_of(kP);
-  std::uint8_t packed[G] = {};
+  constexpr int kBits = bits_of(kP);
+  constexpr int kPerByte = 8 / kBits;
+  std::uint8_t codes[G] = {};
   int saturations = 0;
-  for (int r = 0; r < kPerByte; ++r) {
-    const int c = j * kPerByte + r;
+  if (active) {
     float x[G];
     for (int i = 0; i < G; ++i) x[i] = decode_bf16(stg[static_cast<std::size_t>(i) * d + c]);
-    if (group_scale_saturates(kP, group_amax(x, 1, G), s2)) ++saturations;
-    std::uint8_t codes[G];
+    if (group_scale_saturates(kP, group_amax(x, 1, G), s2)) saturations = 1;
     record[c] = quantize_group(kP, x, 1, G, s2, codes, 1);
-    // Element c of a row sits in byte c / E at bit (c % E) * bits: store_code on that byte.
-    for (int i = 0; i < G; ++i) store_code(kP, &packed[i], r, codes[i]);
   }
-  for (int i = 0; i < G; ++i) pool[row_off[i] + static_cast<std::size_t>(j)] = packed[i];
+  const int r = c % kPerByte;
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    std::uint32_t byte = static_cast<std::uint32_t>(codes[i]) << (r * kBits);
+#pragma unroll
+    for (int off = 1; off < kPerByte; off <<= 1) byte |= __shfl_xor_sync(0xFFFFFFFFu, byte, off);
+    if (active && r == 0) pool[row_off[i] + static_cast<std::size_t>(c / kPerByte)] = static_cast<std::uint8_t>(byte);
+  }
   return saturations;
 }
 
@@ -210,9 +219,8 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
     int saturations = 0;
     if (kv == 0) {
       std::uint8_t* record = v.key_scales + static_cast<std::size_t>(job.record) * d;
-      const int columns = d / (8 / bits_of(kP));
-      for (int j = tid; j < columns; j += nt) {
-        saturations += key_column<P, G>(stg, d, s2_use, pool, row_off, record, j);
+      for (int base = 0; base < d; base += nt) {  // uniform trip count: whole warps shuffle
+        saturations += key_channel<P, G>(stg, d, s2_use, pool, row_off, record, base + tid, base + tid < d);
       }
     } else {
       for (int item = tid; item < d; item += nt) {  // G tokens x d / G groups = d items
@@ -226,9 +234,10 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
 }
 
 /// Grid: 2 * num_jobs CTAs, CTA b = (job b / 2, K if b is even else V). blockDim.x: a multiple of
-/// 32, 32..kMaxThreads (>= G).
+/// 32, 32..kMaxThreads (>= G). g = 32 keeps the default register budget (its 32-element local
+/// arrays would spill at 64 registers).
 template <int G>
-__global__ void __launch_bounds__(kMaxThreads) quantize_append_kernel(const QuantizeAppendParams prm) {
+__global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : 4) quantize_append_kernel(const QuantizeAppendParams prm) {
   __shared__ std::size_t row_off[G];
   __shared__ std::size_t vs_off[G];
   __shared__ float warp_max[kMaxThreads / 32];
