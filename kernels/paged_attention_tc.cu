@@ -17,22 +17,24 @@
 /// exact scores). K' and V' are the stored elements times their E4M3 group scales, exact in the
 /// mma's input type; the FP32 second-level scales s2 are applied outside the products (s2k to
 /// the scores; s2v as the unit of the output accumulator, below). Two input types:
-///  - BF16 pages, staged rows and FP8 pages run BF16 mma. FP8 codes and scales go through the
-///    hardware E4M3x2 -> F16x2 conversion and an FP32 product (at most 8 significant bits: exact
-///    in BF16). Q and P are split into three BF16 terms (x = hi + mid + lo, the residual below
-///    2^-24 |x|), each multiplied in its own mma.
-///  - NVFP4 and ternary pages run FP16 mma, with no table and no FP32 round trip. The code bits
-///    are placed into FP16 fields: an E2M1 code s e1 e0 m becomes sign bit 15, exponent bits
-///    11..10 = e1 e0, mantissa bit 9 = m, i.e. its value x 2^-14 (the E2M1 subnormal maps onto the
-///    FP16 subnormal); a ternary code becomes +-2^-14 (or +-0) through one byte permute. The E4M3
-///    scales become FP16 by the hardware conversion (exact), and one FP16x2 multiply gives
-///    value x scale x 2^-14: at most 6 significant bits, a multiple of 2^-24 in [2^-24, 0.17], so
-///    exact in FP16 including its subnormals. Q is split into three FP16 terms of Q x 2^eq (eq
-///    puts max|q| in [2^14, 2^15): no overflow, residual below 2^-33 |q|max), P into two FP16
-///    terms of p x 2^14 (residual below 2^-22 p; the 2^14 cancels the codes' 2^-14).
-/// The output accumulator holds O / u, u = the s2v of the precision group being processed (a
-/// power of two; 1 for BF16 rows): a change of group rescales it by u_old / u_new together with
-/// the online-softmax factor, so P' never carries s2v (which would overflow FP16 for large s2v).
+///  - BF16 pages and staged rows run BF16 mma. Q and P are split into three BF16 terms
+///    (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied in its own mma.
+///  - Quantized pages run FP16 mma, with no table and no FP32 round trip. E4M3 codes and scales
+///    become FP16 by the hardware conversion (cvt.rn.f16x2.e4m3x2, exact). NVFP4 and ternary
+///    code bits are placed into FP16 fields: an E2M1 code s e1 e0 m becomes sign bit 15, exponent
+///    bits 11..10 = e1 e0, mantissa bit 9 = m, i.e. its value x 2^-14 (the E2M1 subnormal maps
+///    onto the FP16 subnormal); a ternary code becomes +-2^-14 (or +-0) through one byte
+///    permute. One FP16x2 multiply by the scales then gives value x scale x 2^-14: at most 6
+///    significant bits, a multiple of 2^-24 in [2^-24, 0.17], exact in FP16 including its
+///    subnormals. FP8 elements are multiplied by scale x 2^-4 (itself exact): at most 8
+///    significant bits, a multiple of 2^-22, at most 448 x 448 / 16 = 12,544: exact. Q is split
+///    into three FP16 terms of Q x 2^eq (eq puts max|q| in [2^14, 2^15): no overflow, residual
+///    below 2^-33 max|q|), P into two FP16 terms of p x 2^14 (residual below 2^-22 p).
+/// The output accumulator holds O / u, u a power of two per precision group: 1 for BF16 rows;
+/// for quantized groups the factor that undoes V' and P' scalings (2^-10 for FP8) times s2v when
+/// s2v lies outside [2^-14, 1] (else s2v goes into P', which it would overflow or underflow in
+/// FP16). A change of group rescales the accumulator by u_old / u_new together with the
+/// online-softmax factor (exact: powers of two).
 ///
 /// Layouts. The dot products do not care about channel order, so each lane takes contiguous
 /// channels: for Q.K^T, lane (gq = lane / 4, t = lane % 4) holds tokens gq and gq + 8 and the
@@ -42,7 +44,8 @@
 /// block j holds k-steps 2j, 2j+1 of Q.K^T and m-tiles 4j .. 4j+3 of P.V:
 ///  - Q.K^T, BF16 map (BF16, FP8, staged): k-step 2j+h takes channel pairs (8j+4h, +1) and
 ///    (8j+4h+2, +3); FP16 map (NVFP4, ternary): pairs (8j+2h, 8j+2h+4) and (8j+2h+1, 8j+2h+5),
-///    the pairs one shift apart in the packed codes. Q's fragments exist in both maps.
+///    the pairs one shift apart in the packed codes. Q's fragments exist in BF16 (BF16 map) and
+///    FP16 (both maps).
 ///  - P.V (all precisions): m-tile 4j+u rows gq and gq+8 are channels 8j+u and 8j+u+4.
 /// The scores come out as (tokens gq, gq+8) x (heads 2t, 2t+1); they reach P.V's B layout through
 /// a 16 x 8 shared-memory transpose per warp.
@@ -88,8 +91,9 @@ struct TcShared {
   union {
     struct {
       uint2 b[TcShape<D>::kKSteps][3][32];  // BF16 (hi, mid, lo) B fragments of Q, BF16 map
-      uint2 h[TcShape<D>::kKSteps][3][32];  // FP16 (hi, mid, lo) of Q x 2^eq, FP16 map
-    } qf;                                    // during the walk
+      uint2 h[TcShape<D>::kKSteps][3][32];  // FP16 (hi, mid, lo) of Q x 2^eq, FP16 map (NVFP4, ternary)
+      uint2 h8[TcShape<D>::kKSteps][3][32];  // the same in the BF16 map (FP8)
+    } qf;                                     // during the walk
     float acc[kWarps][kN][D];                // warps' partial outputs, after it
   } u;
   float m[kWarps][kN];
@@ -101,6 +105,16 @@ struct TcShared {
   const std::uint8_t* page[kWarps][32];
 };
 
+/// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
+/// cvt.rn.f16x2.e4m3x2 on sm_89+; E4M3 values are exact in FP16).
+__device__ __forceinline__ std::uint32_t e4m3x2_f16(std::uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+}
+
+constexpr std::uint32_t kF16x2Pow2m4 = 0x2C002C00u;  // FP16x2 (2^-4, 2^-4): FP8 scales are used x 2^-4
+
+/// FP8: FP16x2 of the two E4M3 values of channels (8j + k, 8j + k + 4). NVFP4 and ternary:
 /// FP16x2 of (value x 2^-14) of the codes of channels 8j + k and 8j + k + 4 (k = 0..3) of a
 /// lane's 8-channel block j: NVFP4 (block j = word j, channel 8j + i in bits 4i..4i+3) by
 /// placing the E2M1 bits into the FP16 fields; ternary (block j = half word j % 2 of word j / 2,
@@ -108,7 +122,9 @@ struct TcShared {
 /// (high bytes 0x00, 0x04, 0x80, 0x84; low bytes 0).
 template <int P, int K, int NW>
 __device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[NW], int j) {
-  if constexpr (P == 2) {
+  if constexpr (P == 1) {  // FP8 (block j = words 2j, 2j + 1): the two E4M3 values, exact
+    return e4m3x2_f16(__byte_perm(w[2 * j], w[2 * j + 1], static_cast<unsigned>(K | ((4 + K) << 4))));
+  } else if constexpr (P == 2) {
     const std::uint32_t x = w[j];
     constexpr int kMag = 9 - 4 * K;    // nibble bits 2..0 -> FP16 bits 11..9
     constexpr int kSign = 12 - 4 * K;  // nibble bit 3 -> FP16 bit 15
@@ -222,29 +238,6 @@ __device__ __forceinline__ void load_words(const std::uint8_t* p, std::uint32_t 
   }
 }
 
-/// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
-/// cvt.rn.f16x2.e4m3x2 on sm_89+; E4M3 values are exact in FP16).
-__device__ __forceinline__ std::uint32_t e4m3x2_f16(std::uint32_t w) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
-}
-
-/// Two E4M3 codes (bytes 0 and 1 of w) -> their exact values (exact in FP32).
-__device__ __forceinline__ float2 e4m3x2_exact(std::uint32_t w) {
-  const std::uint32_t h = e4m3x2_f16(w);
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-/// Eight E4M3 codes (w0, w1) -> exact values.
-__device__ __forceinline__ void e4m3x8_exact(std::uint32_t w0, std::uint32_t w1, float (&x)[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = e4m3x2_exact((i < 2 ? w0 : w1) >> (16 * (i % 2)));
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
-}
-
 /// a * b on FP16x2 pairs (used only where the products are exact).
 __device__ __forceinline__ std::uint32_t f16x2_mul(std::uint32_t a, std::uint32_t b) {
   const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
@@ -264,7 +257,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
                                           float scale_log2, const TcShared<D>& sh, float (*pt)[kN + 1],
                                           TcState<D>& st) {
   using S = TcShape<D>;
-  constexpr bool kF16 = P == 2 || P == 3;    // FP16 mma (NVFP4, ternary), else BF16
+  constexpr bool kF16 = P != 0;              // FP16 mma (quantized pages), else BF16
   constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kKB = S::kKCh * kBits / 8;   // K bytes per lane, token and chunk
   constexpr int kVB = S::kVCh * kBits / 8;   // V bytes per lane, token and chunk
@@ -362,7 +355,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a2[h][2] = kw[0][2 * s + 1];
           a2[h][3] = kw[1][2 * s + 1];
         }
-      } else if constexpr (kF16) {
+      } else if constexpr (P != 1) {
         // Pair k = channels (8j + k, 8j + k + 4): codes x 2^-14 times the two channels' key
         // scales, both FP16x2 (exact).
         std::uint32_t kp[2][4];
@@ -390,29 +383,25 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a2[h][2] = kp[0][2 * h + 1];
           a2[h][3] = kp[1][2 * h + 1];
         }
-      } else {
-        // FP8: exact element values times exact key scales in FP32 (at most 8 significant bits:
-        // exact), rounded to BF16 (exact).
-        float x[2][8];
-        float f[2][8];
+      } else if constexpr (P == 1) {
+        // FP8, pair q = channels (8j + 2q, 8j + 2q + 1), the BF16 map: the E4M3 values times
+        // the key scales x 2^-4, FP16x2 (exact: at most 8 significant bits, multiples of 2^-22
+        // up to 448 x 448 / 16 = 12,544).
+        std::uint32_t kp[2][4];
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
-          e4m3x8_exact(kw[a][2 * j], kw[a][2 * j + 1], x[a]);
-          if (a == 0 || !one_rec) {
-            e4m3x8_exact(ksw[a][2 * j], ksw[a][2 * j + 1], f[a]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) f[1][e] = f[0][e];
-          }
-#pragma unroll
-          for (int e = 0; e < 8; ++e) x[a][e] *= f[a][e];
+        for (int q = 0; q < 4; ++q) {
+          const std::uint32_t ks0 = f16x2_mul(e4m3x2_f16(ksw[0][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
+          const std::uint32_t ks1 =
+              one_rec ? ks0 : f16x2_mul(e4m3x2_f16(ksw[1][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
+          kp[0][q] = f16x2_mul(e4m3x2_f16(kw[0][2 * j + q / 2] >> (16 * (q % 2))), ks0);
+          kp[1][q] = f16x2_mul(e4m3x2_f16(kw[1][2 * j + q / 2] >> (16 * (q % 2))), ks1);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          a2[h][0] = pack_bf16(x[0][4 * h], x[0][4 * h + 1]);
-          a2[h][1] = pack_bf16(x[1][4 * h], x[1][4 * h + 1]);
-          a2[h][2] = pack_bf16(x[0][4 * h + 2], x[0][4 * h + 3]);
-          a2[h][3] = pack_bf16(x[1][4 * h + 2], x[1][4 * h + 3]);
+          a2[h][0] = kp[0][2 * h];
+          a2[h][1] = kp[1][2 * h];
+          a2[h][2] = kp[0][2 * h + 1];
+          a2[h][3] = kp[1][2 * h + 1];
         }
       }
 #pragma unroll
@@ -420,7 +409,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
         const int s = c * S::kKStepsPerChunk + 2 * j + h;
 #pragma unroll
         for (int k = kQTerms - 1; k >= 0; --k) {  // small terms first
-          const uint2 b = kF16 ? sh.u.qf.h[s][k][lane] : sh.u.qf.b[s][k][lane];
+          const uint2 b = P == 0 ? sh.u.qf.b[s][k][lane] : P == 1 ? sh.u.qf.h8[s][k][lane] : sh.u.qf.h[s][k][lane];
           mma16816<kF16>(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
         }
       }
@@ -498,24 +487,16 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     if constexpr (S::kNC > 1) load_v(c);
 #pragma unroll
     for (int j = 0; j < S::kVCh / 8; ++j) {
-      float x[4][8];
       std::uint32_t vp2[4][4];  // FP16: pair u = (channel 8j + u, 8j + u + 4) of token i, scaled
       if constexpr (kF16) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const std::uint32_t s2x = e4m3x2_f16(__byte_perm(vsc[i][j], 0u, 0x0000u));  // (scale, scale)
+          std::uint32_t s2x = e4m3x2_f16(__byte_perm(vsc[i][j], 0u, 0x0000u));  // (scale, scale)
+          if constexpr (P == 1) s2x = f16x2_mul(s2x, kF16x2Pow2m4);
           vp2[i][0] = f16x2_mul(code_pair_f16<P, 0>(vw[i], j), s2x);  // exact
           vp2[i][1] = f16x2_mul(code_pair_f16<P, 1>(vw[i], j), s2x);
           vp2[i][2] = f16x2_mul(code_pair_f16<P, 2>(vw[i], j), s2x);
           vp2[i][3] = f16x2_mul(code_pair_f16<P, 3>(vw[i], j), s2x);
-        }
-      } else if constexpr (P == 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          e4m3x8_exact(vw[i][2 * j], vw[i][2 * j + 1], x[i]);
-          const float s = e4m3x2_exact(vsc[i][j]).x;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) x[i][e] *= s;  // exact (at most 8 significant bits)
         }
       }
 #pragma unroll
@@ -526,7 +507,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a1 = __byte_perm(vp2[0][u], vp2[1][u], 0x7632);
           a2 = __byte_perm(vp2[2][u], vp2[3][u], 0x5410);
           a3 = __byte_perm(vp2[2][u], vp2[3][u], 0x7632);
-        } else if constexpr (P == 0) {
+        } else {
           // BF16 words: channel 8j + u is half u % 2 of word 4j + u / 2, 8j + u + 4 of word 4j + 2 + u / 2.
           constexpr unsigned kSel[2] = {0x5410u, 0x7632u};
           const unsigned sel = kSel[u % 2];
@@ -534,11 +515,6 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           a1 = __byte_perm(vw[0][4 * j + 2 + u / 2], vw[1][4 * j + 2 + u / 2], sel);
           a2 = __byte_perm(vw[2][4 * j + u / 2], vw[3][4 * j + u / 2], sel);
           a3 = __byte_perm(vw[2][4 * j + 2 + u / 2], vw[3][4 * j + 2 + u / 2], sel);
-        } else {
-          a0 = pack_bf16(x[0][u], x[1][u]);
-          a1 = pack_bf16(x[0][u + 4], x[1][u + 4]);
-          a2 = pack_bf16(x[2][u], x[3][u]);
-          a3 = pack_bf16(x[2][u + 4], x[3][u + 4]);
         }
         float(&o)[4] = st.o[c * S::kMTilesPerChunk + 4 * j + u];
 #pragma unroll
@@ -584,7 +560,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     (void)frexpf(qmax, &e);  // qmax = f x 2^e, f in [0.5, 1)
     eq = min(max(15 - e, -100), 100);
   }
-  const float k_unscale = ldexpf(16384.0f, -eq);  // FP16 scores: codes' 2^-14 and Q's 2^eq undone
+  const float k_unscale = ldexpf(16384.0f, -eq);  // NVFP4 / ternary scores: codes' 2^-14, Q's 2^eq undone
+  const float k_unscale8 = ldexpf(16.0f, -eq);     // FP8 scores: the scales' 2^-4, Q's 2^eq undone
 
   // Q fragments, k-step s, lane (h = lane / 4, tq = lane % 4), base = tq*D/4 + 8 (s / 2):
   // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
@@ -603,6 +580,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       for (int e = 0; e < 4; ++e) split3(qv(c + e), x[e]);
 #pragma unroll
       for (int k = 0; k < 3; ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+      __half y[4][3];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_f16<3>(ldexpf(qv(c + e), eq), y[e]);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) sh.u.qf.h8[s][k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
     }
     {
       const int c = base + 2 * (s % 2);
@@ -706,14 +688,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
           const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
           const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
-          const bool f16 = group_pr >= 2;
-          rs.fk = f16 ? s2k * k_unscale : s2k;
-          // FP16 groups: P' = p x s2v / u x 2^14 must stay inside FP16's range and above its
-          // subnormals, so the output's unit u becomes s2v (a power of two > 0 once set) when
-          // s2v is outside [2^-14, 1]; other groups (BF16 has FP32's range) and an unset s2v
-          // (0: p scaled by it, as the CPU does) keep u = 1.
-          rs.u = f16 && s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
-          rs.pm = (s2v / rs.u) * (f16 ? 16384.0f : 1.0f);
+          const bool fp8 = group_pr == 1;
+          rs.fk = s2k * (fp8 ? k_unscale8 : k_unscale);
+          // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so
+          // ub becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset
+          // s2v (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4,
+          // ternary codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
+          const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
+          rs.u = fp8 ? ub * 0x1p-10f : ub;
+          rs.pm = (s2v / ub) * 16384.0f;
         }
         float(*pt)[kN + 1] = sh.pt[warp];
         for (int k0 = 0; k0 < n; k0 += kWin) {
