@@ -14,7 +14,10 @@ function(thinkv_target_warnings target)
     "$<${_gcc12}:-Wno-restrict>"
     # nvcc forwards these to the host compiler; -Wpedantic is left out because nvcc's generated
     # host code (line markers, stub registration) is not pedantic-clean.
-    "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>")
+    "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>"
+    # The same GCC 12 false positive in .cu host code (nvcc's host compiler is the system g++,
+    # assumed to be the C++ compiler's version).
+    "$<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<CXX_COMPILER_ID:GNU>,$<VERSION_LESS:$<CXX_COMPILER_VERSION>,13>>:-Xcompiler=-Wno-restrict>")
   if(THINKV_WERROR)
     # COMPILE_WARNING_AS_ERROR gives nvcc "-Werror all-warnings", which covers nvcc's own
     # diagnostics only; the host compiler's warnings on .cu files need -Werror passed through.
