@@ -345,49 +345,20 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     }
 #pragma unroll
     for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8-channel block j = k-steps 2j, 2j+1
-      std::uint32_t a2[2][4];                           // [k-step of the pair][A register]
+      // kp[a][q]: pair q of block j for token a, the A register (2 (q % 2)) or (2 (q % 2) + 1) of
+      // k-step 2j + q / 2 (token gq: a = 0, token gq + 8: a = 1).
+      std::uint32_t kp[2][4];
       if constexpr (P == 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int s = 2 * j + h;  // channels 4s .. 4s + 3 = words 2s, 2s + 1
-          a2[h][0] = kw[0][2 * s];
-          a2[h][1] = kw[1][2 * s];
-          a2[h][2] = kw[0][2 * s + 1];
-          a2[h][3] = kw[1][2 * s + 1];
-        }
-      } else if constexpr (P != 1) {
-        // Pair k = channels (8j + k, 8j + k + 4): codes x 2^-14 times the two channels' key
-        // scales, both FP16x2 (exact).
-        std::uint32_t kp[2][4];
+        // BF16, pair q = channels (8j + 2q, 8j + 2q + 1): word 4j + q as stored.
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int src = a == 1 && one_rec ? 0 : a;
-            const std::uint32_t ks2 =
-                e4m3x2_f16(__byte_perm(ksw[src][2 * j], ksw[src][2 * j + 1], static_cast<unsigned>(k | ((4 + k) << 4))));
-            std::uint32_t code;
-            switch (k) {
-              case 0: code = code_pair_f16<P, 0>(kw[a], j); break;
-              case 1: code = code_pair_f16<P, 1>(kw[a], j); break;
-              case 2: code = code_pair_f16<P, 2>(kw[a], j); break;
-              default: code = code_pair_f16<P, 3>(kw[a], j); break;
-            }
-            kp[a][k] = f16x2_mul(code, ks2);
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          a2[h][0] = kp[0][2 * h];
-          a2[h][1] = kp[1][2 * h];
-          a2[h][2] = kp[0][2 * h + 1];
-          a2[h][3] = kp[1][2 * h + 1];
+          for (int q = 0; q < 4; ++q) kp[a][q] = kw[a][4 * j + q];
         }
       } else if constexpr (P == 1) {
         // FP8, pair q = channels (8j + 2q, 8j + 2q + 1), the BF16 map: the E4M3 values times
         // the key scales x 2^-4, FP16x2 (exact: at most 8 significant bits, multiples of 2^-22
         // up to 448 x 448 / 16 = 12,544).
-        std::uint32_t kp[2][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const std::uint32_t ks0 = f16x2_mul(e4m3x2_f16(ksw[0][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
@@ -396,13 +367,34 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
           kp[0][q] = f16x2_mul(e4m3x2_f16(kw[0][2 * j + q / 2] >> (16 * (q % 2))), ks0);
           kp[1][q] = f16x2_mul(e4m3x2_f16(kw[1][2 * j + q / 2] >> (16 * (q % 2))), ks1);
         }
+      } else {
+        // NVFP4 / ternary, pair q = channels (8j + q, 8j + q + 4): codes x 2^-14 times the two
+        // channels' key scales, both FP16x2 (exact).
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          a2[h][0] = kp[0][2 * h];
-          a2[h][1] = kp[1][2 * h];
-          a2[h][2] = kp[0][2 * h + 1];
-          a2[h][3] = kp[1][2 * h + 1];
+        for (int a = 0; a < 2; ++a) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int src = a == 1 && one_rec ? 0 : a;
+            const std::uint32_t ks2 =
+                e4m3x2_f16(__byte_perm(ksw[src][2 * j], ksw[src][2 * j + 1], static_cast<unsigned>(q | ((4 + q) << 4))));
+            std::uint32_t code;
+            switch (q) {
+              case 0: code = code_pair_f16<P, 0>(kw[a], j); break;
+              case 1: code = code_pair_f16<P, 1>(kw[a], j); break;
+              case 2: code = code_pair_f16<P, 2>(kw[a], j); break;
+              default: code = code_pair_f16<P, 3>(kw[a], j); break;
+            }
+            kp[a][q] = f16x2_mul(code, ks2);
+          }
         }
+      }
+      std::uint32_t a2[2][4];  // [k-step 2j + h][A register]
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        a2[h][0] = kp[0][2 * h];
+        a2[h][1] = kp[1][2 * h];
+        a2[h][2] = kp[0][2 * h + 1];
+        a2[h][3] = kp[1][2 * h + 1];
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
