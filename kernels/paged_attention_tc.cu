@@ -23,7 +23,7 @@
 ///    become FP16 by the hardware conversion (cvt.rn.f16x2.e4m3x2, exact). NVFP4 and ternary
 ///    code bits are placed into FP16 fields: an E2M1 code s e1 e0 m becomes sign bit 15, exponent
 ///    bits 11..10 = e1 e0, mantissa bit 9 = m, i.e. its value x 2^-14 (the E2M1 subnormal maps
-///    onto the FP16 subnormal); a ternary code becomes +-2^-14 (or +-0) through one byte
+///    onto the FP16 subnormal); a ternary code becomes +-2^-14 (or 0) through one byte
 ///    permute. One FP16x2 multiply by the scales then gives value x scale x 2^-14: at most 6
 ///    significant bits, a multiple of 2^-24 in [2^-24, 0.17], exact in FP16 including its
 ///    subnormals. FP8 elements are multiplied by scale x 2^-4 (itself exact): at most 8
@@ -118,8 +118,8 @@ constexpr std::uint32_t kF16x2Pow2m4 = 0x2C002C00u;  // FP16x2 (2^-4, 2^-4): FP8
 /// FP16x2 of (value x 2^-14) of the codes of channels 8j + k and 8j + k + 4 (k = 0..3) of a
 /// lane's 8-channel block j: NVFP4 (block j = word j, channel 8j + i in bits 4i..4i+3) by
 /// placing the E2M1 bits into the FP16 fields; ternary (block j = half word j % 2 of word j / 2,
-/// channel 8j + i in bits 2i..2i+1) through a byte permute of the table {0, +2^-14, -0, -2^-14}
-/// (high bytes 0x00, 0x04, 0x80, 0x84; low bytes 0).
+/// channel 8j + i in bits 2i..2i+1) through a byte permute of the table {0, +2^-14, 0, -2^-14}
+/// (kTernaryFp16HighBytes: high bytes 0x00, 0x04, 0x00, 0x84; low bytes 0).
 template <int P, int K, int NW>
 __device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[NW], int j) {
   if constexpr (P == 1) {  // FP8 (block j = words 2j, 2j + 1): the two E4M3 values, exact
@@ -135,7 +135,7 @@ __device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[
     const std::uint32_t x = w[j / 2];
     const int sh = 16 * (j % 2) + 2 * K - 4;  // codes 8j+K, 8j+K+4 -> selector nibbles 1 and 3
     const std::uint32_t sel = (sh >= 0 ? x >> sh : x << -sh) & 0x3030u;
-    return __byte_perm(0x84800400u, 0u, sel);
+    return __byte_perm(kTernaryFp16HighBytes, 0u, sel);
   }
 }
 

@@ -842,3 +842,68 @@ TEST_CASE("FP16 bit placement of E4M3 and E2M1 codes is exact (the attention ker
   CHECK(std::isnan(thinkv::decode_fp16(0x7E00)));
   CHECK(std::signbit(thinkv::decode_fp16(0x8000)));
 }
+
+namespace {
+
+/// x is exactly representable in IEEE binary16 (subnormals included): |x| <= 65504, a multiple of
+/// 2^-24, and at most 11 significant bits.
+bool fp16_exact(double x) {
+  x = std::fabs(x);
+  if (x == 0.0) return true;
+  if (x > 65504.0) return false;
+  const double q = std::ldexp(x, 24);  // in units of the smallest subnormal
+  if (q != std::floor(q)) return false;
+  int e = 0;
+  (void)std::frexp(x, &e);  // x = f * 2^e, f in [0.5, 1)
+  const double m = std::ldexp(x, 11 - e);  // 11 significant bits: an integer
+  return m == std::floor(m);
+}
+
+}  // namespace
+
+TEST_CASE("FP16 products of the tensor-core attention pass are exact", "[formats][fp16_placement]") {
+  // paged_attention_tc.cu multiplies, in FP16, a code pair (E2M1 value x 2^-14 by bit placement;
+  // ternary +-2^-14 / 0 from a byte table; FP8 value) by its E4M3 group scale (FP8: scale
+  // x 2^-4) and relies on every product being exact. Checked here for every code and every
+  // positive finite scale code (scales are never negative or NaN).
+  auto scale_codes = [] {
+    std::vector<std::uint8_t> s;
+    for (unsigned c = 0; c < 0x7F; ++c) s.push_back(static_cast<std::uint8_t>(c));
+    return s;
+  }();
+  int checked = 0;
+  for (std::uint8_t sc : scale_codes) {
+    const double s = thinkv::decode_e4m3(sc);
+    REQUIRE(fp16_exact(s));                          // the hardware E4M3 -> FP16 conversion is exact
+    REQUIRE(fp16_exact(s * 0x1p-4));                 // FP8's scale x 2^-4
+    for (unsigned c = 0; c < 16; ++c) {              // NVFP4: value x 2^-14 x scale
+      const double v = thinkv::decode_e2m1(static_cast<std::uint8_t>(c));
+      if (!fp16_exact(v * 0x1p-14 * s)) FAIL("E2M1 code " << c << " x scale code " << int{sc} << " not exact in FP16");
+      ++checked;
+    }
+    for (unsigned c = 0; c < 4; ++c) {               // ternary: +-2^-14 / 0 x scale
+      const double v = thinkv::decode_element(thinkv::Precision::kTernary, static_cast<std::uint8_t>(c));
+      if (!fp16_exact(v * 0x1p-14 * s)) FAIL("ternary code " << c << " x scale code " << int{sc} << " not exact in FP16");
+      ++checked;
+    }
+    for (unsigned c = 0; c < 256; ++c) {             // FP8: value x (scale x 2^-4)
+      if ((c & 0x7F) == 0x7F) continue;              // NaN codes: never stored
+      const double v = thinkv::decode_e4m3(static_cast<std::uint8_t>(c));
+      if (!fp16_exact(v * (s * 0x1p-4))) FAIL("E4M3 code " << c << " x scale code " << int{sc} << " not exact in FP16");
+      ++checked;
+    }
+  }
+  CHECK(checked == 127 * (16 + 4 + 254));
+  // The factors are tight: FP8 with scale x 2^-1 overflows FP16 (448 x 448 / 2), with 2^-7 the
+  // smallest products fall below FP16's subnormal spacing.
+  CHECK_FALSE(fp16_exact(448.0 * 448.0 * 0x1p-1));
+  CHECK_FALSE(fp16_exact(0x1p-9 * 0x1p-9 * 0x1p-7 * 3.0));
+  // The kernel's ternary table: byte c, as the high byte of an FP16 (low byte 0), is code c x 2^-14
+  // (signed zero included).
+  for (unsigned c = 0; c < 4; ++c) {
+    const unsigned high = (thinkv::kTernaryFp16HighBytes >> (8 * c)) & 0xFFu;
+    const float f = thinkv::decode_fp16(static_cast<std::uint16_t>(high << 8));
+    const float want = thinkv::decode_element(thinkv::Precision::kTernary, static_cast<std::uint8_t>(c)) * 0x1p-14f;
+    CHECK(float_to_bits(f) == float_to_bits(want));
+  }
+}

@@ -28,6 +28,11 @@ inline constexpr float kE4M3Fp16Unscale = 256.0f;
 /// The FP16 of an E2M1 code is its value divided by this.
 inline constexpr float kE2M1Fp16Unscale = 16384.0f;
 
+/// Byte c (c = 0..3) is the high byte of the FP16 of ternary code c times 2^-14 (low byte 0):
+/// 0, +2^-14, 0 (code 0b10, never written, reads 0 as decode_element does), -2^-14. The
+/// tensor-core attention pass builds an FP16 pair of two codes with one byte permute of it.
+inline constexpr std::uint32_t kTernaryFp16HighBytes = 0x84000400u;
+
 /// Bytes 0 and 1 of `w` (E4M3 codes) -> two FP16 (low and high half of the result).
 THINKV_HD constexpr std::uint32_t e4m3x2_to_fp16x2(std::uint32_t w) noexcept {
   return ((w & 0x7Fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7F00u) << 15) | ((w & 0x8000u) << 16);
