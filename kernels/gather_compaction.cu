@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "thinkv/kernels/gather_compaction.hpp"
+#include "thinkv/paged/layout.hpp"
 
 namespace thinkv::kernels {
 namespace {
@@ -465,11 +466,12 @@ cudaError_t launch_gather_compaction(const GatherCompactionParams& p, cudaStream
   const PagedKvView& v = p.src;
   Args a{};
   const int B = p.block_size;
+  const CacheLayout L{p.head_dim, p.group_size, B};
   for (int i = 0; i < kNumPrecisions; ++i) {
     const auto prec = static_cast<Precision>(i);
-    const int rb = (p.head_dim * bits_of(prec) + 7) / 8;
-    const int vs = has_group_scale(prec) ? p.head_dim / p.group_size : 0;
-    const std::uint64_t page = static_cast<std::uint64_t>(B) * static_cast<std::uint64_t>(2 * rb + vs);
+    const int rb = L.row_bytes(prec);
+    const int vs = L.value_scale_bytes(prec);
+    const std::uint64_t page = static_cast<std::uint64_t>(L.page_bytes(prec));
     a.src_pages[i] = v.pages[i];
     a.dst_pages[i] = p.dst_pages[i];
     a.page_bytes[i] = page;

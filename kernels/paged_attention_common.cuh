@@ -16,6 +16,7 @@
 #include "thinkv/formats/fp16_placement.hpp"
 #include "thinkv/formats/group_quant.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/paged/layout.hpp"
 
 namespace thinkv::kernels::detail {
 
@@ -105,10 +106,9 @@ __device__ inline int block_pool(const PagedKvView& view, std::uint32_t b) {
   return 0;
 }
 
-/// Bytes of one page of pool p (layout: PagedKvView::pages).
+/// Bytes of one page of pool p (layout: PagedKvView::pages): CacheLayout's, the one formula.
 __host__ __device__ inline std::size_t page_bytes_of(Precision p, int d, long long bs, int g) {
-  return static_cast<std::size_t>(bs) *
-         (2 * static_cast<std::size_t>((d * bits_of(p) + 7) / 8) + (has_group_scale(p) ? d / g : 0));
+  return static_cast<std::size_t>(CacheLayout{d, g, static_cast<int>(bs)}.page_bytes(p));
 }
 
 /// The page of global block b of pool pr (page layout: PagedKvView::pages).

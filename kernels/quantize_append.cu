@@ -35,23 +35,13 @@
 #include "thinkv/formats/bf16.hpp"
 #include "thinkv/formats/group_quant.hpp"
 #include "thinkv/kernels/quantize_append.hpp"
+#include "thinkv/paged/layout.hpp"
 
 namespace thinkv::kernels {
 namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kBf16 = static_cast<int>(Precision::kBf16);
-
-/// Bytes of one packed K or V row of d channels at precision p.
-THINKV_HD constexpr int row_bytes_of(int p, int d) noexcept {
-  return d * bits_of(static_cast<Precision>(p)) / 8;
-}
-
-/// Bytes of one page at precision p (layout.hpp: B * (2 * row_bytes + value_scale_bytes)).
-THINKV_HD constexpr std::size_t page_bytes_of(int p, int d, int g, int b) noexcept {
-  const int value_scales = p == kBf16 ? 0 : d / g;
-  return static_cast<std::size_t>(b) * static_cast<std::size_t>(2 * row_bytes_of(p, d) + value_scales);
-}
 
 /// The job's own fields are usable: stream in range, a precision with a non-empty pool, and a
 /// record in range for quantized precisions.
@@ -79,9 +69,10 @@ THINKV_HD inline SlotOffsets slot_offsets(const QuantizeAppendView& v, int p, st
   const auto bs = static_cast<std::uint32_t>(v.block_size);
   const std::uint32_t block = id / bs;
   const std::uint32_t slot = id % bs;
-  const std::size_t page = static_cast<std::size_t>(block - v.pool_base[p]) *
-                           page_bytes_of(p, v.head_dim, v.group_size, v.block_size);
-  const auto rb = static_cast<std::size_t>(row_bytes_of(p, v.head_dim));
+  const CacheLayout L{v.head_dim, v.group_size, v.block_size};  // row and page sizes
+  const auto prec = static_cast<Precision>(p);
+  const std::size_t page = static_cast<std::size_t>(block - v.pool_base[p]) * static_cast<std::size_t>(L.page_bytes(prec));
+  const auto rb = static_cast<std::size_t>(L.row_bytes(prec));
   SlotOffsets o;
   o.row = page + (static_cast<std::size_t>(kv) * bs + slot) * rb;
   o.value_scales = page + 2 * static_cast<std::size_t>(bs) * rb +
