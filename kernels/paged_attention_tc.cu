@@ -10,7 +10,11 @@
 ///   scores  S[16 tokens x 8 heads]  = K'[16 x D] . Q^T[D x 8]     (A = K', B = Q)
 ///   output  O^T[D x 8 heads]       += V'^T[D x 16 tokens] . P'^T[16 x 8] (A = V'^T, B = P')
 ///
-/// The 8 mma columns are the GQA group's query heads, padded with zero queries (G <= 8).
+/// The 8 mma columns hold the GQA group's query heads in one of two layouts, fixed per launch:
+///  - packed (G <= 4, e.g. Llama-3-8B): column 2h + e holds term e of head h's split (below), so
+///    one FP16 mma carries both terms (BF16: two mmas, columns (hi, mid) then (lo, 0)); a head's
+///    score or output is the sum of its two columns. Each lane then owns one head, not two.
+///  - one column per head (4 < G <= 8), padded with zero queries; the terms are separate mmas.
 ///
 /// Exactness: every product is exact and only the FP32 accumulation rounds, as in the CUDA-core
 /// pass (the result is not bit-identical to the CPU reference; the sparsity passes recompute
@@ -18,7 +22,7 @@
 /// mma's input type; the FP32 second-level scales s2 are applied outside the products (s2k to
 /// the scores; s2v as the unit of the output accumulator, below). Two input types:
 ///  - BF16 pages and staged rows run BF16 mma. Q and P are split into three BF16 terms
-///    (x = hi + mid + lo, the residual below 2^-24 |x|), each multiplied in its own mma.
+///    (x = hi + mid + lo, the residual below 2^-24 |x|).
 ///  - Quantized pages run FP16 mma, with no table and no FP32 round trip. E4M3 codes and scales
 ///    become FP16 by the hardware conversion (cvt.rn.f16x2.e4m3x2, exact). NVFP4 and ternary
 ///    code bits are placed into FP16 fields: an E2M1 code s e1 e0 m becomes sign bit 15, exponent
@@ -28,8 +32,10 @@
 ///    significant bits, a multiple of 2^-24 in [2^-24, 0.17], exact in FP16 including its
 ///    subnormals. FP8 elements are multiplied by scale x 2^-4 (itself exact): at most 8
 ///    significant bits, a multiple of 2^-22, at most 448 x 448 / 16 = 12,544: exact. Q is split
-///    into three FP16 terms of Q x 2^eq (eq puts max|q| in [2^14, 2^15): no overflow, residual
-///    below 2^-33 max|q|), P into two FP16 terms of p x 2^14 (residual below 2^-22 p).
+///    into two FP16 terms of Q x 2^eq (eq puts max|q| in [2^14, 2^15): no overflow, residual
+///    below 2^-22 |q| + 2^-39 max|q|), P into two FP16 terms of p x 2^14 (residual below
+///    2^-22 p + 2^-38). Those residuals are the only inexact inputs: each score is off by at most
+///    ~2^-22 sum |q_c k_c|, the order of the FP32 accumulation's own rounding.
 /// The output accumulator holds O / u, u a power of two per precision group: 1 for BF16 rows;
 /// for quantized groups the factor that undoes V' and P' scalings (2^-10 for FP8) times s2v when
 /// s2v lies outside [2^-14, 1] (else s2v goes into P', which it would overflow or underflow in
@@ -57,6 +63,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "paged_attention_common.cuh"
 
@@ -250,8 +258,10 @@ __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
   for (int i = 0; i < NW; ++i) w[i] = 0u;
 }
 
-/// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows).
-template <int D, int P, bool kVec>
+/// One window of n (1..16) live tokens, precision P (0 = BF16 page or staged rows). kPk: the
+/// packed-column layout (GQA group <= 4: mma column 2h + e = term e of head h), else one column
+/// per head.
+template <int D, int P, bool kVec, bool kPk>
 __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n, const int* slots,
                                           const std::uint8_t* const* pages, const std::uint32_t* records,
                                           float scale_log2, const TcShared<D>& sh, float (*pt)[kN + 1],
@@ -266,8 +276,10 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
   constexpr int kV8 = S::kVCh / 8;           // 8-channel blocks of V per lane, token and chunk
   constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
-  constexpr int kQTerms = 3;
-  constexpr int kPTerms = kF16 ? 2 : 3;
+  // Products per k-step / m-tile: packed, FP16 1 (both terms in the columns), BF16 2 ((hi, mid)
+  // then (lo, 0)); one column per head, FP16 2 terms, BF16 3.
+  constexpr int kQTerms = kPk ? (kF16 ? 1 : 2) : (kF16 ? 2 : 3);
+  constexpr int kPTerms = kQTerms;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int gq = lane >> 2;
   const int t = lane & 3;
@@ -315,113 +327,130 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   };
   if constexpr (S::kNC == 1) load_v(0);
 
-  // Scores: K'.Q^T over all chunks.
-  bool one_rec = false;
-  if constexpr (P != 0) one_rec = __all_sync(0xFFFFFFFFu, kt[1] >= n || krec[1] == krec[0]);
+  // Scores: K'.Q^T over all chunks. kOne: token gq + 8 shares token gq's key scales (the window
+  // has one record, the usual case: a group of g tokens is committed into consecutive slots): one
+  // load and one conversion. A warp-uniform branch picks the instance, so the key-scale words stay
+  // in registers (indexing them by a run-time token put them in local memory).
   float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto scores = [&](auto one_rec_c) {
+    [[maybe_unused]] constexpr bool kOne = decltype(one_rec_c)::value;
 #pragma unroll
-  for (int c = 0; c < S::kNC; ++c) {
-    const int ch = t * (D / 4) + c * S::kKCh;
-    std::uint32_t kw[2][kKW];
-    std::uint32_t ksw[2][P != 0 ? kKSW : 1];
+    for (int c = 0; c < S::kNC; ++c) {
+      const int ch = t * (D / 4) + c * S::kKCh;
+      std::uint32_t kw[2][kKW];
+      [[maybe_unused]] std::uint32_t ksw[2][P != 0 ? kKSW : 1];  // ksw[1] unused when kOne
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      if (kt[a] < n) {
-        load_words<kKB, kVec>(krow[a] + ch * kBits / 8, kw[a]);
-      } else {
-        zero_words(kw[a]);
-      }
-      if constexpr (P != 0) {
-        // Token gq + 8 shares token gq's key scales when the window has one record (the usual
-        // case: a group of g tokens is committed into consecutive slots): one load and decode.
-        if (a == 1 && one_rec) {
-          zero_words(ksw[1]);
-        } else if (kt[a] < n && krec[a] != kNoRecordId) {
-          load_words<S::kKCh, kVec>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ksw[a]);
+      for (int a = 0; a < 2; ++a) {
+        if (kt[a] < n) {
+          load_words<kKB, kVec>(krow[a] + ch * kBits / 8, kw[a]);
         } else {
-          zero_words(ksw[a]);
+          zero_words(kw[a]);
         }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8-channel block j = k-steps 2j, 2j+1
-      // kp[a][q]: pair q of block j for token a, the A register (2 (q % 2)) or (2 (q % 2) + 1) of
-      // k-step 2j + q / 2 (token gq: a = 0, token gq + 8: a = 1).
-      std::uint32_t kp[2][4];
-      if constexpr (P == 0) {
-        // BF16, pair q = channels (8j + 2q, 8j + 2q + 1): word 4j + q as stored.
-#pragma unroll
-        for (int a = 0; a < 2; ++a) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) kp[a][q] = kw[a][4 * j + q];
-        }
-      } else if constexpr (P == 1) {
-        // FP8, pair q = channels (8j + 2q, 8j + 2q + 1), the BF16 map: the E4M3 values times
-        // the key scales x 2^-4, FP16x2 (exact: at most 8 significant bits, multiples of 2^-22
-        // up to 448 x 448 / 16 = 12,544).
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const std::uint32_t ks0 = f16x2_mul(e4m3x2_f16(ksw[0][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
-          const std::uint32_t ks1 =
-              one_rec ? ks0 : f16x2_mul(e4m3x2_f16(ksw[1][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
-          kp[0][q] = f16x2_mul(e4m3x2_f16(kw[0][2 * j + q / 2] >> (16 * (q % 2))), ks0);
-          kp[1][q] = f16x2_mul(e4m3x2_f16(kw[1][2 * j + q / 2] >> (16 * (q % 2))), ks1);
-        }
-      } else {
-        // NVFP4 / ternary, pair q = channels (8j + q, 8j + q + 4): codes x 2^-14 times the two
-        // channels' key scales, both FP16x2 (exact).
-#pragma unroll
-        for (int a = 0; a < 2; ++a) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int src = a == 1 && one_rec ? 0 : a;
-            const std::uint32_t ks2 =
-                e4m3x2_f16(__byte_perm(ksw[src][2 * j], ksw[src][2 * j + 1], static_cast<unsigned>(q | ((4 + q) << 4))));
-            std::uint32_t code;
-            switch (q) {
-              case 0: code = code_pair_f16<P, 0>(kw[a], j); break;
-              case 1: code = code_pair_f16<P, 1>(kw[a], j); break;
-              case 2: code = code_pair_f16<P, 2>(kw[a], j); break;
-              default: code = code_pair_f16<P, 3>(kw[a], j); break;
+        if constexpr (P != 0) {
+          if (a == 0 || !kOne) {
+            if (kt[a] < n && krec[a] != kNoRecordId) {
+              load_words<S::kKCh, kVec>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ksw[a]);
+            } else {
+              zero_words(ksw[a]);
             }
-            kp[a][q] = f16x2_mul(code, ks2);
           }
         }
       }
-      std::uint32_t a2[2][4];  // [k-step 2j + h][A register]
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        a2[h][0] = kp[0][2 * h];
-        a2[h][1] = kp[1][2 * h];
-        a2[h][2] = kp[0][2 * h + 1];
-        a2[h][3] = kp[1][2 * h + 1];
-      }
+      for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8-channel block j = k-steps 2j, 2j+1
+        // kp[a][q]: pair q of block j for token a, the A register (2 (q % 2)) or (2 (q % 2) + 1) of
+        // k-step 2j + q / 2 (token gq: a = 0, token gq + 8: a = 1).
+        std::uint32_t kp[2][4];
+        if constexpr (P == 0) {
+          // BF16, pair q = channels (8j + 2q, 8j + 2q + 1): word 4j + q as stored.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int s = c * S::kKStepsPerChunk + 2 * j + h;
+          for (int a = 0; a < 2; ++a) {
 #pragma unroll
-        for (int k = kQTerms - 1; k >= 0; --k) {  // small terms first
-          const uint2 b = P == 0 ? sh.u.qf.b[s][k][lane] : P == 1 ? sh.u.qf.h8[s][k][lane] : sh.u.qf.h[s][k][lane];
-          mma16816<kF16>(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
+            for (int q = 0; q < 4; ++q) kp[a][q] = kw[a][4 * j + q];
+          }
+        } else if constexpr (P == 1) {
+          // FP8, pair q = channels (8j + 2q, 8j + 2q + 1), the BF16 map: the E4M3 values times
+          // the key scales x 2^-4, FP16x2 (exact: at most 8 significant bits, multiples of 2^-22
+          // up to 448 x 448 / 16 = 12,544).
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const std::uint32_t ks0 = f16x2_mul(e4m3x2_f16(ksw[0][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
+            std::uint32_t ks1 = ks0;
+            if constexpr (!kOne) ks1 = f16x2_mul(e4m3x2_f16(ksw[1][2 * j + q / 2] >> (16 * (q % 2))), kF16x2Pow2m4);
+            kp[0][q] = f16x2_mul(e4m3x2_f16(kw[0][2 * j + q / 2] >> (16 * (q % 2))), ks0);
+            kp[1][q] = f16x2_mul(e4m3x2_f16(kw[1][2 * j + q / 2] >> (16 * (q % 2))), ks1);
+          }
+        } else {
+          // NVFP4 / ternary, pair q = channels (8j + q, 8j + q + 4): codes x 2^-14 times the two
+          // channels' key scales, both FP16x2 (exact).
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const unsigned sel = static_cast<unsigned>(q | ((4 + q) << 4));
+            const std::uint32_t ks0 = e4m3x2_f16(__byte_perm(ksw[0][2 * j], ksw[0][2 * j + 1], sel));
+            std::uint32_t ks1 = ks0;
+            if constexpr (!kOne) {
+              ks1 = e4m3x2_f16(__byte_perm(ksw[1][2 * j], ksw[1][2 * j + 1], sel));
+            }
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+              std::uint32_t code;
+              switch (q) {
+                case 0: code = code_pair_f16<P, 0>(kw[a], j); break;
+                case 1: code = code_pair_f16<P, 1>(kw[a], j); break;
+                case 2: code = code_pair_f16<P, 2>(kw[a], j); break;
+                default: code = code_pair_f16<P, 3>(kw[a], j); break;
+              }
+              kp[a][q] = f16x2_mul(code, a == 0 ? ks0 : ks1);
+            }
+          }
+        }
+        std::uint32_t a2[2][4];  // [k-step 2j + h][A register]
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a2[h][0] = kp[0][2 * h];
+          a2[h][1] = kp[1][2 * h];
+          a2[h][2] = kp[0][2 * h + 1];
+          a2[h][3] = kp[1][2 * h + 1];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int s = c * S::kKStepsPerChunk + 2 * j + h;
+#pragma unroll
+          for (int k = kQTerms - 1; k >= 0; --k) {  // small terms first
+            const uint2 b = P == 0 ? sh.u.qf.b[s][k][lane] : P == 1 ? sh.u.qf.h8[s][k][lane] : sh.u.qf.h[s][k][lane];
+            static_assert(kQTerms <= 3, "Q fragment sets");
+            mma16816<kF16>(sc, a2[h][0], a2[h][1], a2[h][2], a2[h][3], b.x, b.y);
+          }
         }
       }
     }
+  };
+  if constexpr (P == 0) {
+    scores(std::false_type{});
+  } else if (__all_sync(0xFFFFFFFFu, kt[1] >= n || krec[1] == krec[0])) {
+    scores(std::true_type{});
+  } else {
+    scores(std::false_type{});
   }
 
-  // Online softmax (base 2) for heads 2t, 2t+1; sc = (token gq: 2t, 2t+1), (token gq+8: 2t, 2t+1).
+  // Online softmax (base 2). One column per head: heads 2t, 2t+1 of this lane, sc = (token gq:
+  // 2t, 2t+1), (token gq+8: 2t, 2t+1). Packed: head t, its score the sum of the two term columns
+  // (p[0] token gq, p[2] token gq + 8).
+  constexpr int kHL = kPk ? 1 : 2;  // heads per lane
   const float kf = scale_log2 * rs.fk;
   float p[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int a = i / 2;
+    const float v = kPk ? sc[2 * a] + sc[2 * a + 1] : sc[i];
     // A quantized slot without a key-scale record (the CPU reads NaN keys there) scores NaN.
-    p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : sc[i] * kf;
+    p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : v * kf;
   }
-  float f[2];
+  float f[2] = {1.0f, 1.0f};
   const float ratio = st.u / rs.u;  // a power of two; 1 within a precision group
   st.u = rs.u;
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
+  for (int hh = 0; hh < kHL; ++hh) {
     float mx = fmaxf(p[hh], p[2 + hh]);
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
@@ -434,6 +463,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     st.l[hh] = st.l[hh] * f[hh] + (p[hh] + p[2 + hh]);
     f[hh] *= ratio;
   }
+  if constexpr (kPk) f[1] = f[0];  // both columns are head t's
   // Rescale the accumulator only when a max or the unit moved (most windows after the first
   // few keep both).
   if (!__all_sync(0xFFFFFFFFu, f[0] == 1.0f && f[1] == 1.0f)) {
@@ -445,17 +475,28 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
       st.o[i][3] *= f[1];
     }
   }
-  // P to the B layout of P.V: lane (gq, t) needs tokens 2t, 2t+1, 2t+8, 2t+9 of head gq.
-  pt[gq][2 * t] = p[0];
-  pt[gq][2 * t + 1] = p[1];
-  pt[gq + 8][2 * t] = p[2];
-  pt[gq + 8][2 * t + 1] = p[3];
+  // P to the B layout of P.V: lane (gq, t) needs tokens 2t, 2t+1, 2t+8, 2t+9 of column gq (one
+  // column per head: head gq; packed: term gq % 2 of head gq / 2).
+  if constexpr (kPk) {
+    pt[gq][t] = p[0];
+    pt[gq + 8][t] = p[2];
+  } else {
+    pt[gq][2 * t] = p[0];
+    pt[gq][2 * t + 1] = p[1];
+    pt[gq + 8][2 * t] = p[2];
+    pt[gq + 8][2 * t + 1] = p[3];
+  }
   __syncwarp();
+  const int ph = kPk ? gq >> 1 : gq;  // the column's head
+  const bool odd = (gq & 1) != 0;     // packed: the column's term
   std::uint32_t pb[kPTerms][2];
   if constexpr (kF16) {
     __half xs[4][2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) split_f16<2>(pt[vt[i]][gq] * rs.pm, xs[i]);
+    for (int i = 0; i < 4; ++i) {
+      split_f16<2>(pt[vt[i]][ph] * rs.pm, xs[i]);
+      if constexpr (kPk) xs[i][0] = odd ? xs[i][1] : xs[i][0];  // (hi | lo)
+    }
 #pragma unroll
     for (int k = 0; k < kPTerms; ++k) {
       pb[k][0] = pack_f16(xs[0][k], xs[1][k]);
@@ -464,7 +505,13 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   } else {
     float xs[4][3];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) split3(pt[vt[i]][gq] * rs.pm, xs[i]);
+    for (int i = 0; i < 4; ++i) {
+      split3(pt[vt[i]][ph] * rs.pm, xs[i]);
+      if constexpr (kPk) {  // (hi | mid), then (lo | 0)
+        xs[i][0] = odd ? xs[i][1] : xs[i][0];
+        xs[i][1] = odd ? 0.0f : xs[i][2];
+      }
+    }
 #pragma unroll
     for (int k = 0; k < kPTerms; ++k) {
       pb[k][0] = pack_bf16(xs[0][k], xs[1][k]);
@@ -517,7 +564,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   st.ntok += n;
 }
 
-template <int D, int kMinBlocks, bool kVec>
+template <int D, int kMinBlocks, bool kVec, bool kPk>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
                                                                            DecodeAttentionParams prm,
                                                                            Workspace ws, int splits) {
@@ -561,31 +608,50 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
     const int s = i / 32;
     const int ln = i % 32;
-    const int h = ln >> 2;
+    const int col = ln >> 2;                      // mma column
+    const int h = kPk ? col >> 1 : col;           // its head
+    const bool odd = kPk && (col & 1) != 0;       // packed: its term (hi, lo / BF16 (hi, mid), (lo, 0))
     const int base = (ln & 3) * (D / 4) + 8 * (s / 2);
     const float* qh = q + h * D;
     auto qv = [&](int c) { return h < group ? qh[c] : 0.0f; };
+    // One column per head: set k holds term k. Packed: set 0 holds the column's term of the FP16
+    // pair (hi | lo); BF16 set 0 (hi | mid), set 1 (lo | 0).
+    auto put_f16 = [&](uint2 (&dst)[3][32], const __half (&y)[4][2]) {
+      if constexpr (kPk) {
+        __half z[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) z[e] = odd ? y[e][1] : y[e][0];
+        dst[0][ln] = make_uint2(pack_f16(z[0], z[1]), pack_f16(z[2], z[3]));
+      } else {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) dst[k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
+      }
+    };
     {
       const int c = base + 4 * (s % 2);
       float x[4][3];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split3(qv(c + e), x[e]);
+      for (int e = 0; e < 4; ++e) {
+        split3(qv(c + e), x[e]);
+        if constexpr (kPk) {
+          x[e][0] = odd ? x[e][1] : x[e][0];
+          x[e][1] = odd ? 0.0f : x[e][2];
+        }
+      }
 #pragma unroll
-      for (int k = 0; k < 3; ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
-      __half y[4][3];
+      for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+      __half y[4][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<3>(ldexpf(qv(c + e), eq), y[e]);
-#pragma unroll
-      for (int k = 0; k < 3; ++k) sh.u.qf.h8[s][k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
+      for (int e = 0; e < 4; ++e) split_f16<2>(ldexpf(qv(c + e), eq), y[e]);
+      put_f16(sh.u.qf.h8[s], y);
     }
     {
       const int c = base + 2 * (s % 2);
       const int cs[4] = {c, c + 4, c + 1, c + 5};
-      __half x[4][3];
+      __half x[4][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<3>(ldexpf(qv(cs[e]), eq), x[e]);
-#pragma unroll
-      for (int k = 0; k < 3; ++k) sh.u.qf.h[s][k][ln] = make_uint2(pack_f16(x[0][k], x[1][k]), pack_f16(x[2][k], x[3][k]));
+      for (int e = 0; e < 4; ++e) split_f16<2>(ldexpf(qv(cs[e]), eq), x[e]);
+      put_f16(sh.u.qf.h[s], x);
     }
   }
   __syncthreads();
@@ -616,7 +682,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     long long jb = -1;  // first block of the metadata batch held by the lanes
     std::uint32_t lane_block = 0;
     int lane_fill = 0;
-    for (long long t0 = lo + static_cast<long long>(warp) * kTileSlots; t0 < hi; t0 += kTileSlots * kWarps) {
+    // This lane's position of a tile: where its row is, and the loads (eviction-mask word, key-scale
+    // record) that decide whether it is live. The next tile's are issued before this tile's windows
+    // run, so their latency hides behind the windows' work instead of stalling the ballots.
+    struct LaneMeta {
+      const std::uint8_t* page;
+      int slot;
+      int pr;
+      bool maybe;          // in range, a filled block slot or a staging row
+      std::uint32_t mask;  // the 32-bit half of the eviction-mask word holding the slot's bit
+      std::uint32_t rec;
+    };
+    const std::uint32_t* evict32 = reinterpret_cast<const std::uint32_t*>(view.evict_mask);  // little-endian halves
+    auto fetch = [&](long long t0) {
+      LaneMeta mt{staging, 0, kStagedGroup, false, 0u, kNoRecordId};
       const long long vp = t0 + lane;
       const bool in = vp < hi;
       const bool staged = vp >= block_pos;
@@ -638,23 +717,31 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const int src_lane = static_cast<int>(j - jb) & 31;
       const std::uint32_t b = __shfl_sync(0xFFFFFFFFu, lane_block, src_lane);
       const int fill = __shfl_sync(0xFFFFFFFFu, lane_fill, src_lane);
-      int slot = 0, pr = kStagedGroup;
-      bool valid = in;
-      std::uint32_t rec = kNoRecordId;
-      const std::uint8_t* page = staging;
+      mt.maybe = in;
       if (in && !staged) {
-        slot = static_cast<int>(vp - j * bs);
-        pr = block_pool(view, b);
-        page = block_page<D>(view, b, pr, bs, g);
-        valid = slot < fill;
-        if (valid) {
-          const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(b) * words + slot / 64];
-          if (pr != 0) rec = view.slot_record[static_cast<std::size_t>(b) * bs + slot];
-          valid = ((w >> (slot % 64)) & 1u) == 0;
+        mt.slot = static_cast<int>(vp - j * bs);
+        mt.pr = block_pool(view, b);
+        mt.page = block_page<D>(view, b, mt.pr, bs, g);
+        mt.maybe = mt.slot < fill;
+        if (mt.maybe) {
+          mt.mask = evict32[(static_cast<std::size_t>(b) * words + mt.slot / 64) * 2 + (mt.slot / 32) % 2];
+          if (mt.pr != 0) mt.rec = view.slot_record[static_cast<std::size_t>(b) * bs + mt.slot];
         }
       } else if (in) {
-        slot = static_cast<int>(vp - block_pos);  // staging row
+        mt.slot = static_cast<int>(vp - block_pos);  // staging row
       }
+      return mt;
+    };
+    const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
+    LaneMeta next = fetch(t_first);
+    for (long long t0 = t_first; t0 < hi; t0 += kTileSlots * kWarps) {
+      const LaneMeta cur = next;
+      if (t0 + kTileSlots * kWarps < hi) next = fetch(t0 + kTileSlots * kWarps);
+      const int slot = cur.slot;
+      const int pr = cur.pr;
+      const std::uint32_t rec = cur.rec;
+      const std::uint8_t* page = cur.page;
+      const bool valid = cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
       unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
       while (todo != 0u) {
         const int group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
@@ -697,10 +784,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           const std::uint8_t* const* pg = sh.page[warp] + k0;
           const std::uint32_t* rc = sh.record[warp] + k0;
           switch (group_pr == kStagedGroup ? 0 : group_pr) {
-            case 0: tc_window<D, 0, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 1: tc_window<D, 1, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 2: tc_window<D, 2, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            default: tc_window<D, 3, kVec>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
           }
         }
         __syncwarp();  // the lists are rewritten by the next group
@@ -708,16 +795,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     }
   }
   // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
+  constexpr int kHL = kPk ? 1 : 2;  // heads per lane: 2t, 2t + 1 (packed: t)
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
+  for (int hh = 0; hh < kHL; ++hh) {
     st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 4);
     st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 8);
     st.l[hh] += __shfl_xor_sync(0xFFFFFFFFu, st.l[hh], 16);
   }
   __syncthreads();  // every warp is done with the Q fragments: sh.u.acc may overwrite them
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int h = 2 * t + hh;
+  for (int hh = 0; hh < kHL; ++hh) {
+    const int h = kPk ? t : 2 * t + hh;
     if (h < group) {
       if (gq == 0) {
         sh.m[warp][h] = st.m[hh];
@@ -728,8 +816,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         const int c = i / S::kMTilesPerChunk;
         const int r = i % S::kMTilesPerChunk;  // 4j + u
         const int ch0 = gq * (D / 8) + c * S::kVCh + 8 * (r / 4) + r % 4;
-        sh.u.acc[warp][h][ch0] = st.o[i][hh] * st.u;
-        sh.u.acc[warp][h][ch0 + 4] = st.o[i][2 + hh] * st.u;
+        // Packed: the head's output is the sum of its two term columns.
+        sh.u.acc[warp][h][ch0] = (kPk ? st.o[i][0] + st.o[i][1] : st.o[i][hh]) * st.u;
+        sh.u.acc[warp][h][ch0 + 4] = (kPk ? st.o[i][2] + st.o[i][3] : st.o[i][2 + hh]) * st.u;
       }
     }
   }
@@ -759,10 +848,18 @@ template <int D>
 cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
                               int splits, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
-  if (tc_vector_loads(view, p)) {
-    paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+  constexpr int mb = TcShape<D>::kMinBlocks;
+  const bool vec = tc_vector_loads(view, p);
+  if (p.num_q_heads <= 4 * p.num_kv_heads) {  // GQA group <= 4: the packed-column instances
+    if (vec) {
+      paged_decode_partial_tc_kernel<D, mb, true, true><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+    } else {
+      paged_decode_partial_tc_kernel<D, mb, false, true><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+    }
+  } else if (vec) {
+    paged_decode_partial_tc_kernel<D, mb, true, false><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
   } else {
-    paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, false><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
+    paged_decode_partial_tc_kernel<D, mb, false, false><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
   }
   return cudaGetLastError();
 }
@@ -770,7 +867,7 @@ cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionPara
 template <int D>
 int partial_tc_ctas_per_sm() noexcept {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true>,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true, true>,
                                                     kThreads, 0) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
