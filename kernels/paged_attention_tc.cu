@@ -108,9 +108,12 @@ struct TcShared {
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
-  int slot[kWarps][32];
+  // A tile's live slots of one precision group, compacted: each slot's K row, V row and value
+  // scales (computed once per slot by its lane, not by every lane of a window that reads it).
+  const std::uint8_t* krow[kWarps][32];
+  const std::uint8_t* vrow[kWarps][32];
+  const std::uint8_t* vscale[kWarps][32];
   std::uint32_t record[kWarps][32];
-  const std::uint8_t* page[kWarps][32];
 };
 
 /// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
@@ -156,12 +159,8 @@ struct TcState {
   int ntok;
 };
 
-/// Where a group's rows are: token k's K row at pages[k] + slots[k] * rb, its V row at
-/// pages[k] + (rows + slots[k]) * rb, its value scales at pages[k] + 2 * rows * rb +
-/// slots[k] * D / g (a block's page: rows = B; the stream's staging rows: rows = g, no scales).
+/// The factors of one precision group.
 struct TcRows {
-  int rb;      // bytes per row
-  int rows;    // rows per page (K rows, then as many V rows)
   float fk;    // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
   float u;     // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
   float pm;    // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
@@ -262,8 +261,9 @@ __device__ __forceinline__ void zero_words(std::uint32_t (&w)[NW]) {
 /// packed-column layout (GQA group <= 4: mma column 2h + e = term e of head h), else one column
 /// per head.
 template <int D, int P, bool kVec, bool kPk>
-__device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n, const int* slots,
-                                          const std::uint8_t* const* pages, const std::uint32_t* records,
+__device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows& rs, int lg, int n,
+                                          const std::uint8_t* const* krows, const std::uint8_t* const* vrows,
+                                          const std::uint8_t* const* vscales, const std::uint32_t* records,
                                           float scale_log2, const TcShared<D>& sh, float (*pt)[kN + 1],
                                           TcState<D>& st) {
   using S = TcShape<D>;
@@ -275,7 +275,6 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   constexpr int kVW = (kVB + 3) / 4;
   constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
   constexpr int kV8 = S::kVCh / 8;           // 8-channel blocks of V per lane, token and chunk
-  constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
   // Products per k-step / m-tile: packed, FP16 1 (both terms in the columns), BF16 2 ((hi, mid)
   // then (lo, 0)); one column per head, FP16 2 terms, BF16 3.
   constexpr int kQTerms = kPk ? (kF16 ? 1 : 2) : (kF16 ? 2 : 3);
@@ -284,22 +283,26 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   const int gq = lane >> 2;
   const int t = lane & 3;
 
-  // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9.
+  // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9. A
+  // token past n reads token 0's rows (finite data: K and V were checked at append), so every
+  // row load is unconditional; its score is -inf and its probability 0, so it adds nothing.
   const int kt[2] = {gq, gq + 8};
   const int vt[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-  const std::uint8_t* krow[2];  // K row of each K-side token (null: no token)
-  const std::uint8_t* vpage[4];
+  const std::uint8_t* krow[2];
   std::uint32_t krec[2];
 #pragma unroll
   for (int a = 0; a < 2; ++a) {
-    krow[a] = kt[a] < n ? pages[kt[a]] + static_cast<std::size_t>(slots[kt[a]]) * rs.rb : nullptr;
-    krec[a] = kt[a] < n && P != 0 ? records[kt[a]] : kNoRecordId;
+    const int k = kt[a] < n ? kt[a] : 0;
+    krow[a] = krows[k];
+    krec[a] = P != 0 ? records[k] : kNoRecordId;
   }
-  int vslot[4];
+  const std::uint8_t* vrow[4];
+  const std::uint8_t* vsrow[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    vslot[i] = vt[i] < n ? slots[vt[i]] : -1;
-    vpage[i] = vt[i] < n ? pages[vt[i]] : nullptr;
+    const int k = vt[i] < n ? vt[i] : 0;
+    vrow[i] = vrows[k];
+    vsrow[i] = vscales[k];
   }
   // V rows (and value-scale codes) of one chunk.
   std::uint32_t vw[4][kVW];
@@ -308,21 +311,9 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     const int ch = gq * (D / 8) + c * S::kVCh;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (vslot[i] >= 0) {
-        load_words<kVB, kVec>(vpage[i] + static_cast<std::size_t>(rs.rows + vslot[i]) * rs.rb + ch * kBits / 8, vw[i]);
-      } else {
-        zero_words(vw[i]);
-      }
+      load_words<kVB, kVec>(vrow[i] + ch * kBits / 8, vw[i]);
 #pragma unroll
-      for (int j = 0; j < kV8; ++j) {
-        vsc[i][j] = 0u;
-        if constexpr (P != 0) {
-          if (vslot[i] >= 0) {
-            vsc[i][j] = __ldg(vpage[i] + 2 * static_cast<std::size_t>(rs.rows) * rs.rb +
-                              (static_cast<std::size_t>(vslot[i]) << (kLogD - lg)) + ((ch + 8 * j) >> lg));
-          }
-        }
-      }
+      for (int j = 0; j < kV8; ++j) vsc[i][j] = P != 0 ? __ldg(vsrow[i] + ((ch + 8 * j) >> lg)) : 0u;
     }
   };
   if constexpr (S::kNC == 1) load_v(0);
@@ -341,14 +332,10 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
       [[maybe_unused]] std::uint32_t ksw[2][P != 0 ? kKSW : 1];  // ksw[1] unused when kOne
 #pragma unroll
       for (int a = 0; a < 2; ++a) {
-        if (kt[a] < n) {
-          load_words<kKB, kVec>(krow[a] + ch * kBits / 8, kw[a]);
-        } else {
-          zero_words(kw[a]);
-        }
+        load_words<kKB, kVec>(krow[a] + ch * kBits / 8, kw[a]);
         if constexpr (P != 0) {
           if (a == 0 || !kOne) {
-            if (kt[a] < n && krec[a] != kNoRecordId) {
+            if (krec[a] != kNoRecordId) {
               load_words<S::kKCh, kVec>(view.key_scales + static_cast<std::size_t>(krec[a]) * D + ch, ksw[a]);
             } else {
               zero_words(ksw[a]);
@@ -667,6 +654,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   if (stream_ok) {
     const int g = prm.group_size;
     const int lg = g == 8 ? 3 : g == 16 ? 4 : 5;  // check_paged_decode_attention: g is 8, 16 or 32
+    constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
     const int bs = prm.block_size;
     // This chunk's slot positions (blocks in list order, then the staging rows), as the CUDA-core
     // pass cuts them (whole 128-position pieces), in 32-position tiles dealt round robin to the
@@ -742,6 +730,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const std::uint32_t rec = cur.rec;
       const std::uint8_t* page = cur.page;
       const bool valid = cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
+      // This slot's rows: a block page holds B K rows, B V rows, then the value scales (D / g per
+      // row); the staging rows g K rows, then g V rows (BF16, no scales).
+      const int rb = pr >= kStagedGroup ? 2 * D : (2 * D) >> pr;  // D x bits / 8
+      const std::size_t rows = pr == kStagedGroup ? static_cast<std::size_t>(g) : static_cast<std::size_t>(bs);
+      const std::uint8_t* krow = page + static_cast<std::size_t>(slot) * rb;
+      const std::uint8_t* vrow = page + (rows + slot) * rb;
+      const std::uint8_t* vscale = page + 2 * rows * rb + (static_cast<std::size_t>(slot) << (kLogD - lg));
       unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
       while (todo != 0u) {
         const int group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
@@ -750,20 +745,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         todo &= ~m;
         if (mine) {
           const int r = __popc(m & ((1u << lane) - 1u));
-          sh.slot[warp][r] = slot;
+          sh.krow[warp][r] = krow;
+          sh.vrow[warp][r] = vrow;
+          sh.vscale[warp][r] = vscale;
           sh.record[warp][r] = rec;
-          sh.page[warp][r] = page;
         }
         __syncwarp();
         const int n = __popc(m);
         TcRows rs;
         if (group_pr == kStagedGroup || group_pr == 0) {
-          rs.rb = 2 * D;
-          rs.rows = group_pr == 0 ? bs : g;
           rs.fk = rs.u = rs.pm = 1.0f;
         } else {
-          rs.rb = D * bits_of(static_cast<Precision>(group_pr)) / 8;
-          rs.rows = bs;
           // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
           const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
           const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
@@ -780,14 +772,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         float(*pt)[kN + 1] = sh.pt[warp];
         for (int k0 = 0; k0 < n; k0 += kWin) {
           const int nk = n - k0 < kWin ? n - k0 : kWin;
-          const int* sl = sh.slot[warp] + k0;
-          const std::uint8_t* const* pg = sh.page[warp] + k0;
+          const std::uint8_t* const* kr = sh.krow[warp] + k0;
+          const std::uint8_t* const* vr = sh.vrow[warp] + k0;
+          const std::uint8_t* const* vs = sh.vscale[warp] + k0;
           const std::uint32_t* rc = sh.record[warp] + k0;
           switch (group_pr == kStagedGroup ? 0 : group_pr) {
-            case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
-            default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, sl, pg, rc, scale_log2, sh, pt, st); break;
+            case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
           }
         }
         __syncwarp();  // the lists are rewritten by the next group
