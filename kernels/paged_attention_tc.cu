@@ -76,6 +76,7 @@ static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 q
 constexpr int kWin = 16;        // tokens per window (mma M of the scores, K of P.V)
 constexpr int kTileSlots = 32;  // slot positions per warp tile (one lane each)
 constexpr int kStagedGroup = kNumPrecisions;  // precision group of the staged (BF16) rows
+constexpr int kQueue = kWin - 1 + kTileSlots;  // live slots a warp's queue can hold
 
 template <int D>
 struct TcShape {
@@ -108,12 +109,13 @@ struct TcShared {
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
-  // A tile's live slots of one precision group, compacted: each slot's K row, V row and value
-  // scales (computed once per slot by its lane, not by every lane of a window that reads it).
-  const std::uint8_t* krow[kWarps][32];
-  const std::uint8_t* vrow[kWarps][32];
-  const std::uint8_t* vscale[kWarps][32];
-  std::uint32_t record[kWarps][32];
+  // The warp's queue of live slots of one precision group (< 16 carried over + one tile of 32):
+  // each slot's K row, V row and value scales (computed once per slot by its lane, not by every
+  // lane of a window that reads it) and key-scale record.
+  const std::uint8_t* krow[kWarps][kQueue];
+  const std::uint8_t* vrow[kWarps][kQueue];
+  const std::uint8_t* vscale[kWarps][kQueue];
+  std::uint32_t record[kWarps][kQueue];
 };
 
 /// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
@@ -145,6 +147,35 @@ __device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[
   } else {
     const std::uint32_t x = w[j / 2];
     const int sh = 16 * (j % 2) + 2 * K - 4;  // codes 8j+K, 8j+K+4 -> selector nibbles 1 and 3
+    const std::uint32_t sel = (sh >= 0 ? x >> sh : x << -sh) & 0x3030u;
+    return __byte_perm(kTernaryFp16HighBytes, 0u, sel);
+  }
+}
+
+/// P.V's A operand: FP16x2 of channel 8j + K (K = 0..7) of two tokens, the one with words w0 in
+/// the low half, w1 in the high half: FP8 the E4M3 values; NVFP4 and ternary value x 2^-14 (the
+/// same placements as code_pair_f16). The two tokens' bytes are interleaved first (one byte
+/// permute shared by 4 or 8 channels), so no permute is needed after decoding.
+template <int P, int K, int NW>
+__device__ __forceinline__ std::uint32_t code_tok_pair_f16(const std::uint32_t (&w0)[NW], const std::uint32_t (&w1)[NW],
+                                                           int j) {
+  if constexpr (P == 1) {  // channel 8j + K = byte K % 4 of word 2j + K / 4
+    constexpr unsigned b = K % 4;
+    return e4m3x2_f16(__byte_perm(w0[2 * j + K / 4], w1[2 * j + K / 4], b | ((4 + b) << 4)));
+  } else if constexpr (P == 2) {
+    // Half K / 4 of word j of each token: token 0's nibbles at bits 0..15, token 1's at 16..31.
+    const std::uint32_t x = __byte_perm(w0[j], w1[j], K < 4 ? 0x5410u : 0x7632u);
+    constexpr int c = K % 4;
+    constexpr int kMag = 9 - 4 * c;    // nibble bits 2..0 -> FP16 bits 11..9
+    constexpr int kSign = 12 - 4 * c;  // nibble bit 3 -> FP16 bit 15
+    const std::uint32_t m = kMag >= 0 ? x << kMag : x >> -kMag;
+    return (m & 0x0E000E00u) | ((x << kSign) & 0x80008000u);
+  } else {
+    // Half j % 2 of word j / 2 of each token, bytes interleaved (t0 b, t1 b, t0 b+1, t1 b+1): the
+    // two codes of a channel are 8 bits apart, as the permute's selector nibbles 1 and 3 need.
+    const unsigned h = 2u * static_cast<unsigned>(j % 2);
+    const std::uint32_t x = __byte_perm(w0[j / 2], w1[j / 2], h | ((4 + h) << 4) | ((h + 1) << 8) | ((5 + h) << 12));
+    constexpr int sh = K < 4 ? 2 * K - 4 : 2 * K + 4;
     const std::uint32_t sel = (sh >= 0 ? x >> sh : x << -sh) & 0x3030u;
     return __byte_perm(kTernaryFp16HighBytes, 0u, sel);
   }
@@ -513,26 +544,32 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     if constexpr (S::kNC > 1) load_v(c);
 #pragma unroll
     for (int j = 0; j < S::kVCh / 8; ++j) {
-      std::uint32_t vp2[4][4];  // FP16: pair u = (channel 8j + u, 8j + u + 4) of token i, scaled
+      // FP16: vt2[tp][k] = channel 8j + k of tokens (2tp, 2tp + 1) of this lane, times their
+      // value scales (exact).
+      std::uint32_t vt2[2][8];
       if constexpr (kF16) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          std::uint32_t s2x = e4m3x2_f16(__byte_perm(vsc[i][j], 0u, 0x0000u));  // (scale, scale)
+        for (int tp = 0; tp < 2; ++tp) {
+          std::uint32_t s2x = e4m3x2_f16(__byte_perm(vsc[2 * tp][j], vsc[2 * tp + 1][j], 0x0040u));  // the 2 scales
           if constexpr (P == 1) s2x = f16x2_mul(s2x, kF16x2Pow2m4);
-          vp2[i][0] = f16x2_mul(code_pair_f16<P, 0>(vw[i], j), s2x);  // exact
-          vp2[i][1] = f16x2_mul(code_pair_f16<P, 1>(vw[i], j), s2x);
-          vp2[i][2] = f16x2_mul(code_pair_f16<P, 2>(vw[i], j), s2x);
-          vp2[i][3] = f16x2_mul(code_pair_f16<P, 3>(vw[i], j), s2x);
+          vt2[tp][0] = f16x2_mul(code_tok_pair_f16<P, 0>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][1] = f16x2_mul(code_tok_pair_f16<P, 1>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][2] = f16x2_mul(code_tok_pair_f16<P, 2>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][3] = f16x2_mul(code_tok_pair_f16<P, 3>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][4] = f16x2_mul(code_tok_pair_f16<P, 4>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][5] = f16x2_mul(code_tok_pair_f16<P, 5>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][6] = f16x2_mul(code_tok_pair_f16<P, 6>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
+          vt2[tp][7] = f16x2_mul(code_tok_pair_f16<P, 7>(vw[2 * tp], vw[2 * tp + 1], j), s2x);
         }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         std::uint32_t a0, a1, a2, a3;
         if constexpr (kF16) {
-          a0 = __byte_perm(vp2[0][u], vp2[1][u], 0x5410);
-          a1 = __byte_perm(vp2[0][u], vp2[1][u], 0x7632);
-          a2 = __byte_perm(vp2[2][u], vp2[3][u], 0x5410);
-          a3 = __byte_perm(vp2[2][u], vp2[3][u], 0x7632);
+          a0 = vt2[0][u];
+          a1 = vt2[0][u + 4];
+          a2 = vt2[1][u];
+          a3 = vt2[1][u + 4];
         } else {
           // BF16 words: channel 8j + u is half u % 2 of word 4j + u / 2, 8j + u + 4 of word 4j + 2 + u / 2.
           constexpr unsigned kSel[2] = {0x5410u, 0x7632u};
@@ -722,14 +759,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     };
     const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
     LaneMeta next = fetch(t_first);
-    for (long long t0 = t_first; t0 < hi; t0 += kTileSlots * kWarps) {
+    // Live slots are queued per warp and run in full 16-token windows across tiles (with holes a
+    // tile rarely has a multiple of 16 live slots); a partial window runs only when the precision
+    // group changes or the walk ends. The walk's last iteration (t0 >= hi) adds nothing and
+    // flushes the queue, so the windows have one call site.
+    int qn = 0;                // queued slots (warp-uniform)
+    int qpr = kStagedGroup;    // their precision group
+    for (long long t0 = t_first;; t0 += kTileSlots * kWarps) {
+      const bool last = t0 >= hi;
       const LaneMeta cur = next;
       if (t0 + kTileSlots * kWarps < hi) next = fetch(t0 + kTileSlots * kWarps);
       const int slot = cur.slot;
       const int pr = cur.pr;
       const std::uint32_t rec = cur.rec;
       const std::uint8_t* page = cur.page;
-      const bool valid = cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
+      const bool valid = !last && cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
       // This slot's rows: a block page holds B K rows, B V rows, then the value scales (D / g per
       // row); the staging rows g K rows, then g V rows (BF16, no scales).
       const int rb = pr >= kStagedGroup ? 2 * D : (2 * D) >> pr;  // D x bits / 8
@@ -738,53 +782,86 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const std::uint8_t* vrow = page + (rows + slot) * rb;
       const std::uint8_t* vscale = page + 2 * rows * rb + (static_cast<std::size_t>(slot) << (kLogD - lg));
       unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
-      while (todo != 0u) {
-        const int group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
-        const bool mine = valid && pr == group_pr;
-        const unsigned m = __ballot_sync(0xFFFFFFFFu, mine);
-        todo &= ~m;
-        if (mine) {
-          const int r = __popc(m & ((1u << lane) - 1u));
-          sh.krow[warp][r] = krow;
-          sh.vrow[warp][r] = vrow;
-          sh.vscale[warp][r] = vscale;
-          sh.record[warp][r] = rec;
+      while (todo != 0u || (last && qn > 0)) {
+        int group_pr = qpr;
+        unsigned m = 0u;
+        if (todo != 0u) {
+          group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
+          m = __ballot_sync(0xFFFFFFFFu, valid && pr == group_pr);
         }
-        __syncwarp();
-        const int n = __popc(m);
-        TcRows rs;
-        if (group_pr == kStagedGroup || group_pr == 0) {
-          rs.fk = rs.u = rs.pm = 1.0f;
+        int count;  // queued slots to run now, from the front
+        if (qn > 0 && (todo == 0u || group_pr != qpr)) {
+          count = qn;  // the group changes or the walk ends: run what is queued
         } else {
-          // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
-          const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + group_pr];
-          const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + group_pr];
-          const bool fp8 = group_pr == 1;
-          rs.fk = s2k * (fp8 ? k_unscale8 : k_unscale);
-          // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so
-          // ub becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset
-          // s2v (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4,
-          // ternary codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
-          const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
-          rs.u = fp8 ? ub * 0x1p-10f : ub;
-          rs.pm = (s2v / ub) * 16384.0f;
-        }
-        float(*pt)[kN + 1] = sh.pt[warp];
-        for (int k0 = 0; k0 < n; k0 += kWin) {
-          const int nk = n - k0 < kWin ? n - k0 : kWin;
-          const std::uint8_t* const* kr = sh.krow[warp] + k0;
-          const std::uint8_t* const* vr = sh.vrow[warp] + k0;
-          const std::uint8_t* const* vs = sh.vscale[warp] + k0;
-          const std::uint32_t* rc = sh.record[warp] + k0;
-          switch (group_pr == kStagedGroup ? 0 : group_pr) {
-            case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-            case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-            case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-            default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+          if ((m >> lane) & 1u) {
+            const int r = qn + __popc(m & ((1u << lane) - 1u));
+            sh.krow[warp][r] = krow;
+            sh.vrow[warp][r] = vrow;
+            sh.vscale[warp][r] = vscale;
+            sh.record[warp][r] = rec;
           }
+          __syncwarp();
+          qn += __popc(m);
+          qpr = group_pr;
+          todo &= ~m;
+          count = qn & ~(kWin - 1);  // whole windows
         }
-        __syncwarp();  // the lists are rewritten by the next group
+        if (count > 0) {
+          TcRows rs;
+          if (qpr == kStagedGroup || qpr == 0) {
+            rs.fk = rs.u = rs.pm = 1.0f;
+          } else {
+            // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
+            const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + qpr];
+            const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + qpr];
+            const bool fp8 = qpr == 1;
+            rs.fk = s2k * (fp8 ? k_unscale8 : k_unscale);
+            // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so
+            // ub becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset
+            // s2v (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4,
+            // ternary codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
+            const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
+            rs.u = fp8 ? ub * 0x1p-10f : ub;
+            rs.pm = (s2v / ub) * 16384.0f;
+          }
+          float(*pt)[kN + 1] = sh.pt[warp];
+          for (int k0 = 0; k0 < count; k0 += kWin) {
+            const int nk = count - k0 < kWin ? count - k0 : kWin;
+            const std::uint8_t* const* kr = sh.krow[warp] + k0;
+            const std::uint8_t* const* vr = sh.vrow[warp] + k0;
+            const std::uint8_t* const* vs = sh.vscale[warp] + k0;
+            const std::uint32_t* rc = sh.record[warp] + k0;
+            switch (qpr == kStagedGroup ? 0 : qpr) {
+              case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+              case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+              case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+              default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            }
+          }
+          // The rest (< 16) moves to the front of the queue.
+          const int rem = qn - count;
+          const std::uint8_t* ekr = nullptr;
+          const std::uint8_t* evr = nullptr;
+          const std::uint8_t* evs = nullptr;
+          std::uint32_t erc = 0u;
+          if (lane < rem) {
+            ekr = sh.krow[warp][count + lane];
+            evr = sh.vrow[warp][count + lane];
+            evs = sh.vscale[warp][count + lane];
+            erc = sh.record[warp][count + lane];
+          }
+          __syncwarp();
+          if (lane < rem) {
+            sh.krow[warp][lane] = ekr;
+            sh.vrow[warp][lane] = evr;
+            sh.vscale[warp][lane] = evs;
+            sh.record[warp][lane] = erc;
+          }
+          __syncwarp();
+          qn = rem;
+        }
       }
+      if (last) break;
     }
   }
   // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
