@@ -719,16 +719,37 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       std::uint32_t rec;
     };
     const std::uint32_t* evict32 = reinterpret_cast<const std::uint32_t*>(view.evict_mask);  // little-endian halves
+    // The walk tracks each lane's position as (block j, slot) and advances it by the tile stride
+    // (step = q blocks + r slots), so no tile divides by the block size; the page size of each
+    // pool is computed once.
+    constexpr int kStep = kTileSlots * kWarps;
+    const int step_blocks = kStep / bs;
+    const int step_slots = kStep % bs;
+    std::size_t pbytes[kNumPrecisions];
+#pragma unroll
+    for (int q = 0; q < kNumPrecisions; ++q) pbytes[q] = page_bytes_of(static_cast<Precision>(q), D, bs, g);
+    const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
+    long long lane_j = (t_first + lane) / bs;  // block of position t0 + lane (valid below block_pos)
+    int lane_slot = static_cast<int>(t_first + lane - lane_j * bs);
     auto fetch = [&](long long t0) {
       LaneMeta mt{staging, 0, kStagedGroup, false, 0u, kNoRecordId};
       const long long vp = t0 + lane;
       const bool in = vp < hi;
       const bool staged = vp >= block_pos;
+      const long long my_j = lane_j;
+      const int my_slot = lane_slot;
+      lane_slot += step_slots;  // position t0 + kStep + lane for the next call
+      lane_j += step_blocks;
+      if (lane_slot >= bs) {
+        lane_slot -= bs;
+        ++lane_j;
+      }
       // Block ids and fills of 32 blocks at a time, one per lane, shuffled to the tile's lanes.
       if (t0 < block_pos) {
-        const long long jf = t0 / bs;
-        const long long last = (t0 + kTileSlots < block_pos ? t0 + kTileSlots : block_pos) - 1;
-        if (jb < 0 || jf < jb || last / bs >= jb + 32) {
+        const long long jf = __shfl_sync(0xFFFFFFFFu, my_j, 0);
+        const long long j31 = __shfl_sync(0xFFFFFFFFu, my_j, 31);
+        const long long jl = t0 + kTileSlots <= block_pos ? j31 : nb - 1;  // block of the tile's last slot
+        if (jb < 0 || jf < jb || jl >= jb + 32) {
           jb = jf;
           lane_block = 0;
           lane_fill = 0;
@@ -738,15 +759,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           }
         }
       }
-      const long long j = staged ? jb : vp / bs;
+      const long long j = staged ? jb : my_j;
       const int src_lane = static_cast<int>(j - jb) & 31;
       const std::uint32_t b = __shfl_sync(0xFFFFFFFFu, lane_block, src_lane);
       const int fill = __shfl_sync(0xFFFFFFFFu, lane_fill, src_lane);
       mt.maybe = in;
       if (in && !staged) {
-        mt.slot = static_cast<int>(vp - j * bs);
+        mt.slot = my_slot;
         mt.pr = block_pool(view, b);
-        mt.page = block_page<D>(view, b, mt.pr, bs, g);
+        const std::size_t pb = mt.pr == 0 ? pbytes[0] : mt.pr == 1 ? pbytes[1] : mt.pr == 2 ? pbytes[2] : pbytes[3];
+        mt.page = view.pages[mt.pr] + (b - view.pool_base[mt.pr]) * pb;
         mt.maybe = mt.slot < fill;
         if (mt.maybe) {
           mt.mask = evict32[(static_cast<std::size_t>(b) * words + mt.slot / 64) * 2 + (mt.slot / 32) % 2];
@@ -757,7 +779,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       }
       return mt;
     };
-    const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
     LaneMeta next = fetch(t_first);
     // Live slots are queued per warp and run in full 16-token windows across tiles (with holes a
     // tile rarely has a multiple of 16 live slots); a partial window runs only when the precision
