@@ -347,7 +347,6 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
       for (int j = 0; j < kV8; ++j) vsc[i][j] = P != 0 ? __ldg(vsrow[i] + ((ch + 8 * j) >> lg)) : 0u;
     }
   };
-  if constexpr (S::kNC == 1) load_v(0);
 
   // Scores: K'.Q^T over all chunks. kOne: token gq + 8 shares token gq's key scales (the window
   // has one record, the usual case: a group of g tokens is committed into consecutive slots): one
@@ -373,6 +372,10 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
             }
           }
         }
+      }
+      // The V rows' loads go out after the K rows' (the scores need K first).
+      if constexpr (S::kNC == 1) {
+        if (c == 0) load_v(0);
       }
 #pragma unroll
       for (int j = 0; j < S::kKStepsPerChunk / 2; ++j) {  // 8-channel block j = k-steps 2j, 2j+1
