@@ -2,10 +2,13 @@
 /// Decode attention main pass on the tensor cores (head_dim 64, 128, 256).
 ///
 /// Same work split as the CUDA-core pass (paged_attention.cu): grid (splits, Hkv), 4 warps per CTA
-/// taking the chunk's 32-slot tiles round robin, live slots compacted per precision by ballots
-/// over the eviction mask, 16-token windows, partial (m, l, acc) per chunk into the workspace,
-/// then the merge kernel. The math of a window is two mma.sync.m16n8k16 products with FP32
-/// accumulation:
+/// taking the chunk's 32-slot tiles round robin, partial (m, l, acc) per chunk into the
+/// workspace, then the merge kernel. A warp's walk: each lane owns one slot of a tile (its block
+/// and slot advanced by the tile stride, no division), loads the next tile's eviction-mask word
+/// and key-scale record before this tile's windows run, and computes its slot's row addresses;
+/// ballots compact the live slots per precision into a per-warp queue that runs in full 16-token
+/// windows across tiles (a partial window only when the precision changes or the walk ends).
+/// The math of a window is two mma.sync.m16n8k16 products with FP32 accumulation:
 ///
 ///   scores  S[16 tokens x 8 heads]  = K'[16 x D] . Q^T[D x 8]     (A = K', B = Q)
 ///   output  O^T[D x 8 heads]       += V'^T[D x 16 tokens] . P'^T[16 x 8] (A = V'^T, B = P')
