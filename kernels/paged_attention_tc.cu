@@ -112,6 +112,7 @@ struct TcShared {
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
+  float rows_f[kStagedGroup + 1][3];  // TcRows (fk, u, pm) of each precision group
   // The warp's queue of live slots of one precision group (< 16 carried over + one tile of 32):
   // each slot's K row, V row and value scales (computed once per slot by its lane, not by every
   // lane of a window that reads it) and key-scale record.
@@ -684,6 +685,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       put_f16(sh.u.qf.h[s], x);
     }
   }
+  // The factors of each precision group (TcRows), once per CTA.
+  if (tid <= kStagedGroup) {
+    float fk = 1.0f, u = 1.0f, pm = 1.0f;
+    const int pr = tid;
+    if (stream_ok && pr != kStagedGroup && pr != 0) {
+      // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
+      const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + pr];
+      const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + pr];
+      const bool fp8 = pr == 1;
+      fk = s2k * (fp8 ? k_unscale8 : k_unscale);
+      // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so ub
+      // becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset s2v
+      // (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4, ternary
+      // codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
+      const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
+      u = fp8 ? ub * 0x1p-10f : ub;
+      pm = (s2v / ub) * 16384.0f;
+    }
+    sh.rows_f[pr][0] = fk;
+    sh.rows_f[pr][1] = u;
+    sh.rows_f[pr][2] = pm;
+  }
   __syncthreads();
 
   TcState<D> st;
@@ -835,22 +858,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         }
         if (count > 0) {
           TcRows rs;
-          if (qpr == kStagedGroup || qpr == 0) {
-            rs.fk = rs.u = rs.pm = 1.0f;
-          } else {
-            // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
-            const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + qpr];
-            const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + qpr];
-            const bool fp8 = qpr == 1;
-            rs.fk = s2k * (fp8 ? k_unscale8 : k_unscale);
-            // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so
-            // ub becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset
-            // s2v (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4,
-            // ternary codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
-            const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
-            rs.u = fp8 ? ub * 0x1p-10f : ub;
-            rs.pm = (s2v / ub) * 16384.0f;
-          }
+          rs.fk = sh.rows_f[qpr][0];
+          rs.u = sh.rows_f[qpr][1];
+          rs.pm = sh.rows_f[qpr][2];
           float(*pt)[kN + 1] = sh.pt[warp];
           for (int k0 = 0; k0 < count; k0 += kWin) {
             const int nk = count - k0 < kWin ? count - k0 : kWin;
@@ -867,22 +877,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           }
           // The rest (< 16) moves to the front of the queue.
           const int rem = qn - count;
-          const std::uint8_t* ekr = nullptr;
-          const std::uint8_t* evr = nullptr;
-          const std::uint8_t* evs = nullptr;
-          std::uint32_t erc = 0u;
-          if (lane < rem) {
-            ekr = sh.krow[warp][count + lane];
-            evr = sh.vrow[warp][count + lane];
-            evs = sh.vscale[warp][count + lane];
-            erc = sh.record[warp][count + lane];
-          }
-          __syncwarp();
-          if (lane < rem) {
-            sh.krow[warp][lane] = ekr;
-            sh.vrow[warp][lane] = evr;
-            sh.vscale[warp][lane] = evs;
-            sh.record[warp][lane] = erc;
+          if (rem > 0) {
+            const std::uint8_t* ekr = nullptr;
+            const std::uint8_t* evr = nullptr;
+            const std::uint8_t* evs = nullptr;
+            std::uint32_t erc = 0u;
+            if (lane < rem) {
+              ekr = sh.krow[warp][count + lane];
+              evr = sh.vrow[warp][count + lane];
+              evs = sh.vscale[warp][count + lane];
+              erc = sh.record[warp][count + lane];
+            }
+            __syncwarp();
+            if (lane < rem) {
+              sh.krow[warp][lane] = ekr;
+              sh.vrow[warp][lane] = evr;
+              sh.vscale[warp][lane] = evs;
+              sh.record[warp][lane] = erc;
+            }
           }
           __syncwarp();
           qn = rem;
