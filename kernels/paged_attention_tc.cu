@@ -131,6 +131,17 @@ __device__ __forceinline__ std::uint32_t e4m3x2_f16(std::uint32_t w) {
 
 constexpr std::uint32_t kF16x2Pow2m4 = 0x2C002C00u;  // FP16x2 (2^-4, 2^-4): FP8 scales are used x 2^-4
 
+/// FP16x2 of (value x 2^-14) of nibbles K and K + 4 (K = 0..3) of x: one byte permute of the
+/// even or odd FP16 high bytes (fp16_placement.hpp; nibble K is byte K / 2 of them, K + 4 byte
+/// K / 2 + 2) with zero low bytes. The even / odd words are shared by the pairs of a word: 2.75
+/// operations per pair instead of 4 (two shifts, two masks) for placing each pair's bits.
+template <int K>
+__device__ __forceinline__ std::uint32_t e2m1_pair_f16(std::uint32_t x) {
+  const std::uint32_t e = K % 2 == 0 ? e2m1_even_fp16_high_bytes(x) : e2m1_odd_fp16_high_bytes(x);
+  constexpr unsigned b = K / 2;
+  return __byte_perm(e, 0u, 4u | (b << 4) | (4u << 8) | ((b + 2) << 12));
+}
+
 /// FP8: FP16x2 of the two E4M3 values of channels (8j + k, 8j + k + 4). NVFP4 and ternary:
 /// FP16x2 of (value x 2^-14) of the codes of channels 8j + k and 8j + k + 4 (k = 0..3) of a
 /// lane's 8-channel block j: NVFP4 (block j = word j, channel 8j + i in bits 4i..4i+3) by
@@ -142,12 +153,7 @@ __device__ __forceinline__ std::uint32_t code_pair_f16(const std::uint32_t (&w)[
   if constexpr (P == 1) {  // FP8 (block j = words 2j, 2j + 1): the two E4M3 values, exact
     return e4m3x2_f16(__byte_perm(w[2 * j], w[2 * j + 1], static_cast<unsigned>(K | ((4 + K) << 4))));
   } else if constexpr (P == 2) {
-    const std::uint32_t x = w[j];
-    constexpr int kMag = 9 - 4 * K;    // nibble bits 2..0 -> FP16 bits 11..9
-    constexpr int kSign = 12 - 4 * K;  // nibble bit 3 -> FP16 bit 15
-    const std::uint32_t m = kMag >= 0 ? x << kMag : x >> -kMag;
-    const std::uint32_t sg = x << kSign;
-    return (m & 0x0E000E00u) | (sg & 0x80008000u);
+    return e2m1_pair_f16<K>(w[j]);
   } else {
     const std::uint32_t x = w[j / 2];
     const int sh = 16 * (j % 2) + 2 * K - 4;  // codes 8j+K, 8j+K+4 -> selector nibbles 1 and 3
@@ -168,12 +174,7 @@ __device__ __forceinline__ std::uint32_t code_tok_pair_f16(const std::uint32_t (
     return e4m3x2_f16(__byte_perm(w0[2 * j + K / 4], w1[2 * j + K / 4], b | ((4 + b) << 4)));
   } else if constexpr (P == 2) {
     // Half K / 4 of word j of each token: token 0's nibbles at bits 0..15, token 1's at 16..31.
-    const std::uint32_t x = __byte_perm(w0[j], w1[j], K < 4 ? 0x5410u : 0x7632u);
-    constexpr int c = K % 4;
-    constexpr int kMag = 9 - 4 * c;    // nibble bits 2..0 -> FP16 bits 11..9
-    constexpr int kSign = 12 - 4 * c;  // nibble bit 3 -> FP16 bit 15
-    const std::uint32_t m = kMag >= 0 ? x << kMag : x >> -kMag;
-    return (m & 0x0E000E00u) | ((x << kSign) & 0x80008000u);
+    return e2m1_pair_f16<K % 4>(__byte_perm(w0[j], w1[j], K < 4 ? 0x5410u : 0x7632u));
   } else {
     // Half j % 2 of word j / 2 of each token, bytes interleaved (t0 b, t1 b, t0 b+1, t1 b+1): the
     // two codes of a channel are 8 bits apart, as the permute's selector nibbles 1 and 3 need.

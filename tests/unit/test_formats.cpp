@@ -907,3 +907,36 @@ TEST_CASE("FP16 products of the tensor-core attention pass are exact", "[formats
     CHECK(float_to_bits(f) == float_to_bits(want));
   }
 }
+
+TEST_CASE("E2M1 high-byte decode of the tensor-core pass matches the bit placement", "[formats][fp16_placement]") {
+  // paged_attention_tc.cu decodes a word of 8 E2M1 codes into the FP16 high bytes of its even and
+  // odd nibbles (e2m1_*_fp16_high_bytes), then permutes bytes into FP16 pairs with zero low
+  // bytes. Every byte must be the high byte of e2m1x2_to_fp16x2's placement (low byte 0) and
+  // decode to code x 2^-14; checked for every 16-bit pattern in both halves of the word, with
+  // random other halves (neighbouring nibbles must not leak in).
+  std::mt19937 rng(1234);
+  long checked = 0;
+  for (std::uint32_t p = 0; p < 0x10000u; ++p) {
+    for (int half = 0; half < 2; ++half) {
+      const std::uint32_t other = rng() & 0xFFFFu;
+      const std::uint32_t w = half == 0 ? (p | (other << 16)) : ((p << 16) | other);
+      const std::uint32_t even = thinkv::e2m1_even_fp16_high_bytes(w);
+      const std::uint32_t odd = thinkv::e2m1_odd_fp16_high_bytes(w);
+      for (int n = 0; n < 8; ++n) {
+        const std::uint32_t code = (w >> (4 * n)) & 0xFu;
+        const std::uint32_t high = ((n % 2 == 0 ? even : odd) >> (8 * (n / 2))) & 0xFFu;
+        const std::uint32_t placed = thinkv::e2m1x2_to_fp16x2(code) & 0xFFFFu;  // low half: this code
+        if ((high << 8) != placed) FAIL("word " << std::hex << w << " nibble " << n << ": byte " << high);
+        const float f = thinkv::decode_fp16(static_cast<std::uint16_t>(high << 8));
+        const float want = thinkv::decode_e2m1(static_cast<std::uint8_t>(code)) * 0x1p-14f;
+        if (float_to_bits(f) != float_to_bits(want)) FAIL("nibble " << code << " decodes to " << f);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 0x10000L * 2 * 8);
+  // Negative control: a magnitude mask two bits too wide lets the neighbouring nibble in.
+  const std::uint32_t w = 0x00000010u;  // nibble 1 = 0b0001, nibble 0 = 0
+  CHECK((thinkv::e2m1_even_fp16_high_bytes(w) & 0xFFu) == 0u);
+  CHECK((((w << 1) & 0x3E3E3E3Eu) & 0xFFu) != 0u);
+}

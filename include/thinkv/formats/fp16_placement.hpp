@@ -43,6 +43,17 @@ THINKV_HD constexpr std::uint32_t e2m1x2_to_fp16x2(std::uint32_t w) noexcept {
   return ((w & 0x7u) << 9) | ((w & 0x8u) << 12) | ((w & 0x70u) << 21) | ((w & 0x80u) << 24);
 }
 
+/// The tensor-core attention pass's E2M1 decode: byte k of the result is the FP16 high byte of the
+/// E2M1 code in nibble 2k (even) or 2k + 1 (odd) of `w`: sign -> bit 7, the three magnitude bits ->
+/// bits 3..1, so that with a zero low byte the FP16 is the code's value x 2^-14 (as
+/// e2m1x2_to_fp16x2 places it). One byte permute per pair of codes then builds an FP16 pair.
+THINKV_HD constexpr std::uint32_t e2m1_even_fp16_high_bytes(std::uint32_t w) noexcept {
+  return ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+}
+THINKV_HD constexpr std::uint32_t e2m1_odd_fp16_high_bytes(std::uint32_t w) noexcept {
+  return ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+}
+
 /// The exact float value of an IEEE binary16 (host reference; kernels convert in hardware).
 /// Inf stays Inf; NaN becomes a quiet NaN with the payload's top bits.
 THINKV_HD constexpr float decode_fp16(std::uint16_t h) noexcept {
