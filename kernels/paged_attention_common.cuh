@@ -111,10 +111,15 @@ __host__ __device__ inline std::size_t page_bytes_of(Precision p, int d, long lo
   return static_cast<std::size_t>(CacheLayout{d, g, static_cast<int>(bs)}.page_bytes(p));
 }
 
+/// The page of global block b of pool pr, given that pool's page size in bytes.
+__device__ inline const std::uint8_t* pool_page(const PagedKvView& view, std::uint32_t b, int pr, std::size_t page_bytes) {
+  return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
+}
+
 /// The page of global block b of pool pr (page layout: PagedKvView::pages).
 template <int D>
 __device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs, int g) {
-  return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes_of(static_cast<Precision>(pr), D, bs, g);
+  return pool_page(view, b, pr, page_bytes_of(static_cast<Precision>(pr), D, bs, g));
 }
 
 /// Calls fn(src) for every tile of chunk `split` of the stream's positions (blocks in list order,

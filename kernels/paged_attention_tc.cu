@@ -798,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         mt.slot = my_slot;
         mt.pr = block_pool(view, b);
         const std::size_t pb = mt.pr == 0 ? pbytes[0] : mt.pr == 1 ? pbytes[1] : mt.pr == 2 ? pbytes[2] : pbytes[3];
-        mt.page = view.pages[mt.pr] + (b - view.pool_base[mt.pr]) * pb;
+        mt.page = pool_page(view, b, mt.pr, pb);
         mt.maybe = mt.slot < fill;
         if (mt.maybe) {
           mt.mask = evict32[(static_cast<std::size_t>(b) * words + mt.slot / 64) * 2 + (mt.slot / 32) % 2];
