@@ -636,7 +636,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
 
   // Q fragments, k-step s, lane (h = lane / 4, tq = lane % 4), base = tq*D/4 + 8 (s / 2):
   // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
-  // (+ {1, 5}).
+  // (+ {1, 5}). Only the sets some window can use are built (CTA-uniform): BF16 terms for BF16
+  // pages and staged rows, FP16 terms in the BF16 map for FP8 pages, in the FP16 map for NVFP4
+  // and ternary pages (at short chunks this prologue is a visible share of the CTA's work).
+  const bool need_b = view.pool_count[0] > 0 || (stream_ok && view.staged_count[stream] > 0);
+  const bool need_h8 = view.pool_count[1] > 0;
+  const bool need_h = view.pool_count[2] > 0 || view.pool_count[3] > 0;
+  const float p2eq = ldexpf(1.0f, eq);  // x * 2^eq == ldexpf(x, eq) here: |x| 2^eq < 2^15, one rounding
   for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
     const int s = i / 32;
     const int ln = i % 32;
@@ -659,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         for (int k = 0; k < 2; ++k) dst[k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
       }
     };
-    {
+    if (need_b) {
       const int c = base + 4 * (s % 2);
       float x[4][3];
 #pragma unroll
@@ -672,17 +678,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       }
 #pragma unroll
       for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+    }
+    if (need_h8) {
+      const int c = base + 4 * (s % 2);
       __half y[4][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<2>(ldexpf(qv(c + e), eq), y[e]);
+      for (int e = 0; e < 4; ++e) split_f16<2>(qv(c + e) * p2eq, y[e]);
       put_f16(sh.u.qf.h8[s], y);
     }
-    {
+    if (need_h) {
       const int c = base + 2 * (s % 2);
       const int cs[4] = {c, c + 4, c + 1, c + 5};
       __half x[4][2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<2>(ldexpf(qv(cs[e]), eq), x[e]);
+      for (int e = 0; e < 4; ++e) split_f16<2>(qv(cs[e]) * p2eq, x[e]);
       put_f16(sh.u.qf.h[s], x);
     }
   }
