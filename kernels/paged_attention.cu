@@ -539,31 +539,68 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
 
 /// Merge: one CTA per query head. Rescales the chunks (m in log2 units) to the global max and
 /// writes out; records the token count of the KV head and resets the sparsity accumulators.
+/// Latency, not bandwidth, is its cost (a few KB per head): every chunk's (m, l) is loaded at
+/// once (two per thread), their weights exp2(m - max) go to shared memory, then each thread
+/// loads its channel's chunk partials with the loads unrolled ahead of the sums. The sums run
+/// over the chunks in order, as the CPU-ordered definition below: a chunk takes part iff l > 0.
 __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(DecodeAttentionParams prm, Workspace ws,
                                                                            int splits, int d) {
+  static_assert(kMaxSplits % kMergeThreads == 0, "chunks per thread");
+  constexpr int kPer = kMaxSplits / kMergeThreads;
+  __shared__ float sw[kMaxSplits];  // exp2(m_s - gm), chunks with l_s > 0
+  __shared__ float sl[kMaxSplits];  // l_s
+  __shared__ float red[kMergeThreads / 32];
   const int qh = static_cast<int>(blockIdx.x);
   const int group = prm.num_q_heads / prm.num_kv_heads;
   const int kvh = qh / group;
   const int h = qh % group;
   const int tid = static_cast<int>(threadIdx.x);
-  float gm = -INFINITY;
-  for (int s = 0; s < splits; ++s) {
-    const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
-    if (ws.ml[(part * group + h) * 2 + 1] > 0.0f) gm = fmaxf(gm, ws.ml[(part * group + h) * 2]);
+  const std::size_t base = static_cast<std::size_t>(kvh) * splits;  // first chunk of this KV head
+  const float2* ml = reinterpret_cast<const float2*>(ws.ml);         // (m, l) pairs, 8-byte aligned
+  float ms[kPer], ls[kPer];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int s = tid + k * kMergeThreads;
+    ms[k] = -INFINITY;
+    ls[k] = 0.0f;
+    if (s < splits) {
+      const float2 v = ml[(base + s) * group + h];
+      ms[k] = v.x;
+      ls[k] = v.y;
+      if (v.y > 0.0f) mx = fmaxf(mx, v.x);
+    }
   }
-  float l = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
-    const float ls = ws.ml[(part * group + h) * 2 + 1];
-    if (ls > 0.0f) l += ls * exp2f(ws.ml[(part * group + h) * 2] - gm);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+  if ((tid & 31) == 0) red[tid / 32] = mx;
+  __syncthreads();
+  float gm = red[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) gm = fmaxf(gm, red[w]);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int s = tid + k * kMergeThreads;
+    if (s < splits) {
+      sw[s] = ls[k] > 0.0f ? exp2f(ms[k] - gm) : 0.0f;
+      sl[s] = ls[k];
+    }
   }
+  __syncthreads();
   float* out = prm.out + static_cast<std::size_t>(qh) * d;
+  const float* acc = ws.acc + (base * group + h) * d;  // chunk s: + s * group * d
+  const std::size_t stride = static_cast<std::size_t>(group) * d;
   for (int c = tid; c < d; c += kMergeThreads) {
-    float a = 0.0f;
+    float a = 0.0f, l = 0.0f;
+#pragma unroll 4
     for (int s = 0; s < splits; ++s) {
-      const std::size_t part = static_cast<std::size_t>(kvh) * splits + s;
-      const float ls = ws.ml[(part * group + h) * 2 + 1];
-      if (ls > 0.0f) a += ws.acc[(part * group + h) * d + c] * exp2f(ws.ml[(part * group + h) * 2] - gm);
+      const float x = acc[s * stride + c];
+      const float lv = sl[s];
+      const float w = sw[s];
+      if (lv > 0.0f) {
+        a += x * w;
+        l += lv * w;
+      }
     }
     out[c] = a / l;  // no token: 0 / 0 = NaN (the CPU backend refuses such a stream)
   }
@@ -572,7 +609,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(Decod
     ws.count[qh] = 0;
     if (h == 0) {
       int n = 0;
-      for (int s = 0; s < splits; ++s) n += ws.ntok[static_cast<std::size_t>(kvh) * splits + s];
+      for (int s = 0; s < splits; ++s) n += ws.ntok[base + s];
       ws.total[kvh] = n;
     }
   }
