@@ -618,6 +618,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   float* ml_out = ws.ml + part * group * 2;
   const bool stream_ok = stream >= 0 && stream < view.num_streams;
 
+  // s2 of this thread's precision group (threads 1..3), loaded early (used by the prologue).
+  float s2k_pre = 0.0f, s2v_pre = 0.0f;
+  if (stream_ok && tid >= 1 && tid < kNumPrecisions) {
+    s2k_pre = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + tid];
+    s2v_pre = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + tid];
+  }
   // Q's FP16 terms are of Q x 2^eq, eq putting max|q| of the group in [2^14, 2^15) (every warp
   // computes the same value).
   const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
@@ -634,90 +640,95 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   const float k_unscale = ldexpf(16384.0f, -eq);  // NVFP4 / ternary scores: codes' 2^-14, Q's 2^eq undone
   const float k_unscale8 = ldexpf(16.0f, -eq);     // FP8 scores: the scales' 2^-4, Q's 2^eq undone
 
-  // Q fragments, k-step s, lane (h = lane / 4, tq = lane % 4), base = tq*D/4 + 8 (s / 2):
-  // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
-  // (+ {1, 5}). Only the sets some window can use are built (CTA-uniform): BF16 terms for BF16
-  // pages and staged rows, FP16 terms in the BF16 map for FP8 pages, in the FP16 map for NVFP4
-  // and ternary pages (at short chunks this prologue is a visible share of the CTA's work).
-  const bool need_b = view.pool_count[0] > 0 || (stream_ok && view.staged_count[stream] > 0);
-  const bool need_h8 = view.pool_count[1] > 0;
-  const bool need_h = view.pool_count[2] > 0 || view.pool_count[3] > 0;
-  const float p2eq = ldexpf(1.0f, eq);  // x * 2^eq == ldexpf(x, eq) here: |x| 2^eq < 2^15, one rounding
-  for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
-    const int s = i / 32;
-    const int ln = i % 32;
-    const int col = ln >> 2;                      // mma column
-    const int h = kPk ? col >> 1 : col;           // its head
-    const bool odd = kPk && (col & 1) != 0;       // packed: its term (hi, lo / BF16 (hi, mid), (lo, 0))
-    const int base = (ln & 3) * (D / 4) + 8 * (s / 2);
-    const float* qh = q + h * D;
-    auto qv = [&](int c) { return h < group ? qh[c] : 0.0f; };
-    // One column per head: set k holds term k. Packed: set 0 holds the column's term of the FP16
-    // pair (hi | lo); BF16 set 0 (hi | mid), set 1 (lo | 0).
-    auto put_f16 = [&](uint2 (&dst)[3][32], const __half (&y)[4][2]) {
-      if constexpr (kPk) {
-        __half z[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) z[e] = odd ? y[e][1] : y[e][0];
-        dst[0][ln] = make_uint2(pack_f16(z[0], z[1]), pack_f16(z[2], z[3]));
-      } else {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) dst[k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
-      }
-    };
-    if (need_b) {
-      const int c = base + 4 * (s % 2);
-      float x[4][3];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        split3(qv(c + e), x[e]);
+  // The prologue (Q fragments, the precision groups' factors) runs after the walk's first
+  // metadata loads are issued (below), so its work overlaps their latency: at short chunks the
+  // CTA's start-up chain of dependent loads is a visible share of its life.
+  auto prologue = [&]() {
+    // Q fragments, k-step s, lane (h = lane / 4, tq = lane % 4), base = tq*D/4 + 8 (s / 2):
+    // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
+    // (+ {1, 5}). Only the sets some window can use are built (CTA-uniform): BF16 terms for BF16
+    // pages and staged rows, FP16 terms in the BF16 map for FP8 pages, in the FP16 map for NVFP4
+    // and ternary pages (at short chunks this prologue is a visible share of the CTA's work).
+    const bool need_b = view.pool_count[0] > 0 || (stream_ok && view.staged_count[stream] > 0);
+    const bool need_h8 = view.pool_count[1] > 0;
+    const bool need_h = view.pool_count[2] > 0 || view.pool_count[3] > 0;
+    const float p2eq = ldexpf(1.0f, eq);  // x * 2^eq == ldexpf(x, eq) here: |x| 2^eq < 2^15, one rounding
+    for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
+      const int s = i / 32;
+      const int ln = i % 32;
+      const int col = ln >> 2;                      // mma column
+      const int h = kPk ? col >> 1 : col;           // its head
+      const bool odd = kPk && (col & 1) != 0;       // packed: its term (hi, lo / BF16 (hi, mid), (lo, 0))
+      const int base = (ln & 3) * (D / 4) + 8 * (s / 2);
+      const float* qh = q + h * D;
+      auto qv = [&](int c) { return h < group ? qh[c] : 0.0f; };
+      // One column per head: set k holds term k. Packed: set 0 holds the column's term of the FP16
+      // pair (hi | lo); BF16 set 0 (hi | mid), set 1 (lo | 0).
+      auto put_f16 = [&](uint2 (&dst)[3][32], const __half (&y)[4][2]) {
         if constexpr (kPk) {
-          x[e][0] = odd ? x[e][1] : x[e][0];
-          x[e][1] = odd ? 0.0f : x[e][2];
+          __half z[4];
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) z[e] = odd ? y[e][1] : y[e][0];
+          dst[0][ln] = make_uint2(pack_f16(z[0], z[1]), pack_f16(z[2], z[3]));
+        } else {
+  #pragma unroll
+          for (int k = 0; k < 2; ++k) dst[k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
         }
+      };
+      if (need_b) {
+        const int c = base + 4 * (s % 2);
+        float x[4][3];
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          split3(qv(c + e), x[e]);
+          if constexpr (kPk) {
+            x[e][0] = odd ? x[e][1] : x[e][0];
+            x[e][1] = odd ? 0.0f : x[e][2];
+          }
+        }
+  #pragma unroll
+        for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
       }
-#pragma unroll
-      for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+      if (need_h8) {
+        const int c = base + 4 * (s % 2);
+        __half y[4][2];
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) split_f16<2>(qv(c + e) * p2eq, y[e]);
+        put_f16(sh.u.qf.h8[s], y);
+      }
+      if (need_h) {
+        const int c = base + 2 * (s % 2);
+        const int cs[4] = {c, c + 4, c + 1, c + 5};
+        __half x[4][2];
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) split_f16<2>(qv(cs[e]) * p2eq, x[e]);
+        put_f16(sh.u.qf.h[s], x);
+      }
     }
-    if (need_h8) {
-      const int c = base + 4 * (s % 2);
-      __half y[4][2];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<2>(qv(c + e) * p2eq, y[e]);
-      put_f16(sh.u.qf.h8[s], y);
+    // The factors of each precision group (TcRows), once per CTA.
+    if (tid <= kStagedGroup) {
+      float fk = 1.0f, u = 1.0f, pm = 1.0f;
+      const int pr = tid;
+      if (stream_ok && pr != kStagedGroup && pr != 0) {
+        // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
+        const float s2k = s2k_pre;
+        const float s2v = s2v_pre;
+        const bool fp8 = pr == 1;
+        fk = s2k * (fp8 ? k_unscale8 : k_unscale);
+        // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so ub
+        // becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset s2v
+        // (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4, ternary
+        // codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
+        const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
+        u = fp8 ? ub * 0x1p-10f : ub;
+        pm = (s2v / ub) * 16384.0f;
+      }
+      sh.rows_f[pr][0] = fk;
+      sh.rows_f[pr][1] = u;
+      sh.rows_f[pr][2] = pm;
     }
-    if (need_h) {
-      const int c = base + 2 * (s % 2);
-      const int cs[4] = {c, c + 4, c + 1, c + 5};
-      __half x[4][2];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) split_f16<2>(qv(cs[e]) * p2eq, x[e]);
-      put_f16(sh.u.qf.h[s], x);
-    }
-  }
-  // The factors of each precision group (TcRows), once per CTA.
-  if (tid <= kStagedGroup) {
-    float fk = 1.0f, u = 1.0f, pm = 1.0f;
-    const int pr = tid;
-    if (stream_ok && pr != kStagedGroup && pr != 0) {
-      // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
-      const float s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + pr];
-      const float s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + pr];
-      const bool fp8 = pr == 1;
-      fk = s2k * (fp8 ? k_unscale8 : k_unscale);
-      // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so ub
-      // becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset s2v
-      // (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4, ternary
-      // codes) or 2^-4 (FP8 scales): the output's unit is ub (x 2^-10 for FP8).
-      const float ub = s2v > 0.0f && s2v <= 3.0e38f && (s2v < 0x1p-14f || s2v > 1.0f) ? s2v : 1.0f;
-      u = fp8 ? ub * 0x1p-10f : ub;
-      pm = (s2v / ub) * 16384.0f;
-    }
-    sh.rows_f[pr][0] = fk;
-    sh.rows_f[pr][1] = u;
-    sh.rows_f[pr][2] = pm;
-  }
-  __syncthreads();
+    __syncthreads();
+  };
 
   TcState<D> st;
 #pragma unroll
@@ -819,6 +830,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       return mt;
     };
     LaneMeta next = fetch(t_first);
+    prologue();
     // Live slots are queued per warp and run in full 16-token windows across tiles (with holes a
     // tile rarely has a multiple of 16 live slots); a partial window runs only when the precision
     // group changes or the walk ends. The walk's last iteration (t0 >= hi) adds nothing and
@@ -912,6 +924,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       }
       if (last) break;
     }
+  } else {
+    prologue();
   }
   // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
   constexpr int kHL = kPk ? 1 : 2;  // heads per lane: 2t, 2t + 1 (packed: t)
