@@ -113,6 +113,9 @@ struct TcShared {
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
   float rows_f[kStagedGroup + 1][3];  // TcRows (fk, u, pm) of each precision group
+  // Per warp, per pool: (pages - pool_base x page bytes, page bytes), so a block's page is one
+  // multiply-add (modulo 2^64) after one shared load; written by the warp before its walk.
+  ulonglong2 pool_tab[kWarps][kNumPrecisions];
   // The warp's queue of live slots of one precision group (< 16 carried over + one tile of 32):
   // each slot's K row, V row and value scales (computed once per slot by its lane, not by every
   // lane of a window that reads it) and key-scale record.
@@ -750,11 +753,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     // evicted slots and partly filled blocks cost no mma work.
     const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kTileSlots * kWarps);
     const int j_begin = cr.j_begin;
-    const long long nb = cr.nb, block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
+    const int nb = static_cast<int>(cr.nb);  // a difference of two int32 block_indptr entries
+    const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
     const int words = (bs + 63) / 64;
     const std::uint8_t* staging = reinterpret_cast<const std::uint8_t*>(view.staging) +
                                   static_cast<std::size_t>(stream) * 2 * g * D * 2;
-    long long jb = -1;  // first block of the metadata batch held by the lanes
+    int jb = -1;  // first block of the metadata batch held by the lanes (block indices of the
+                  // stream are int: block_indptr is int32)
     std::uint32_t lane_block = 0;
     int lane_fill = 0;
     // This lane's position of a tile: where its row is, and the loads (eviction-mask word, key-scale
@@ -775,18 +780,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     constexpr int kStep = kTileSlots * kWarps;
     const int step_blocks = kStep / bs;
     const int step_slots = kStep % bs;
-    std::size_t pbytes[kNumPrecisions];
-#pragma unroll
-    for (int q = 0; q < kNumPrecisions; ++q) pbytes[q] = page_bytes_of(static_cast<Precision>(q), D, bs, g);
+    if (lane < kNumPrecisions) {
+      const std::uint64_t pb = page_bytes_of(static_cast<Precision>(lane), D, bs, g);
+      const std::uint64_t base = reinterpret_cast<std::uintptr_t>(view.pages[lane]);
+      sh.pool_tab[warp][lane] = make_ulonglong2(base - static_cast<std::uint64_t>(view.pool_base[lane]) * pb, pb);
+    }
+    __syncwarp();
     const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
-    long long lane_j = (t_first + lane) / bs;  // block of position t0 + lane (valid below block_pos)
-    int lane_slot = static_cast<int>(t_first + lane - lane_j * bs);
+    const long long j_first = (t_first + lane) / bs;
+    int lane_j = static_cast<int>(j_first);  // block of position t0 + lane (valid below block_pos)
+    int lane_slot = static_cast<int>(t_first + lane - j_first * bs);
     auto fetch = [&](long long t0) {
       LaneMeta mt{staging, 0, kStagedGroup, false, 0u, kNoRecordId};
       const long long vp = t0 + lane;
       const bool in = vp < hi;
       const bool staged = vp >= block_pos;
-      const long long my_j = lane_j;
+      const int my_j = lane_j;
       const int my_slot = lane_slot;
       lane_slot += step_slots;  // position t0 + kStep + lane for the next call
       lane_j += step_blocks;
@@ -796,9 +805,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       }
       // Block ids and fills of 32 blocks at a time, one per lane, shuffled to the tile's lanes.
       if (t0 < block_pos) {
-        const long long jf = __shfl_sync(0xFFFFFFFFu, my_j, 0);
-        const long long j31 = __shfl_sync(0xFFFFFFFFu, my_j, 31);
-        const long long jl = t0 + kTileSlots <= block_pos ? j31 : nb - 1;  // block of the tile's last slot
+        const int jf = __shfl_sync(0xFFFFFFFFu, my_j, 0);
+        const int j31 = __shfl_sync(0xFFFFFFFFu, my_j, 31);
+        const int jl = t0 + kTileSlots <= block_pos ? j31 : nb - 1;  // block of the tile's last slot
         if (jb < 0 || jf < jb || jl >= jb + 32) {
           jb = jf;
           lane_block = 0;
@@ -809,19 +818,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           }
         }
       }
-      const long long j = staged ? jb : my_j;
-      const int src_lane = static_cast<int>(j - jb) & 31;
+      const int j = staged ? jb : my_j;
+      const int src_lane = (j - jb) & 31;
       const std::uint32_t b = __shfl_sync(0xFFFFFFFFu, lane_block, src_lane);
       const int fill = __shfl_sync(0xFFFFFFFFu, lane_fill, src_lane);
       mt.maybe = in;
       if (in && !staged) {
         mt.slot = my_slot;
         mt.pr = block_pool(view, b);
-        const std::size_t pb = mt.pr == 0 ? pbytes[0] : mt.pr == 1 ? pbytes[1] : mt.pr == 2 ? pbytes[2] : pbytes[3];
-        mt.page = pool_page(view, b, mt.pr, pb);
+        const ulonglong2 tab = sh.pool_tab[warp][mt.pr];  // pool_page(view, b, pr, page bytes)
+        mt.page = reinterpret_cast<const std::uint8_t*>(tab.x + static_cast<std::uint64_t>(b) * tab.y);
         mt.maybe = mt.slot < fill;
         if (mt.maybe) {
-          mt.mask = evict32[(static_cast<std::size_t>(b) * words + mt.slot / 64) * 2 + (mt.slot / 32) % 2];
+          const unsigned us = static_cast<unsigned>(mt.slot);
+          mt.mask = evict32[(static_cast<std::size_t>(b) * words + (us >> 6)) * 2 + ((us >> 5) & 1u)];
           if (mt.pr != 0) mt.rec = view.slot_record[static_cast<std::size_t>(b) * bs + mt.slot];
         }
       } else if (in) {
@@ -848,11 +858,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const bool valid = !last && cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
       // This slot's rows: a block page holds B K rows, B V rows, then the value scales (D / g per
       // row); the staging rows g K rows, then g V rows (BF16, no scales).
-      const int rb = pr >= kStagedGroup ? 2 * D : (2 * D) >> pr;  // D x bits / 8
-      const std::size_t rows = pr == kStagedGroup ? static_cast<std::size_t>(g) : static_cast<std::size_t>(bs);
-      const std::uint8_t* krow = page + static_cast<std::size_t>(slot) * rb;
-      const std::uint8_t* vrow = page + (rows + slot) * rb;
-      const std::uint8_t* vscale = page + 2 * rows * rb + (static_cast<std::size_t>(slot) << (kLogD - lg));
+      // Offsets in 32 bits: a page is at most 2 x 4096 rows of 512 bytes plus scales.
+      const unsigned rb = pr >= kStagedGroup ? 2u * D : (2u * D) >> pr;  // D x bits / 8
+      const unsigned rows = pr == kStagedGroup ? static_cast<unsigned>(g) : static_cast<unsigned>(bs);
+      const unsigned us = static_cast<unsigned>(slot);
+      const std::uint8_t* krow = page + us * rb;
+      const std::uint8_t* vrow = page + (rows + us) * rb;
+      const std::uint8_t* vscale = page + 2u * rows * rb + (us << (kLogD - lg));
       unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
       while (todo != 0u || (last && qn > 0)) {
         int group_pr = qpr;
