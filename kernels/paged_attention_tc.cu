@@ -651,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     // BF16 map channels (base + 4 (s % 2) + {0, 1}), (+ {2, 3}); FP16 map (base + 2 (s % 2) + {0, 4}),
     // (+ {1, 5}). Only the sets some window can use are built (CTA-uniform): BF16 terms for BF16
     // pages and staged rows, FP16 terms in the BF16 map for FP8 pages, in the FP16 map for NVFP4
-    // and ternary pages (at short chunks this prologue is a visible share of the CTA's work).
+    // and ternary pages.
     const bool need_b = view.pool_count[0] > 0 || (stream_ok && view.staged_count[stream] > 0);
     const bool need_h8 = view.pool_count[1] > 0;
     const bool need_h = view.pool_count[2] > 0 || view.pool_count[3] > 0;
@@ -670,18 +670,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       auto put_f16 = [&](uint2 (&dst)[3][32], const __half (&y)[4][2]) {
         if constexpr (kPk) {
           __half z[4];
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) z[e] = odd ? y[e][1] : y[e][0];
           dst[0][ln] = make_uint2(pack_f16(z[0], z[1]), pack_f16(z[2], z[3]));
         } else {
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < 2; ++k) dst[k][ln] = make_uint2(pack_f16(y[0][k], y[1][k]), pack_f16(y[2][k], y[3][k]));
         }
       };
       if (need_b) {
         const int c = base + 4 * (s % 2);
         float x[4][3];
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           split3(qv(c + e), x[e]);
           if constexpr (kPk) {
@@ -689,13 +689,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
             x[e][1] = odd ? 0.0f : x[e][2];
           }
         }
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
       }
       if (need_h8) {
         const int c = base + 4 * (s % 2);
         __half y[4][2];
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) split_f16<2>(qv(c + e) * p2eq, y[e]);
         put_f16(sh.u.qf.h8[s], y);
       }
@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
         const int c = base + 2 * (s % 2);
         const int cs[4] = {c, c + 4, c + 1, c + 5};
         __half x[4][2];
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) split_f16<2>(qv(cs[e]) * p2eq, x[e]);
         put_f16(sh.u.qf.h[s], x);
       }
@@ -714,10 +714,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       const int pr = tid;
       if (stream_ok && pr != kStagedGroup && pr != 0) {
         // K' and V' hold exact element x scale products (x 2^-14 for FP16): only s2 is left.
-        const float s2k = s2k_pre;
         const float s2v = s2v_pre;
         const bool fp8 = pr == 1;
-        fk = s2k * (fp8 ? k_unscale8 : k_unscale);
+        fk = s2k_pre * (fp8 ? k_unscale8 : k_unscale);
         // P' = p x s2v / ub x 2^14 must stay inside FP16's range and above its subnormals, so ub
         // becomes s2v (a power of two > 0 once set) when s2v is outside [2^-14, 1]; an unset s2v
         // (0: p scaled by it, as the CPU does) keeps ub = 1. V' carries 2^-14 (NVFP4, ternary
