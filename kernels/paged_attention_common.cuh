@@ -116,6 +116,13 @@ __device__ inline const std::uint8_t* pool_page(const PagedKvView& view, std::ui
   return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
 }
 
+/// Where block 0 of pool pr's numbering would start (pages[pr] - pool_base[pr] x page_bytes,
+/// modulo 2^64): the page of block b of that pool is pool_origin + b x page_bytes, the same
+/// address as pool_page with one multiply-add (the tensor-core walk keeps it in shared memory).
+__device__ inline std::uint64_t pool_origin(const PagedKvView& view, int pr, std::uint64_t page_bytes) {
+  return reinterpret_cast<std::uintptr_t>(view.pages[pr]) - static_cast<std::uint64_t>(view.pool_base[pr]) * page_bytes;
+}
+
 /// The page of global block b of pool pr (page layout: PagedKvView::pages).
 template <int D>
 __device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs, int g) {

@@ -781,8 +781,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     const int step_slots = kStep % bs;
     if (lane < kNumPrecisions) {
       const std::uint64_t pb = page_bytes_of(static_cast<Precision>(lane), D, bs, g);
-      const std::uint64_t base = reinterpret_cast<std::uintptr_t>(view.pages[lane]);
-      sh.pool_tab[warp][lane] = make_ulonglong2(base - static_cast<std::uint64_t>(view.pool_base[lane]) * pb, pb);
+      sh.pool_tab[warp][lane] = make_ulonglong2(pool_origin(view, lane, pb), pb);
     }
     __syncwarp();
     const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
@@ -825,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       if (in && !staged) {
         mt.slot = my_slot;
         mt.pr = block_pool(view, b);
-        const ulonglong2 tab = sh.pool_tab[warp][mt.pr];  // pool_page(view, b, pr, page bytes)
+        const ulonglong2 tab = sh.pool_tab[warp][mt.pr];  // = pool_page(view, b, pr, page bytes)
         mt.page = reinterpret_cast<const std::uint8_t*>(tab.x + static_cast<std::uint64_t>(b) * tab.y);
         mt.maybe = mt.slot < fill;
         if (mt.maybe) {
