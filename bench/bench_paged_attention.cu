@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -260,6 +261,12 @@ struct Setup : thinkv::bench::DeviceAllocs {
     prm.out = out;
     bytes_read += static_cast<double>(Hq) * kD * 4;      // q
     bytes_written = static_cast<double>(Hq) * kD * 4;   // out
+    // The split plan's hint (the longest stream's slot positions), as CudaKvBackend passes it;
+    // THINKV_BENCH_SPLIT_HINT=0 plans without it (waves only), for comparison.
+    const char* hint = std::getenv("THINKV_BENCH_SPLIT_HINT");
+    if (hint == nullptr || std::strcmp(hint, "0") != 0) {
+      prm.max_positions = static_cast<long long>(blocks_per_stream) * kB;
+    }
     // Split-K workspace (automatic number of splits), allocated once per configuration.
     std::uint8_t* ws = nullptr;
     BENCH_CUDA(alloc(ws, tk::paged_decode_attention_workspace_size(prm)));
@@ -390,6 +397,7 @@ void BM_ModelStep(benchmark::State& state) {
   const double bytes = su.bytes_read + su.bytes_written;  // all 32 layers
   thinkv::bench::bandwidth_counters(state, bytes, med_s);
   state.counters["roofline_us"] = bytes / (kCeilingGBps * 1e9) * 1e6;
+  state.counters["splits"] = static_cast<double>(tk::paged_decode_attention_splits(layer[0]));
   state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (layout ? " segments" : " per-block") +
                  (ev ? " evict50" : " evict0") + (graph ? " graph" : " launches"));
 }

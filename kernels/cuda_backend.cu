@@ -393,6 +393,13 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   prm.group_size = m.config.group_size;
   prm.block_size = m.config.block_size;
   prm.softmax_scale = args.softmax_scale;
+  // The split plan's hint: the longest stream of this launch, in slot positions.
+  for (int h = 0; h < args.num_kv_heads; ++h) {
+    const auto st = static_cast<std::size_t>(args.kv_streams[h]);
+    const long long pos = static_cast<long long>(m.flat.block_indptr[st + 1] - m.flat.block_indptr[st]) *
+                              m.config.block_size + m.flat.staged_count[st];
+    if (pos > prm.max_positions) prm.max_positions = pos;
+  }
   const auto align = [](std::size_t x) { return (x + 255) & ~std::size_t{255}; };
   const std::size_t q_bytes = align(static_cast<std::size_t>(args.num_q_heads) * d * 4);
   const std::size_t sp_bytes = align(static_cast<std::size_t>(args.num_q_heads) * 4);

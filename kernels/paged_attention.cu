@@ -785,8 +785,14 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   const int group = p.num_q_heads / hkv;
   int per_sm = main_pass_ctas_per_sm(dev, p.head_dim, group);
   if (per_sm < 1) per_sm = 4;
+  const long long resident = static_cast<long long>(per_sm) * sms;
+  // With the longest stream known (tensor-core pass): waves x (CTA start-up + chunk length), the
+  // chunks cut in whole 128-position pieces (4 warps x 32-slot tiles; launch_plan.hpp).
+  if (p.max_positions > 0 && p.head_dim >= 64) {
+    return plan_decode_splits_for_length(hkv, resident, kMaxSplits, p.max_positions, 32 * kWarps);
+  }
   // The fewest chunks whose CTAs fill the last wave of resident ones to >= 90% (launch_plan.hpp).
-  return plan_decode_splits(hkv, static_cast<long long>(per_sm) * sms, kMaxSplits);
+  return plan_decode_splits(hkv, resident, kMaxSplits);
 }
 
 std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept {
@@ -806,7 +812,7 @@ cudaError_t check_paged_decode_attention(const PagedKvView& v, const DecodeAtten
   }
   if (!(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale)) return cudaErrorInvalidValue;
   if (p.streams == nullptr || p.q == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
-  if (p.num_splits < 0 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (p.num_splits < 0 || p.num_splits > kMaxSplits || p.max_positions < 0) return cudaErrorInvalidValue;
   if (p.workspace == nullptr || (reinterpret_cast<std::uintptr_t>(p.workspace) & 15) != 0) return cudaErrorInvalidValue;
   if (v.num_streams < 1 || v.s2 == nullptr || v.block_fill == nullptr || v.evict_mask == nullptr ||
       v.slot_record == nullptr || v.block_indptr == nullptr || v.staging == nullptr ||

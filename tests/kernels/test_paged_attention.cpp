@@ -61,6 +61,7 @@ struct Case {
   float softmax_scale;  // 0 = 1/sqrt(head_dim)
   int num_splits = 0;   // split-K chunks per KV head (0 = automatic)
   float v_scale = 1.0f; // scales values: far from 1, the FP16 pass changes its output unit
+  long long max_positions = 0;  // split-plan hint: 0 none, -1 the longest stream's true positions, else this value
 };
 
 /// Number of representable floats between a and b (a, b finite).
@@ -206,6 +207,15 @@ void run_case(const Case& cs, std::mt19937& rng) {
   prm.sparsity = dsp;
   prm.softmax_scale = cs.softmax_scale;
   prm.num_splits = cs.num_splits;
+  prm.max_positions = cs.max_positions;
+  if (cs.max_positions < 0) {  // the true hint: the longest of this launch's streams
+    prm.max_positions = 0;
+    for (const std::int32_t s : kv_streams) {
+      const long long pos = static_cast<long long>(cache.table().blocks(s).size()) * cs.block_size +
+                            cache.table().staged_count(s);
+      prm.max_positions = std::max(prm.max_positions, pos);
+    }
+  }
   // Workspace: exactly the size asked for, poisoned (NaN) so no stale partial can pass.
   const std::size_t ws_bytes = kernels::paged_decode_attention_workspace_size(prm);
   void* dws = nullptr;
@@ -336,6 +346,7 @@ void check_refusals() {
   refuse("misaligned workspace", [](auto& p, auto&) { p.workspace = static_cast<char*>(p.workspace) + 4; });
   refuse("negative num_splits", [](auto& p, auto&) { p.num_splits = -1; });
   refuse("num_splits over kMaxSplits", [](auto& p, auto&) { p.num_splits = kMaxSplits + 1; });
+  refuse("negative max_positions", [](auto& p, auto&) { p.max_positions = -1; });
   refuse("null s2", [](auto&, auto& w) { w.s2 = nullptr; });
   refuse("null staging", [](auto&, auto& w) { w.staging = nullptr; });
   refuse("null page of a used pool", [](auto&, auto& w) { w.pages[0] = nullptr; });
@@ -400,6 +411,15 @@ int main() {
     run_case({"split=256 D=8 8q/4kv B=64", 8, 8, 64, 8, 4, 1, map, 50, 300, 3.0f, 0.0f, 256}, rng);
     run_case({"split=13 D=8 8q/4kv B=16", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 13}, rng);
     run_case({"split=9 staged only D=128", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f, 9}, rng);
+    // The split plan's length hint (max_positions): true (fewer, longer chunks), far too small
+    // (one chunk) and far too large (many empty chunks): the same results every time, only the
+    // number of chunks moves.
+    run_case({"hint=true D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 2, map, 300, 1200, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
+    run_case({"hint=true D=64 g=16 8q/4kv B=16", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
+    run_case({"hint=true staged only D=128", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
+    run_case({"hint=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 0, 1.0f, 1}, rng);
+    run_case({"hint=1e7 D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 10000000}, rng);
+    run_case({"hint=true D=8 8q/4kv B=16 (waves plan)", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
   }
   std::printf("%s\n", failures ? "FAILED" : "all paged attention checks passed");
   return failures ? 1 : 0;

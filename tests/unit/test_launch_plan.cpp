@@ -3,9 +3,13 @@
 // SM for the head_dim-128 pass = 396) and against its definition by brute force.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
+
 #include "thinkv/kernels/launch_plan.hpp"
 
 using thinkv::kernels::plan_decode_splits;
+using thinkv::kernels::plan_decode_splits_for_length;
 
 namespace {
 
@@ -71,6 +75,65 @@ TEST_CASE("plan_decode_splits: the fewest splits reaching 90%, else the best, wi
           CHECK(s == first);
         } else {
           CHECK(efficiency(hkv, resident, s) >= best - 1e-12);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("plan_decode_splits_for_length: waves x (start-up + chunk), hand-computed H200 plans", "[launch_plan]") {
+  // The 32-layer step's layer: batch 64 (512 KV heads), 1,024 positions = 8 pieces of 128, 396
+  // resident CTAs. Cost in half-pieces, ceil(waves) x (3 + 2 ceil(8 / s)): s = 1: 2 x 19 = 38,
+  // s = 2: 3 x 11 = 33, s = 3: 4 x 9 = 36, s = 4: 6 x 7 = 42 -> 2 (the waves-only plan says 3).
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128) == 2);
+  CHECK(plan_decode_splits(512, 396, 256) == 3);
+  // Batch 64 x 512 positions (4 pieces): s = 1: 2 x 11 = 22, s = 2: 3 x 7 = 21, s = 3: 4 x 7 = 28.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 512, 128) == 2);
+  // Batch 32 x 4,096 (32 pieces): s = 2: 2 x 35 = 70, s = 3: 2 x 25 = 50, s = 4: 3 x 19 = 57 -> 3,
+  // the same as the waves-only plan; likewise batch 32 x 32K (256 pieces).
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 4096, 128) == 3);
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 32768, 128) == 3);
+  // Batch 1 x 512 (8 KV heads, 4 pieces): one wave at any s <= 4; 4 chunks of one piece (the
+  // waves-only plan cuts 45 chunks, 41 of them empty).
+  CHECK(plan_decode_splits_for_length(8, 396, 256, 512, 128) == 4);
+  CHECK(plan_decode_splits(8, 396, 256) == 45);
+  // Batch 1 x 32K: one wave up to s = 49; ceil(256 / s) = 6 from s = 43 on -> 43.
+  CHECK(plan_decode_splits_for_length(8, 396, 256, 32768, 128) == 43);
+  // Batch 256 x 8,192 positions (64 pieces): s = 1: 6 x 131 = 786, s = 2: 11 x 67 = 737,
+  // s = 3: 16 x 47 = 752, s = 4: 21 x 35 = 735: 2 is within 1/32 of the least -> 2.
+  CHECK(plan_decode_splits_for_length(2048, 396, 256, 8192, 128) == 2);
+  // Batch 256 x 512 (2,048 KV heads, 4 pieces): s = 1: 6 x 11 = 66, s = 2: 11 x 7 = 77 -> 1.
+  CHECK(plan_decode_splits_for_length(2048, 396, 256, 512, 128) == 1);
+  // A partial last piece counts as a piece; one position is one piece and one split.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1025, 128) == plan_decode_splits_for_length(512, 396, 256, 1152, 128));
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1, 128) == 1);
+  // Unknown length (0 or negative): the waves-only plan.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 0, 128) == plan_decode_splits(512, 396, 256));
+  CHECK(plan_decode_splits_for_length(8, 396, 256, -5, 128) == plan_decode_splits(8, 396, 256));
+}
+
+TEST_CASE("plan_decode_splits_for_length: the cheapest plan by brute force, within bounds", "[launch_plan]") {
+  // The definition in doubles: cost(s) = ceil(H s / R) (1.5 + ceil(pieces / s)) over
+  // s = 1..min(max, pieces); the plan is the fewest splits within 1/32 of the least cost.
+  for (int hkv : {1, 8, 64, 255, 512, 2048}) {
+    for (long long resident : {1LL, 132LL, 396LL, 528LL}) {
+      for (int smax : {1, 3, 256}) {
+        for (long long positions : {1LL, 127LL, 128LL, 129LL, 512LL, 1024LL, 5000LL, 32768LL, 131072LL}) {
+          const int s = plan_decode_splits_for_length(hkv, resident, smax, positions, 128);
+          INFO("hkv " << hkv << " resident " << resident << " max " << smax << " positions " << positions << " -> " << s);
+          const long long pieces = (positions + 127) / 128;
+          REQUIRE(s >= 1);
+          REQUIRE(s <= smax);
+          REQUIRE(s <= pieces);
+          auto cost = [&](long long k) {
+            const double waves = std::ceil(static_cast<double>(hkv) * static_cast<double>(k) / static_cast<double>(resident));
+            return waves * (1.5 + std::ceil(static_cast<double>(pieces) / static_cast<double>(k)));
+          };
+          const long long top = std::min<long long>(smax, pieces);
+          double least = cost(1);
+          for (long long k = 2; k <= top; ++k) least = std::min(least, cost(k));
+          CHECK(cost(s) <= least * 33.0 / 32.0 + 1e-9);  // within 1/32 of the least
+          for (long long k = 1; k < s; ++k) CHECK(cost(k) > least * 33.0 / 32.0 - 1e-9);  // the fewest such
         }
       }
     }

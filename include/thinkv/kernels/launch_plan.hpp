@@ -34,4 +34,41 @@ namespace thinkv::kernels {
   return best;
 }
 
+/// Start-up and wind-down of one main-pass CTA, in half-pieces of `piece` slot positions (3 = one
+/// and a half pieces of 128 positions): the stream-id, block-list, fill, mask and record loads
+/// that precede a CTA's first window, the Q fragments, and the write of its partial. Measured on
+/// the H200 (docs/perf.md, 2026-11-30, 06:30 UTC): the 32-layer step (batch 64, 1,024 positions)
+/// at 2 / 3 / 4 splits took 2,366 / 2,564 / 2,854 µs, which ceil(waves) x (start-up + pieces per
+/// chunk) fits with a start-up of 1.3-1.6 pieces.
+inline constexpr long long kSplitStartupHalfPieces = 3;
+
+/// Split-K plan when the caller knows the longest stream of the launch (`positions`: its block
+/// slot positions plus staged tokens; chunks are cut in whole pieces of `piece` positions). Each
+/// CTA costs a start-up plus its chunk's pieces, CTAs run in waves of `resident_ctas`, so the plan
+/// takes, among s in 1..min(max_splits, pieces), the fewest splits whose
+///     cost(s) = ceil(Hkv * s / resident) x (kSplitStartupHalfPieces + 2 ceil(pieces / s))
+/// is within 1/32 of the least cost: near-ties go to fewer, longer chunks, because at many waves
+/// ceil() overstates the tail (CTAs of the next wave start as soon as any ends). Measured on the
+/// H200: 256 streams x 8,192 positions cost 737 at 2 splits and 735 at 4; 2 ran 4% faster.
+/// Against plan_decode_splits (waves only) it cuts short streams into fewer, longer chunks: batch
+/// 64 x 1,024 positions gets 2 splits instead of 3 (7-10% faster), batch 32 x 512 one instead of
+/// 3 (14-22%), batch 1 x 512 four instead of 45 (25%). positions < 1 (unknown) falls back to
+/// plan_decode_splits. Integer arithmetic only.
+[[nodiscard]] constexpr int plan_decode_splits_for_length(int num_kv_heads, long long resident_ctas, int max_splits,
+                                                          long long positions, long long piece) noexcept {
+  if (positions < 1) return plan_decode_splits(num_kv_heads, resident_ctas, max_splits);
+  const long long h = num_kv_heads > 0 ? num_kv_heads : 1;
+  const long long r = resident_ctas > 0 ? resident_ctas : 1;
+  const long long pc = piece > 0 ? piece : 1;
+  const long long pieces = (positions + pc - 1) / pc;
+  const long long smax = max_splits > 0 ? (max_splits < pieces ? max_splits : pieces) : 1;
+  auto cost = [&](long long s) { return (h * s + r - 1) / r * (kSplitStartupHalfPieces + 2 * ((pieces + s - 1) / s)); };
+  long long best = cost(1);
+  for (long long s = 2; s <= smax; ++s) best = cost(s) < best ? cost(s) : best;
+  for (long long s = 1; s < smax; ++s) {
+    if (32 * cost(s) <= 33 * best) return static_cast<int>(s);
+  }
+  return static_cast<int>(smax);
+}
+
 }  // namespace thinkv::kernels
