@@ -934,9 +934,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
       }
       if (last) break;
     }
-  } else {
-    prologue();
   }
+  // An invalid stream (CTA-uniform) skips the prologue: nothing below reads the Q fragments or
+  // the precision factors, and its partial (m = -inf, l = 0) makes the merge write NaN rows.
   // Denominators: sum the lanes' shares over gq (m is the same on every gq of a t).
   constexpr int kHL = kPk ? 1 : 2;  // heads per lane: 2t, 2t + 1 (packed: t)
 #pragma unroll

@@ -62,6 +62,7 @@ struct Case {
   int num_splits = 0;   // split-K chunks per KV head (0 = automatic)
   float v_scale = 1.0f; // scales values: far from 1, the FP16 pass changes its output unit
   long long max_positions = 0;  // split-plan hint: 0 none, -1 the longest stream's true positions, else this value
+  bool bad_streams = false;     // also relaunch with out-of-range stream ids for the first and last KV heads
 };
 
 /// Number of representable floats between a and b (a, b finite).
@@ -263,7 +264,40 @@ void run_case(const Case& cs, std::mt19937& rng) {
     // Equal counts must give the very same float (same division on both sides).
     if (diff == 0 && got_sp[static_cast<std::size_t>(h)] != want_sp[static_cast<std::size_t>(h)]) ++sp_bad;
   }
-  const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits;
+  // Out-of-range stream ids (the kernel's documented contract: NaN output rows and NaN sparsity for
+  // those KV heads' query heads; every other head bit for bit as before).
+  int bad_stream_fail = 0;
+  if (cs.bad_streams) {
+    std::vector<std::int32_t> bad_ids = kv_streams;
+    const int nkv = cs.num_kv_heads;
+    bad_ids.front() = static_cast<std::int32_t>(cache.config().num_streams + 3);
+    if (nkv > 1) bad_ids.back() = -1;
+    CHECK_CUDA(cudaMemcpy(dstreams, bad_ids.data(), bad_ids.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
+    CHECK_CUDA(cudaMemset(dsp, 0x00, want_sp.size() * sizeof(float)));  // poison: 0, not NaN
+    CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
+    prm.sparsity = dsp;
+    CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<float> got3(q.size()), got3_sp(want_sp.size());
+    CHECK_CUDA(cudaMemcpy(got3.data(), dout, got3.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(got3_sp.data(), dsp, got3_sp.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int h = 0; h < nkv; ++h) {
+      const bool bad_h = h == 0 || (nkv > 1 && h == nkv - 1);
+      for (int r = 0; r < group; ++r) {
+        const int qh = h * group + r;
+        const float sp = got3_sp[static_cast<std::size_t>(qh)];
+        bad_stream_fail += bad_h ? !std::isnan(sp) : std::memcmp(&sp, &got_sp[static_cast<std::size_t>(qh)], 4) != 0;
+        for (int c = 0; c < d; ++c) {
+          const std::size_t i = static_cast<std::size_t>(qh) * d + c;
+          bad_stream_fail += bad_h ? !std::isnan(got3[i]) : std::memcmp(&got3[i], &got[i], 4) != 0;
+        }
+      }
+    }
+    std::printf("%s %-34s out-of-range stream ids for KV heads 0 and %d: NaN rows there, the rest unchanged (%d mismatches)\n",
+                bad_stream_fail == 0 ? "ok  " : "FAIL", cs.name, nkv - 1, bad_stream_fail);
+  }
+  const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits && bad_stream_fail == 0;
   std::printf(
       "%s %-34s map=%-7s splits=%-3d tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
       "  sparsity: %d sparse, max count diff %d (near-threshold allowance %d)%s\n",
@@ -420,6 +454,9 @@ int main() {
     run_case({"hint=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 0, 1.0f, 1}, rng);
     run_case({"hint=1e7 D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 10000000}, rng);
     run_case({"hint=true D=8 8q/4kv B=16 (waves plan)", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
+    // Out-of-range stream ids (tensor-core pass and the head_dim-8 pass).
+    run_case({"bad ids D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 200, 800, 1.0f, 0.0f, 0, 1.0f, -1, true}, rng);
+    run_case({"bad ids D=8 8q/4kv B=16", 8, 8, 16, 8, 4, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 0, true}, rng);
   }
   std::printf("%s\n", failures ? "FAILED" : "all paged attention checks passed");
   return failures ? 1 : 0;
