@@ -534,7 +534,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
     sh.ntok[warp] = st.ntok;
   }
   __syncthreads();
-  merge_warps_to_workspace(sh.m, sh.l, sh.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part);
+  merge_warps_to_workspace(sh.m, sh.l, sh.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part,
+                           ws.out != nullptr ? ws.out + static_cast<std::size_t>(kvh) * group * D : nullptr);
 }
 
 /// Merge: one CTA per query head. Rescales the chunks (m in log2 units) to the global max and
@@ -698,6 +699,8 @@ template <int D>
 cudaError_t launch_for(const PagedKvView& view, const DecodeAttentionParams& p, int splits, cudaStream_t s) {
   Workspace ws{};
   workspace_bytes(p.num_q_heads, p.num_kv_heads, D, splits, &ws, p.workspace);
+  // One chunk and no sparsity: the main pass writes the output itself and the merge is skipped.
+  if (splits == 1 && p.sparsity == nullptr) ws.out = p.out;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
   cudaError_t e = cudaSuccess;
   // One instance per power-of-two bound on G (G = 3 runs as 4, 5..7 as 8: padded heads have
@@ -717,6 +720,7 @@ cudaError_t launch_for(const PagedKvView& view, const DecodeAttentionParams& p, 
     e = launch_for_group<D, 8>(view, p, ws, splits, s);
   }
   if (e != cudaSuccess) return e;
+  if (ws.out != nullptr) return cudaSuccess;
   paged_decode_merge_kernel<<<p.num_q_heads, kMergeThreads, 0, s>>>(p, ws, splits, D);
   if (e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.sparsity == nullptr) return cudaSuccess;

@@ -43,6 +43,10 @@ struct Workspace {
   unsigned* smax;  // [Hq] exact row max of the sparsity pass (ordered_key)
   int* count;   // [Hq] sparsity counts
   int* total;   // [Hkv] tokens per KV head
+  // Non-null when a launch has one chunk per KV head and no sparsity: the main pass writes the
+  // attention output [Hq, D] here itself (acc / l, bit for bit what the merge would write from its
+  // one chunk) and no merge kernel runs.
+  float* out;
 };
 
 __host__ __device__ inline std::size_t align16(std::size_t x) { return (x + 15) & ~std::size_t{15}; }
@@ -69,6 +73,7 @@ __host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, i
     w->smax = reinterpret_cast<unsigned*>(smax);
     w->count = reinterpret_cast<int*>(count);
     w->total = reinterpret_cast<int*>(total);
+    w->out = nullptr;
   }
   return off;
 }
@@ -322,7 +327,7 @@ constexpr float elem_unscale() {
 template <int G, int D>
 __device__ void merge_warps_to_workspace(const float (&m)[kWarps][G], const float (&l)[kWarps][G],
                                          const float (&acc)[kWarps][G][D], const int (&ntok)[kWarps], int group,
-                                         float* acc_out, float* ml_out, int* ntok_out) {
+                                         float* acc_out, float* ml_out, int* ntok_out, float* direct_out = nullptr) {
   const int tid = static_cast<int>(threadIdx.x);
   for (int i = tid; i < group * D; i += kThreads) {
     const int h = i / D;
@@ -338,6 +343,10 @@ __device__ void merge_warps_to_workspace(const float (&m)[kWarps][G], const floa
       const float fw = exp2f(m[w][h] - mm);
       a += acc[w][h][c] * fw;
       ls += lw * fw;
+    }
+    if (direct_out != nullptr) {  // the only chunk: the merge's (0 + a x 1) / (0 + ls x 1)
+      direct_out[i] = a / ls;
+      continue;
     }
     acc_out[i] = a;
     if (c == 0) {

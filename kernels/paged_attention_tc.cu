@@ -967,7 +967,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
   }
   if (lane == 0) sh.ntok[warp] = st.ntok;
   __syncthreads();
-  merge_warps_to_workspace(sh.m, sh.l, sh.u.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part);
+  merge_warps_to_workspace(sh.m, sh.l, sh.u.acc, sh.ntok, group, acc_out, ml_out, ws.ntok + part,
+                           ws.out != nullptr ? ws.out + static_cast<std::size_t>(kvh) * group * D : nullptr);
 }
 
 /// Whether every row load of the pass can be a vector load: pool pages, page sizes, the staging

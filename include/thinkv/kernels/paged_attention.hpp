@@ -105,7 +105,9 @@ inline constexpr int kMaxSplits = 256;
 
 /// Launches decode attention on `stream`: a partial kernel (grid splits x Hkv), a merge kernel
 /// (one CTA per query head) and, when sparsity is asked, a counting pass over the same chunks
-/// against the merged row max plus a tiny finishing kernel. Returns
+/// against the merged row max plus a tiny finishing kernel. With one chunk per KV head and no
+/// sparsity the partial kernel writes the output itself (the same bits the merge would write)
+/// and the merge is not launched. Returns
 /// cudaErrorInvalidValue for bad parameters (nothing launched), else the launch status.
 [[nodiscard]] cudaError_t launch_paged_decode_attention(const PagedKvView& view,
                                                         const DecodeAttentionParams& p,
