@@ -793,7 +793,9 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   // With the longest stream known (tensor-core pass): waves x (CTA start-up + chunk length), the
   // chunks cut in whole 128-position pieces (4 warps x 32-slot tiles; launch_plan.hpp).
   if (p.max_positions > 0 && p.head_dim >= 64) {
-    return plan_decode_splits_for_length(hkv, resident, kMaxSplits, p.max_positions, 32 * kWarps);
+    // Without sparsity one chunk needs no merge kernel (the main pass writes the output).
+    return plan_decode_splits_for_length(hkv, resident, kMaxSplits, p.max_positions, 32 * kWarps,
+                                         p.sparsity == nullptr ? kSplitMergeHalfPieces : 0);
   }
   // The fewest chunks whose CTAs fill the last wave of resident ones to >= 90% (launch_plan.hpp).
   return plan_decode_splits(hkv, resident, kMaxSplits);

@@ -107,33 +107,48 @@ TEST_CASE("plan_decode_splits_for_length: waves x (start-up + chunk), hand-compu
   // A partial last piece counts as a piece; one position is one piece and one split.
   CHECK(plan_decode_splits_for_length(512, 396, 256, 1025, 128) == plan_decode_splits_for_length(512, 396, 256, 1152, 128));
   CHECK(plan_decode_splits_for_length(512, 396, 256, 1, 128) == 1);
+  // With the merge term (one chunk skips the merge kernel: + 2 half-pieces for s > 1): batch 64 x
+  // 512 positions: s = 1: 22, s = 2: 21 + 2 = 23 -> 1; batch 32 x 1,024 (8 pieces): s = 1: 19,
+  // s = 3: 18 + 2 = 20 -> 1; the step's layer keeps 2 (s = 1: 38, s = 2: 35); batch 1 x 512
+  // keeps 4 (s = 1: 11, s = 4: 5 + 2 = 7).
+  using thinkv::kernels::kSplitMergeHalfPieces;
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 512, 128, kSplitMergeHalfPieces) == 1);
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 1024, 128, kSplitMergeHalfPieces) == 1);
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 1024, 128) == 3);
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128, kSplitMergeHalfPieces) == 2);
+  CHECK(plan_decode_splits_for_length(8, 396, 256, 512, 128, kSplitMergeHalfPieces) == 4);
   // Unknown length (0 or negative): the waves-only plan.
   CHECK(plan_decode_splits_for_length(512, 396, 256, 0, 128) == plan_decode_splits(512, 396, 256));
   CHECK(plan_decode_splits_for_length(8, 396, 256, -5, 128) == plan_decode_splits(8, 396, 256));
 }
 
 TEST_CASE("plan_decode_splits_for_length: the cheapest plan by brute force, within bounds", "[launch_plan]") {
-  // The definition in doubles: cost(s) = ceil(H s / R) (1.5 + ceil(pieces / s)) over
-  // s = 1..min(max, pieces); the plan is the fewest splits within 1/32 of the least cost.
+  // The definition in doubles: cost(s) = ceil(H s / R) (1.5 + ceil(pieces / s)) + (s > 1 ? merge / 2 : 0)
+  // over s = 1..min(max, pieces); the plan is the fewest splits within 1/32 of the least cost.
+  auto check = [](int hkv, long long resident, int smax, long long positions, long long merge) {
+    const int s = plan_decode_splits_for_length(hkv, resident, smax, positions, 128, merge);
+    INFO("hkv " << hkv << " resident " << resident << " max " << smax << " positions " << positions << " merge "
+                << merge << " -> " << s);
+    const long long pieces = (positions + 127) / 128;
+    REQUIRE(s >= 1);
+    REQUIRE(s <= smax);
+    REQUIRE(s <= pieces);
+    auto cost = [&](long long k) {
+      const double waves = std::ceil(static_cast<double>(hkv) * static_cast<double>(k) / static_cast<double>(resident));
+      return waves * (1.5 + std::ceil(static_cast<double>(pieces) / static_cast<double>(k))) +
+             (k > 1 ? static_cast<double>(merge) / 2.0 : 0.0);
+    };
+    const long long top = std::min<long long>(smax, pieces);
+    double least = cost(1);
+    for (long long k = 2; k <= top; ++k) least = std::min(least, cost(k));
+    CHECK(cost(s) <= least * 33.0 / 32.0 + 1e-9);                                   // within 1/32 of the least
+    for (long long k = 1; k < s; ++k) CHECK(cost(k) > least * 33.0 / 32.0 - 1e-9);  // the fewest such
+  };
   for (int hkv : {1, 8, 64, 255, 512, 2048}) {
     for (long long resident : {1LL, 132LL, 396LL, 528LL}) {
       for (int smax : {1, 3, 256}) {
         for (long long positions : {1LL, 127LL, 128LL, 129LL, 512LL, 1024LL, 5000LL, 32768LL, 131072LL}) {
-          const int s = plan_decode_splits_for_length(hkv, resident, smax, positions, 128);
-          INFO("hkv " << hkv << " resident " << resident << " max " << smax << " positions " << positions << " -> " << s);
-          const long long pieces = (positions + 127) / 128;
-          REQUIRE(s >= 1);
-          REQUIRE(s <= smax);
-          REQUIRE(s <= pieces);
-          auto cost = [&](long long k) {
-            const double waves = std::ceil(static_cast<double>(hkv) * static_cast<double>(k) / static_cast<double>(resident));
-            return waves * (1.5 + std::ceil(static_cast<double>(pieces) / static_cast<double>(k)));
-          };
-          const long long top = std::min<long long>(smax, pieces);
-          double least = cost(1);
-          for (long long k = 2; k <= top; ++k) least = std::min(least, cost(k));
-          CHECK(cost(s) <= least * 33.0 / 32.0 + 1e-9);  // within 1/32 of the least
-          for (long long k = 1; k < s; ++k) CHECK(cost(k) > least * 33.0 / 32.0 - 1e-9);  // the fewest such
+          for (long long merge : {0LL, 2LL, 7LL}) check(hkv, resident, smax, positions, merge);
         }
       }
     }

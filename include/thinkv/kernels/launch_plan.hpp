@@ -42,12 +42,20 @@ namespace thinkv::kernels {
 /// chunk) fits with a start-up of 1.3-1.6 pieces.
 inline constexpr long long kSplitStartupHalfPieces = 3;
 
+/// The merge kernel a launch of more than one chunk per KV head needs, in the same half-piece
+/// units: a launch with one chunk and no sparsity skips it (the main pass writes the output).
+/// Measured on the H200 (2026-11-30, 07:15 UTC): with it, batch 64 x 512 positions moved from 2
+/// chunks to 1 (NVFP4 53.7 -> 47.4 µs) and batch 32 x 1,024 from 3 to 1 (38.1 -> 29.8 µs).
+inline constexpr long long kSplitMergeHalfPieces = 2;
+
 /// Split-K plan when the caller knows the longest stream of the launch (`positions`: its block
 /// slot positions plus staged tokens; chunks are cut in whole pieces of `piece` positions). Each
 /// CTA costs a start-up plus its chunk's pieces, CTAs run in waves of `resident_ctas`, so the plan
 /// takes, among s in 1..min(max_splits, pieces), the fewest splits whose
 ///     cost(s) = ceil(Hkv * s / resident) x (kSplitStartupHalfPieces + 2 ceil(pieces / s))
-/// is within 1/32 of the least cost: near-ties go to fewer, longer chunks, because at many waves
+///               + (s > 1 ? merge_half_pieces : 0)
+/// is within 1/32 of the least cost (merge_half_pieces: kSplitMergeHalfPieces when one chunk
+/// would skip the merge kernel, 0 when every plan needs it): near-ties go to fewer, longer chunks, because at many waves
 /// ceil() overstates the tail (CTAs of the next wave start as soon as any ends). Measured on the
 /// H200: 256 streams x 8,192 positions cost 737 at 2 splits and 735 at 4; 2 ran 4% faster.
 /// Against plan_decode_splits (waves only) it cuts short streams into fewer, longer chunks: batch
@@ -55,14 +63,17 @@ inline constexpr long long kSplitStartupHalfPieces = 3;
 /// 3 (14-22%), batch 1 x 512 four instead of 45 (25%). positions < 1 (unknown) falls back to
 /// plan_decode_splits. Integer arithmetic only.
 [[nodiscard]] constexpr int plan_decode_splits_for_length(int num_kv_heads, long long resident_ctas, int max_splits,
-                                                          long long positions, long long piece) noexcept {
+                                                          long long positions, long long piece,
+                                                          long long merge_half_pieces = 0) noexcept {
   if (positions < 1) return plan_decode_splits(num_kv_heads, resident_ctas, max_splits);
   const long long h = num_kv_heads > 0 ? num_kv_heads : 1;
   const long long r = resident_ctas > 0 ? resident_ctas : 1;
   const long long pc = piece > 0 ? piece : 1;
   const long long pieces = (positions + pc - 1) / pc;
   const long long smax = max_splits > 0 ? (max_splits < pieces ? max_splits : pieces) : 1;
-  auto cost = [&](long long s) { return (h * s + r - 1) / r * (kSplitStartupHalfPieces + 2 * ((pieces + s - 1) / s)); };
+  auto cost = [&](long long s) {
+    return (h * s + r - 1) / r * (kSplitStartupHalfPieces + 2 * ((pieces + s - 1) / s)) + (s > 1 ? merge_half_pieces : 0);
+  };
   long long best = cost(1);
   for (long long s = 2; s <= smax; ++s) best = cost(s) < best ? cost(s) : best;
   for (long long s = 1; s < smax; ++s) {

@@ -67,7 +67,8 @@ struct DecodeAttentionParams {
   /// (m, l, acc) go to `workspace`; a merge kernel combines them. 0 = automatic: the fewest
   /// chunks whose Hkv * num_splits CTAs fill whole waves of the CTAs the device keeps resident
   /// (occupancy API) to >= 90%, or, when max_positions is given (head_dim 64, 128, 256), the
-  /// count that minimises waves x (CTA start-up + chunk length) (plan_decode_splits_for_length in
+  /// count that minimises waves x (CTA start-up + chunk length), plus the merge kernel when there
+  /// is more than one chunk or sparsity is asked (plan_decode_splits_for_length in
   /// launch_plan.hpp). Chunks of a short stream may be empty (they cost one early exit).
   int num_splits = 0;
   /// Optional planning hint for num_splits = 0: the most slot positions of any KV head's stream in
