@@ -404,7 +404,12 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   const std::size_t q_bytes = align(static_cast<std::size_t>(args.num_q_heads) * d * 4);
   const std::size_t sp_bytes = align(static_cast<std::size_t>(args.num_q_heads) * 4);
   const std::size_t st_bytes = align(static_cast<std::size_t>(args.num_kv_heads) * 4);
-  const std::size_t ws_bytes = align(kernels::paged_decode_attention_workspace_size(prm));
+  // The workspace is sized for the plan with sparsity (prm.sparsity is set below); without it the
+  // plan never takes more chunks. Only the pointer's nullness is read here.
+  kernels::DecodeAttentionParams sizing = prm;
+  float sparsity_marker = 0.0f;
+  sizing.sparsity = &sparsity_marker;
+  const std::size_t ws_bytes = align(kernels::paged_decode_attention_workspace_size(sizing));
   const std::size_t need = 2 * q_bytes + sp_bytes + st_bytes + ws_bytes;
   if (need > m.attn_bytes) {
     if (m.attn != nullptr) (void)cudaFree(m.attn);

@@ -230,14 +230,36 @@ void run_case(const Case& cs, std::mt19937& rng) {
   CHECK_CUDA(cudaMemcpy(got.data(), dout, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(got_sp.data(), dsp, got_sp.size() * sizeof(float), cudaMemcpyDeviceToHost));
 
-  // And once more without sparsity (the one-pass path): same output bits expected.
+  // And once more without sparsity over the same chunks (the one-pass path; one chunk: the main
+  // pass writes the output, no merge): same output bits expected.
   CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
   CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
   prm.sparsity = nullptr;
+  const int auto_num_splits = prm.num_splits;
+  prm.num_splits = splits;
   CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> got2(q.size());
   CHECK_CUDA(cudaMemcpy(got2.data(), dout, got2.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  // Without sparsity the automatic plan may take fewer chunks (one chunk needs no merge): that
+  // launch, in a workspace sized for the sparsity launch (the plan never takes more chunks without
+  // it), is checked against the reference below like the first.
+  prm.num_splits = auto_num_splits;
+  const int splits_nosp = kernels::paged_decode_attention_splits(prm);
+  std::vector<float> got4;
+  if (splits_nosp != splits) {
+    if (kernels::paged_decode_attention_workspace_size(prm) > ws_bytes) {
+      std::printf("FAIL %s: the plan without sparsity needs a larger workspace\n", cs.name);
+      ++failures;
+    } else {
+      CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
+      CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
+      CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      got4.resize(q.size());
+      CHECK_CUDA(cudaMemcpy(got4.data(), dout, got4.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+  }
 
   double max_ref = 0.0, max_err = 0.0;
   bool finite = true;
@@ -247,6 +269,10 @@ void run_case(const Case& cs, std::mt19937& rng) {
     max_ref = std::fmax(max_ref, std::fabs(static_cast<double>(want[i])));
     max_err = std::fmax(max_err, std::fabs(static_cast<double>(got[i]) - want[i]));
     same_bits &= std::memcmp(&got[i], &got2[i], 4) == 0;
+    if (!got4.empty()) {
+      finite = finite && std::isfinite(got4[i]);
+      max_err = std::fmax(max_err, std::fabs(static_cast<double>(got4[i]) - want[i]));
+    }
   }
   int n_max = 1;
   for (int n : ntokens) n_max = std::max(n_max, n);
@@ -299,9 +325,9 @@ void run_case(const Case& cs, std::mt19937& rng) {
   }
   const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits && bad_stream_fail == 0;
   std::printf(
-      "%s %-34s map=%-7s splits=%-3d tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
+      "%s %-34s map=%-7s splits=%-3d (%-3d without sparsity) tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
       "  sparsity: %d sparse, max count diff %d (near-threshold allowance %d)%s\n",
-      ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), splits, ntokens[0],
+      ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), splits, splits_nosp, ntokens[0],
       static_cast<long long>(reused), max_err, max_err / max_ref, max_ref, tol, sparse_total,
       sp_diff_max, near_max, same_bits ? "" : "  [output differs with sparsity off]");
   failures += !ok;

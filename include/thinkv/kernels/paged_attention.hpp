@@ -93,7 +93,9 @@ inline constexpr int kMaxQueryHeadsPerKv = 8;
 inline constexpr int kMaxSplits = 256;
 
 /// Bytes of device workspace a launch with these parameters needs (0 for invalid head counts).
-/// Depends on num_q_heads, num_kv_heads, head_dim and the resolved number of splits.
+/// Depends on num_q_heads, num_kv_heads, head_dim and the resolved number of splits, which
+/// num_splits = 0 derives from max_positions and whether sparsity is asked: size it with the
+/// parameters of the launch (a launch without sparsity never needs more than one with it).
 [[nodiscard]] std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept;
 
 /// Checks parameters and view without launching: cudaErrorInvalidValue on an unsupported
