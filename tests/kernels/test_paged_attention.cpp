@@ -478,6 +478,8 @@ int main() {
     run_case({"hint=true D=64 g=16 8q/4kv B=16", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
     run_case({"hint=true staged only D=128", 128, 16, 16, 32, 8, 1, map, 0, 0, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
     run_case({"hint=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 0, 1.0f, 1}, rng);
+    // 129-256 positions on 8 KV heads: 2 chunks with sparsity, 1 without (no merge to pay for).
+    run_case({"hint=true short D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 60, 100, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
     run_case({"hint=1e7 D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 10000000}, rng);
     run_case({"hint=true D=8 8q/4kv B=16 (waves plan)", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
     // Out-of-range stream ids (tensor-core pass and the head_dim-8 pass).
