@@ -235,7 +235,7 @@ void run_case(const Case& cs, std::mt19937& rng) {
   CHECK_CUDA(cudaMemset(dout, 0xFF, q.size() * sizeof(float)));
   CHECK_CUDA(cudaMemset(dws, 0xFF, ws_bytes));
   prm.sparsity = nullptr;
-  const int auto_num_splits = prm.num_splits;
+  const int case_num_splits = prm.num_splits;  // 0: automatic
   prm.num_splits = splits;
   CHECK_CUDA(kernels::launch_paged_decode_attention(up.view(), prm, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -244,7 +244,7 @@ void run_case(const Case& cs, std::mt19937& rng) {
   // Without sparsity the automatic plan may take fewer chunks (one chunk needs no merge): that
   // launch, in a workspace sized for the sparsity launch (the plan never takes more chunks without
   // it), is checked against the reference below like the first.
-  prm.num_splits = auto_num_splits;
+  prm.num_splits = case_num_splits;
   const int splits_nosp = kernels::paged_decode_attention_splits(prm);
   std::vector<float> got4;
   if (splits_nosp != splits) {

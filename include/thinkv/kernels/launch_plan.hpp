@@ -55,9 +55,10 @@ inline constexpr long long kSplitMergeHalfPieces = 2;
 ///     cost(s) = ceil(Hkv * s / resident) x (kSplitStartupHalfPieces + 2 ceil(pieces / s))
 ///               + (s > 1 ? merge_half_pieces : 0)
 /// is within 1/32 of the least cost (merge_half_pieces: kSplitMergeHalfPieces when one chunk
-/// would skip the merge kernel, 0 when every plan needs it): near-ties go to fewer, longer chunks, because at many waves
-/// ceil() overstates the tail (CTAs of the next wave start as soon as any ends). Measured on the
-/// H200: 256 streams x 8,192 positions cost 737 at 2 splits and 735 at 4; 2 ran 4% faster.
+/// would skip the merge kernel, 0 when every plan needs it). Near-ties go to fewer, longer
+/// chunks, because at many waves ceil() overstates the tail (CTAs of the next wave start as soon
+/// as any ends). Measured on the H200: 256 streams x 8,192 positions cost 737 at 2 splits and 735
+/// at 4; 2 ran 4% faster.
 /// Against plan_decode_splits (waves only) it cuts short streams into fewer, longer chunks: batch
 /// 64 x 1,024 positions gets 2 splits instead of 3 (7-10% faster), batch 32 x 512 one instead of
 /// 3 (14-22%), batch 1 x 512 four instead of 45 (25%). positions < 1 (unknown) falls back to
