@@ -16,11 +16,13 @@
 ///  - V: one thread per (token, value group): quantizes the g channels, writes the E4M3 scale into
 ///    the slot's value-scale area and the g*bits/8 packed bytes into the token's V row;
 ///  - BF16: the rows are copied as little-endian BF16.
-/// Every value goes through the THINKV_HD functions the CPU backend calls (decode_bf16,
-/// group_amax, group_scale_saturates, quantize_group, store_code, choose_stream_scale), on
-/// identical inputs in identical order, so results are bit-identical by construction (no
-/// fast-math: quantize_group divides with IEEE division). The offset and per-item helpers below
-/// are __host__ __device__ (key_channel, which shuffles, is device-only). Occupancy: launch
+/// Every value goes through the THINKV_HD functions the CPU backend's quantize_group is made of
+/// (decode_bf16, group_amax, group_scale_saturates, fp_group_scale_code, fp_element_code,
+/// ternary_scale_of_sorted, ternary_element_code, choose_stream_scale), on identical inputs in
+/// identical order, so results are bit-identical by construction (no fast-math: the element codes
+/// divide with IEEE division); the ternary scale's descending sort is a network in registers
+/// (sort_descending_network, the same sequence of values as the CPU's insertion sort; unit-tested
+/// against quantize_group). The offset helpers below are __host__ __device__. Occupancy: launch
 /// bounds of 4 x 256 threads (64 registers) for g = 8 and 16, so 8 CTAs of D = 128 threads share
 /// an SM (measured on the H200: see docs/perf.md).
 
@@ -92,61 +94,114 @@ THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int 
   return m;
 }
 
+#ifndef THINKV_QA_ELEMENT_UNROLL
+#define THINKV_QA_ELEMENT_UNROLL 1
+#endif
+/// Unroll factor of the per-element loops (code, pack, store; THINKV_QA_ELEMENT_UNROLL overrides
+/// it for experiments). They are not unrolled: the kernel's paths (three quantized precisions and
+/// BF16, K or V) run side by side on an SM, and with every loop fully unrolled the G = 16 kernel
+/// was 177 KB of code whose warps waited on instruction fetch for 62% of their stall samples.
+/// H200, batch 64 (16,384 jobs, R4E4T2): fully unrolled 552 us, unroll 4 296 us, 2 or 1 265 us
+/// (docs/perf.md).
+constexpr int kElementUnroll = THINKV_QA_ELEMENT_UNROLL;
+
+/// The scale of one group of G staged values x (loaded into registers by the caller; x is
+/// clobbered for ternary), as quantize_group computes it: returns the E4M3 scale code and sets
+/// `use` to what the element codes need (FP8 / NVFP4: the group scale decode_e4m3(code) * s2, or
+/// 0 for an all-zero group, whose codes are all 0; ternary: a = decode_e4m3(code) * s2) and
+/// `saturated` to the CPU backend's saturation test.
+template <int P, int G>
+__device__ __forceinline__ std::uint8_t group_scale(float (&x)[G], float s2, float& use, bool& saturated) {
+  constexpr Precision kP = static_cast<Precision>(P);
+  const float amax = group_amax(x, 1, G);
+  saturated = group_scale_saturates(kP, amax, s2);
+  std::uint8_t scale = 0;
+  if constexpr (kP == Precision::kTernary) {
+#pragma unroll
+    for (int i = 0; i < G; ++i) x[i] = abs_float(x[i]);
+    sort_descending_network(x);
+    scale = encode_e4m3(ternary_scale_of_sorted(x, G) / s2);
+    use = decode_e4m3(scale) * s2;
+  } else {
+    if (amax != 0.0f) scale = fp_group_scale_code(kP, amax, s2);
+    use = amax != 0.0f ? decode_e4m3(scale) * s2 : 0.0f;
+  }
+  return scale;
+}
+
+/// The code of staged element x of a group whose scale gave `use` (group_scale).
+template <int P>
+__device__ __forceinline__ std::uint32_t element_code(float x, float use) {
+  constexpr Precision kP = static_cast<Precision>(P);
+  if constexpr (kP == Precision::kTernary) {
+    return ternary_element_code(x, use);
+  } else {
+    return use != 0.0f ? fp_element_code(kP, x, use) : 0u;
+  }
+}
+
 /// K, channel c, one thread per channel (c < d when `active`; every lane of the warp calls it):
 /// quantizes the channel's group (the G staged tokens of the channel, token order) and writes its
 /// scale to record[c]; the E = 8 / bits channels of one row byte sit on E adjacent lanes, which OR
 /// their codes together (element c of a row sits in byte c / E at bit (c % E) * bits, as
 /// store_code places it) and the first of them writes byte c / E of each of the G destination K
-/// rows. Returns the number of saturated groups (0 or 1).
+/// rows. The element codes re-read the staged values (L1 hits) so the loop need not be unrolled.
+/// Returns the number of saturated groups (0 or 1).
 template <int P, int G>
 __device__ inline int key_channel(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
                                   const std::size_t* row_off, std::uint8_t* record, int c, bool active) {
-  constexpr Precision kP = static_cast<Precision>(P);
-  constexpr int kBits = bits_of(kP);
+  constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kPerByte = 8 / kBits;
-  std::uint8_t codes[G] = {};
-  int saturations = 0;
+  const std::uint16_t* src = stg + (active ? c : 0);
+  bool saturated = false;
+  float use = 0.0f;
   if (active) {
     float x[G];
-    for (int i = 0; i < G; ++i) x[i] = decode_bf16(stg[static_cast<std::size_t>(i) * d + c]);
-    if (group_scale_saturates(kP, group_amax(x, 1, G), s2)) saturations = 1;
-    record[c] = quantize_group(kP, x, 1, G, s2, codes, 1);
+#pragma unroll
+    for (int i = 0; i < G; ++i) x[i] = decode_bf16(src[static_cast<std::size_t>(i) * d]);
+    record[c] = group_scale<P, G>(x, s2, use, saturated);
   }
   const int r = c % kPerByte;
-#pragma unroll
+#pragma unroll kElementUnroll
   for (int i = 0; i < G; ++i) {
-    std::uint32_t byte = static_cast<std::uint32_t>(codes[i]) << (r * kBits);
+    std::uint32_t byte = 0u;
+    if (active) byte = element_code<P>(decode_bf16(src[static_cast<std::size_t>(i) * d]), use) << (r * kBits);
 #pragma unroll
     for (int off = 1; off < kPerByte; off <<= 1) byte |= __shfl_xor_sync(0xFFFFFFFFu, byte, off);
     if (active && r == 0) pool[row_off[i] + static_cast<std::size_t>(c / kPerByte)] = static_cast<std::uint8_t>(byte);
   }
-  return saturations;
+  return saturated ? 1 : 0;
 }
 
 /// V, item = (token i, value group j), j < d / G: quantizes channels j*G .. j*G+G-1 of token i,
-/// writes the scale to the slot's value scale j and the G * bits / 8 packed bytes into its V row.
-/// Returns the number of saturated groups (0 or 1).
+/// writes the scale to the slot's value scale j and the G * bits / 8 packed bytes into its V row
+/// (one byte at a time, its elements re-read from the staging row). Returns the number of
+/// saturated groups (0 or 1).
 template <int P, int G>
-THINKV_HD inline int value_group(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
-                                 const std::size_t* row_off, const std::size_t* vs_off,
-                                 int item) noexcept {
-  constexpr Precision kP = static_cast<Precision>(P);
-  constexpr int kBytes = G * bits_of(kP) / 8;
+__device__ inline int value_group(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
+                                  const std::size_t* row_off, const std::size_t* vs_off, int item) {
+  constexpr int kBits = bits_of(static_cast<Precision>(P));
+  constexpr int kPerByte = 8 / kBits;
+  constexpr int kBytes = G * kBits / 8;  // the group starts on a byte boundary (G * bits % 8 == 0)
   const int groups = d / G;
   const int i = item / groups;
   const int j = item % groups;
   const std::uint16_t* src = stg + static_cast<std::size_t>(i) * d + static_cast<std::size_t>(j) * G;
   float x[G];
+#pragma unroll
   for (int e = 0; e < G; ++e) x[e] = decode_bf16(src[e]);
-  const int saturations = group_scale_saturates(kP, group_amax(x, 1, G), s2) ? 1 : 0;
-  std::uint8_t codes[G];
-  pool[vs_off[i] + static_cast<std::size_t>(j)] = quantize_group(kP, x, 1, G, s2, codes, 1);
-  // The group's elements j*G+e start on a byte boundary (G * bits is a multiple of 8).
-  std::uint8_t packed[kBytes] = {};
-  for (int e = 0; e < G; ++e) store_code(kP, packed, e, codes[e]);
+  bool saturated = false;
+  float use = 0.0f;
+  pool[vs_off[i] + static_cast<std::size_t>(j)] = group_scale<P, G>(x, s2, use, saturated);
   std::uint8_t* dst = pool + row_off[i] + static_cast<std::size_t>(j) * kBytes;
-  for (int b = 0; b < kBytes; ++b) dst[b] = packed[b];
-  return saturations;
+#pragma unroll kElementUnroll
+  for (int b = 0; b < kBytes; ++b) {
+    std::uint32_t byte = 0u;
+#pragma unroll
+    for (int e = 0; e < kPerByte; ++e) byte |= element_code<P>(decode_bf16(src[b * kPerByte + e]), use) << (e * kBits);
+    dst[b] = static_cast<std::uint8_t>(byte);
+  }
+  return saturated ? 1 : 0;
 }
 
 /// BF16, element idx of the G x d group: little-endian copy (CpuKvBackend::commit).

@@ -705,6 +705,76 @@ TEST_CASE("ternary scale is the L2 optimum", "[formats][ternary]") {
   CHECK(ours_nmse < twn_nmse);
 }
 
+namespace {
+/// The sorting network on |x| (N elements) then ternary_scale_of_sorted, as the quantize-append
+/// kernel computes the ternary scale.
+template <int N>
+float network_ternary_scale(const float* x) {
+  float v[N];
+  for (int i = 0; i < N; ++i) v[i] = std::fabs(x[i]);
+  thinkv::sort_descending_network(v);
+  for (int i = 1; i < N; ++i) REQUIRE(v[i - 1] >= v[i]);
+  return thinkv::ternary_scale_of_sorted(v, N);
+}
+}  // namespace
+
+TEST_CASE("the kernel's pieces of quantize_group give its results bit for bit", "[formats][group]") {
+  // The quantize-append kernel does not call quantize_group: it sorts with a network, computes
+  // the scale once per group and codes the elements one at a time (fp_group_scale_code,
+  // fp_element_code, ternary_element_code). Those pieces must give quantize_group's bits, also
+  // on ties, zeros and repeated values.
+  THINKV_SEED_INFO();
+  std::mt19937_64 rng(test_seed() + 11);
+  int checked = 0;
+  for (Dist d : kDists) {
+    for (int trial = 0; trial < 3000; ++trial) {
+      float x[32];
+      const int n = trial % 3 == 0 ? 8 : trial % 3 == 1 ? 16 : 32;
+      draw_group(rng, d, 1.0f, n, x);
+      if (trial % 5 == 1) {  // ties and zeros: a few values repeated, some zeroed, signs mixed
+        for (int i = 0; i < n; ++i) {
+          if (rng() % 3 == 0) x[i] = x[rng() % static_cast<unsigned>(n)];
+          if (rng() % 7 == 0) x[i] = 0.0f;
+          if (rng() % 2 == 0) x[i] = -x[i];
+        }
+      }
+      if (trial % 97 == 3) {
+        for (int i = 0; i < n; ++i) x[i] = 0.0f;
+      }
+      const float want = thinkv::ternary_optimal_scale(x, 1, n);
+      const float got = n == 8 ? network_ternary_scale<8>(x) : n == 16 ? network_ternary_scale<16>(x)
+                                                                         : network_ternary_scale<32>(x);
+      INFO(dist_name(d) << " trial " << trial << " n " << n);
+      REQUIRE(float_to_bits(got) == float_to_bits(want));
+      for (Precision p : {Precision::kFp8E4M3, Precision::kNvfp4, Precision::kTernary}) {
+        const float s2 = thinkv::choose_stream_scale(p, thinkv::group_amax(x, 1, n) * (trial % 4 == 0 ? 0.25f : 1.0f));
+        std::uint8_t codes[32];
+        const std::uint8_t scale = thinkv::quantize_group(p, x, 1, n, s2, codes, 1);
+        const float amax = thinkv::group_amax(x, 1, n);
+        std::uint8_t piece_scale = 0;
+        if (p == Precision::kTernary) {
+          piece_scale = thinkv::encode_e4m3(got / s2);
+        } else if (amax != 0.0f) {
+          piece_scale = thinkv::fp_group_scale_code(p, amax, s2);
+        }
+        REQUIRE(piece_scale == scale);
+        const float use = thinkv::decode_e4m3(piece_scale) * s2;
+        for (int i = 0; i < n; ++i) {
+          std::uint8_t c = 0;
+          if (p == Precision::kTernary) {
+            c = thinkv::ternary_element_code(x[i], use);
+          } else if (amax != 0.0f) {
+            c = thinkv::fp_element_code(p, x[i], use);
+          }
+          REQUIRE(c == codes[i]);
+        }
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 3 * 3000 * static_cast<int>(std::size(kDists)));
+}
+
 TEST_CASE("round-trip bounds and NMSE on random groups", "[formats][roundtrip]") {
   THINKV_SEED_INFO();
   WARN("test_formats random seed: " << test_seed() << " (THINKV_TEST_SEED pins it)");

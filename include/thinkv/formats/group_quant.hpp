@@ -109,21 +109,13 @@ THINKV_HD constexpr float group_amax(const float* x, int stride, int n) noexcept
   return amax;
 }
 
-/// The L2-optimal ternary scale of a group: with |x| sorted descending and prefix sums S_k
-/// (sequential float adds in that order), the k in 1..n maximising S_k * S_k / k (first maximum
-/// wins), alpha = S_k / k. Returns 0 for an all-zero group and for n outside 1..kMaxGroupSize.
-THINKV_HD constexpr float ternary_optimal_scale(const float* x, int stride, int n) noexcept {
-  if (n < 1 || n > kMaxGroupSize) return 0.0f;
-  float v[kMaxGroupSize] = {};
-  for (int i = 0; i < n; ++i) {  // insertion sort, descending
-    const float a = abs_float(x[i * stride]);
-    int j = i;
-    while (j > 0 && v[j - 1] < a) {
-      v[j] = v[j - 1];
-      --j;
-    }
-    v[j] = a;
-  }
+/// The L2-optimal ternary scale from a group's magnitudes already sorted in descending order,
+/// v[0] >= v[1] >= ... >= v[n-1] >= 0: with prefix sums S_k (sequential float adds in that order),
+/// the k in 1..n maximising S_k * S_k / k (first maximum wins), alpha = S_k / k. Any sort that
+/// yields the same sequence of values gives the same result (ternary_optimal_scale's insertion
+/// sort on the CPU, a sorting network in the quantize-append kernel). Returns 0 for n < 1.
+THINKV_HD constexpr float ternary_scale_of_sorted(const float* v, int n) noexcept {
+  if (n < 1) return 0.0f;
   float sum = 0.0f;
   float best_score = -1.0f;
   float best_sum = 0.0f;
@@ -138,6 +130,83 @@ THINKV_HD constexpr float ternary_optimal_scale(const float* x, int stride, int 
     }
   }
   return best_sum / static_cast<float>(best_k);
+}
+
+/// Sorts v[0..N) into descending order with a bitonic network of compare-exchanges (N a power of
+/// two, every v[i] finite and >= 0, no -0). Data-independent control flow, so a GPU thread keeps v
+/// in registers; it yields the same sequence of values as ternary_optimal_scale's insertion sort
+/// (the values are only moved, never computed), so ternary_scale_of_sorted gives the same scale.
+template <int N>
+THINKV_HD constexpr void sort_descending_network(float (&v)[N]) noexcept {
+  static_assert(N >= 1 && (N & (N - 1)) == 0, "a power of two");
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int k = 2; k <= N; k <<= 1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int j = k >> 1; j > 0; j >>= 1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+      for (int i = 0; i < N; ++i) {
+        const int l = i ^ j;
+        if (l > i) {
+          const float a = v[i];
+          const float b = v[l];
+          const float hi = a > b ? a : b;
+          const float lo = a > b ? b : a;
+          const bool down = (i & k) == 0;  // the last stage (k = N) sorts all of v downwards
+          v[i] = down ? hi : lo;
+          v[l] = down ? lo : hi;
+        }
+      }
+    }
+  }
+}
+
+/// The L2-optimal ternary scale of a group: |x| sorted descending (insertion sort), then
+/// ternary_scale_of_sorted. Returns 0 for an all-zero group and for n outside 1..kMaxGroupSize.
+THINKV_HD constexpr float ternary_optimal_scale(const float* x, int stride, int n) noexcept {
+  if (n < 1 || n > kMaxGroupSize) return 0.0f;
+  float v[kMaxGroupSize] = {};
+  for (int i = 0; i < n; ++i) {  // insertion sort, descending
+    const float a = abs_float(x[i * stride]);
+    int j = i;
+    while (j > 0 && v[j - 1] < a) {
+      v[j] = v[j - 1];
+      --j;
+    }
+    v[j] = a;
+  }
+  return ternary_scale_of_sorted(v, n);
+}
+
+/// The E4M3 scale code of an FP8 or NVFP4 group whose largest magnitude is amax > 0 (s2 > 0):
+/// d = amax / (Q * s2), encode_e4m3(d), bumped by one code when decode_e4m3(code) * s2 * Q < amax
+/// and code < 0x7E (quantize_group's rule).
+THINKV_HD constexpr std::uint8_t fp_group_scale_code(Precision p, float amax, float s2) noexcept {
+  const float q = quant_max(p);
+  const float d = amax / (q * s2);
+  std::uint8_t scale_code = encode_e4m3(d);
+  if (decode_e4m3(scale_code) * s2 * q < amax && scale_code < kE4M3MaxCode) ++scale_code;
+  return scale_code;
+}
+
+/// The code of element x of an FP8 or NVFP4 group with group scale S = decode_e4m3(scale) * s2:
+/// encode(x / S) (IEEE division), as quantize_group computes it.
+THINKV_HD constexpr std::uint8_t fp_element_code(Precision p, float x, float group_scale) noexcept {
+  const float y = x / group_scale;
+  return p == Precision::kFp8E4M3 ? encode_e4m3(y) : encode_e2m1(y);
+}
+
+/// The code of element x of a ternary group with dequantized scale a = decode_e4m3(scale) * s2:
+/// sign(x) when a > 0 and |x| > 0.5f * a, else 0 (quantize_group's rule).
+THINKV_HD constexpr std::uint8_t ternary_element_code(float x, float a) noexcept {
+  const float threshold = 0.5f * a;
+  if (a > 0.0f && abs_float(x) > threshold) return x > 0.0f ? kTernaryPlus : kTernaryMinus;
+  return kTernaryZero;
 }
 
 /// Quantizes the n-element group x[i*stride] (n in 1..kMaxGroupSize, finite inputs, s2 > 0):
@@ -158,29 +227,17 @@ THINKV_HD constexpr std::uint8_t quantize_group(Precision p, const float* x, int
     const float alpha = ternary_optimal_scale(x, stride, n);
     const std::uint8_t scale_code = encode_e4m3(alpha / s2);
     const float a = decode_e4m3(scale_code) * s2;
-    const float threshold = 0.5f * a;
-    for (int i = 0; i < n; ++i) {
-      const float xi = x[i * stride];
-      std::uint8_t c = kTernaryZero;
-      if (a > 0.0f && abs_float(xi) > threshold) c = xi > 0.0f ? kTernaryPlus : kTernaryMinus;
-      codes[i * code_stride] = c;
-    }
+    for (int i = 0; i < n; ++i) codes[i * code_stride] = ternary_element_code(x[i * stride], a);
     return scale_code;
   }
-  const float q = quant_max(p);
   const float amax = group_amax(x, stride, n);
   if (amax == 0.0f) {
     for (int i = 0; i < n; ++i) codes[i * code_stride] = 0;
     return 0;
   }
-  const float d = amax / (q * s2);
-  std::uint8_t scale_code = encode_e4m3(d);
-  if (decode_e4m3(scale_code) * s2 * q < amax && scale_code < kE4M3MaxCode) ++scale_code;
+  const std::uint8_t scale_code = fp_group_scale_code(p, amax, s2);
   const float group_scale = decode_e4m3(scale_code) * s2;
-  for (int i = 0; i < n; ++i) {
-    const float y = x[i * stride] / group_scale;
-    codes[i * code_stride] = p == Precision::kFp8E4M3 ? encode_e4m3(y) : encode_e2m1(y);
-  }
+  for (int i = 0; i < n; ++i) codes[i * code_stride] = fp_element_code(p, x[i * stride], group_scale);
   return scale_code;
 }
 
