@@ -376,6 +376,75 @@ TEST_CASE("E2M1 encode: nearest-even, saturating, specials", "[formats][e2m1]") 
   CHECK(mismatches == 0);
 }
 
+// ==== Branch-free encoders against their branchy definitions ==================================
+
+namespace {
+
+/// encode_e4m3 as first written (branches per range): the definition the branch-free encoder
+/// must reproduce for every float.
+std::uint8_t branchy_encode_e4m3(float x) {
+  const std::uint32_t u = float_to_bits(x);
+  const std::uint32_t a = u & thinkv::kFloatAbsMask;
+  if (a > thinkv::kFloatInfBits) return thinkv::kE4M3NanCode;
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
+  if (a == thinkv::kFloatInfBits) return static_cast<std::uint8_t>(sign | thinkv::kE4M3MaxCode);
+  const std::uint32_t fe = a >> 23;
+  if (fe >= 121u) {
+    const std::uint32_t code = thinkv::shift_right_round_even(a, 20) - ((127u - 7u) << 3);
+    return static_cast<std::uint8_t>(sign | (code > thinkv::kE4M3MaxCode ? thinkv::kE4M3MaxCode : code));
+  }
+  if (fe == 0u) return sign;
+  const std::uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  return static_cast<std::uint8_t>(sign | thinkv::shift_right_round_even(m, 141 - static_cast<int>(fe)));
+}
+
+/// encode_e2m1 as first written (branches per range).
+std::uint8_t branchy_encode_e2m1(float x) {
+  const std::uint32_t u = float_to_bits(x);
+  const std::uint32_t a = u & thinkv::kFloatAbsMask;
+  if (a > thinkv::kFloatInfBits) return thinkv::kE2M1MaxCode;
+  const auto sign = static_cast<std::uint8_t>((u >> 28) & 0x8u);
+  const std::uint32_t fe = a >> 23;
+  if (fe >= 127u) {
+    const std::uint32_t code = thinkv::shift_right_round_even(a, 22) - ((127u - 1u) << 1);
+    return static_cast<std::uint8_t>(sign | (code > thinkv::kE2M1MaxCode ? thinkv::kE2M1MaxCode : code));
+  }
+  if (fe == 0u) return sign;
+  const std::uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  return static_cast<std::uint8_t>(sign | thinkv::shift_right_round_even(m, 149 - static_cast<int>(fe)));
+}
+
+/// Floats whose bits are `stride`-spaced from `offset`, plus every float whose low 12 mantissa
+/// bits are one of the rounding-boundary patterns (0, 1, 0x7FF, 0x800, 0x801, 0xFFF) with all
+/// other bits enumerated: every exponent, sign and tie of both encoders. Returns mismatches.
+std::uint64_t compare_encoders(std::uint64_t stride, std::uint64_t offset) {
+  std::uint64_t bad = 0;
+  auto check = [&](std::uint32_t bits) {
+    const float x = thinkv::bits_to_float(bits);
+    if (thinkv::encode_e4m3(x) != branchy_encode_e4m3(x)) ++bad;
+    if (thinkv::encode_e2m1(x) != branchy_encode_e2m1(x)) ++bad;
+  };
+  for (std::uint64_t b = offset; b <= 0xFFFFFFFFull; b += stride) check(static_cast<std::uint32_t>(b));
+  for (std::uint32_t hi = 0; hi < (1u << 20); ++hi) {
+    for (std::uint32_t lo : {0x000u, 0x001u, 0x7FFu, 0x800u, 0x801u, 0xFFFu}) check((hi << 12) | lo);
+  }
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("branch-free E4M3 and E2M1 encoders equal their branchy definitions", "[formats][encode]") {
+  // Sampled: 1 float in 4099 (a random offset per run) and all rounding-boundary patterns. The
+  // [.exhaustive] case below checks all 2^32 floats.
+  THINKV_SEED_INFO();
+  std::mt19937_64 rng(test_seed() + 12);
+  CHECK(compare_encoders(4099, rng() % 4099) == 0);
+}
+
+TEST_CASE("branch-free encoders: every float", "[.exhaustive][formats][encode]") {
+  CHECK(compare_encoders(1, 0) == 0);
+}
+
 // ==== BF16 =======================================================================================
 
 TEST_CASE("BF16 encode/decode", "[formats][bf16]") {

@@ -27,24 +27,21 @@ inline constexpr float kE4M3MinNormal = 0x1p-6f;
 /// negative values that round to zero become 0x80 (negative zero), as NVIDIA's SATFINITE
 /// conversion does.
 THINKV_HD constexpr std::uint8_t encode_e4m3(float x) noexcept {
+  // Branch-free (both ranges are computed, one is selected), as encode_e2m1; tested against the
+  // branchy definition (test_formats: exhaustively under [.exhaustive], sampled by default).
   const std::uint32_t u = float_to_bits(x);
   const std::uint32_t a = u & kFloatAbsMask;
-  if (a > kFloatInfBits) return kE4M3NanCode;
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
-  if (a == kFloatInfBits) return static_cast<std::uint8_t>(sign | kE4M3MaxCode);
-  const std::uint32_t fe = a >> 23;  // biased float exponent
-  if (fe >= 121u) {
-    // |x| >= 2^-6: E4M3 normal range. Dropping 20 of the 23 mantissa bits with round-to-nearest-
-    // even on the whole magnitude lets a mantissa carry ripple into the exponent. Rebias 127 -> 7.
-    const std::uint32_t code = shift_right_round_even(a, 20) - ((127u - 7u) << 3);
-    return static_cast<std::uint8_t>(sign | (code > kE4M3MaxCode ? kE4M3MaxCode : code));
-  }
-  if (fe == 0u) return sign;  // float zero or subnormal: far below 2^-10, rounds to (signed) zero
-  // E4M3 subnormal range: count units of 2^-9. |x| = M * 2^(fe - 150) with the implicit bit set,
-  // so |x| / 2^-9 = M >> (141 - fe). A result of 8 is the smallest normal code 0x08 (= 2^-6).
-  const std::uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
-  const std::uint32_t q = shift_right_round_even(m, 141 - static_cast<int>(fe));
-  return static_cast<std::uint8_t>(sign | q);
+  const std::uint32_t sign = (u >> 24) & 0x80u;
+  // |x| >= 2^-6: E4M3 normal range. Keep 3 of 23 mantissa bits, rounding to nearest even over
+  // the whole magnitude ((a + 2^19 - 1 + lsb) >> 20; carries ripple into the exponent), rebias
+  // 127 -> 7, saturate at 448 (Inf too).
+  std::uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+  normal = normal < kE4M3MaxCode ? normal : kE4M3MaxCode;
+  // |x| < 2^-6: E4M3 subnormal range, units of 2^-9: |x| * 2^9 (exact) rounded to an integer,
+  // ties to even, by adding 2^23 in float. 0..8; 8 is the smallest normal code 0x08 (= 2^-6).
+  const std::uint32_t sub = float_to_bits(bits_to_float(a) * 512.0f + 8388608.0f) - 0x4B000000u;
+  const std::uint32_t code = sign | (a >= 0x3C800000u ? normal : sub);
+  return static_cast<std::uint8_t>(a > kFloatInfBits ? kE4M3NanCode : code);
 }
 
 /// The exact value of E4M3 code `c`; 0x7F and 0xFF decode to a quiet NaN (sign dropped, as in

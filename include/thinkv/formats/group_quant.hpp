@@ -104,7 +104,11 @@ THINKV_HD constexpr float group_amax(const float* x, int stride, int n) noexcept
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) {
     const float a = abs_float(x[i * stride]);
+#if defined(__CUDA_ARCH__)
+    amax = fmaxf(amax, a);  // the same result: amax is never NaN (fmaxf keeps it), a >= +0
+#else
     if (a > amax) amax = a;
+#endif
   }
   return amax;
 }
@@ -155,8 +159,13 @@ THINKV_HD constexpr void sort_descending_network(float (&v)[N]) noexcept {
         if (l > i) {
           const float a = v[i];
           const float b = v[l];
+#if defined(__CUDA_ARCH__)
+          const float hi = fmaxf(a, b);  // one instruction each; equal to the selects for v >= 0
+          const float lo = fminf(a, b);
+#else
           const float hi = a > b ? a : b;
           const float lo = a > b ? b : a;
+#endif
           const bool down = (i & k) == 0;  // the last stage (k = N) sorts all of v downwards
           v[i] = down ? hi : lo;
           v[l] = down ? lo : hi;
