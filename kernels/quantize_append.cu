@@ -3,12 +3,13 @@
 /// bit-identical to CpuKvBackend::commit.
 ///
 /// Design. One CTA per (job, K or V), min(256, D rounded up to 32) threads, no dynamic shared
-/// memory. The CTA first checks the job (stream, precision, record, and that every destination
-/// slot lies in the precision's pool: __syncthreads_or, so a bad job writes nothing) and puts the
-/// byte offsets of the g destination rows (and value-scale areas) in shared memory. For a
-/// quantized precision it reads s2 of (stream, K/V, precision); when it is unset (0) the CTA
-/// reduces the amax of the g x D staged values (warp shuffles + one shared array) and, when that
-/// is nonzero, sets s2 = choose_stream_scale(P, amax), as the CPU does. Then:
+/// memory. Every warp first checks the job (stream, precision, record, and that every destination
+/// slot lies in the precision's pool: a warp vote, the same in every warp, so a bad job writes
+/// nothing) and computes the byte offsets of the g destination rows (and value-scale areas), lane
+/// i holding row i's, which the loops below fetch by shuffles: no barrier. For a quantized
+/// precision it reads s2 of (stream, K/V, precision); when it is unset (0) the CTA reduces the
+/// amax of the g x D staged values (warp shuffles + one shared array) and, when that is nonzero,
+/// sets s2 = choose_stream_scale(P, amax), as the CPU does. Then:
 ///  - K: one thread per channel: it quantizes the channel's group (the g tokens of the channel)
 ///    and writes the channel's E4M3 scale into the record; the e = 8 / bits channels of a row byte
 ///    are adjacent lanes, which combine their codes by shuffles, and the first writes that byte of
@@ -23,8 +24,8 @@
 /// divide with IEEE division); the ternary scale's descending sort is a network in registers
 /// (sort_descending_network, the same sequence of values as the CPU's insertion sort; unit-tested
 /// against quantize_group). The offset helpers below are __host__ __device__. Occupancy: launch
-/// bounds of 4 x 256 threads (64 registers) for g = 8 and 16, so 8 CTAs of D = 128 threads share
-/// an SM (measured on the H200: see docs/perf.md).
+/// bounds of 6 x 256 threads (40 registers) for g = 8 and 16, so 12 CTAs of D = 128 threads share
+/// an SM (measured on the H200: see kMinBlocks and docs/perf.md).
 
 #include <cuda_runtime.h>
 
@@ -104,6 +105,14 @@ THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int 
 /// H200, batch 64 (16,384 jobs, R4E4T2): fully unrolled 552 us, unroll 4 296 us, 2 or 1 265 us
 /// (docs/perf.md).
 constexpr int kElementUnroll = THINKV_QA_ELEMENT_UNROLL;
+#ifndef THINKV_QA_MIN_BLOCKS
+#define THINKV_QA_MIN_BLOCKS 6
+#endif
+/// Launch bounds for g = 8 and 16: CTAs of kMaxThreads per SM (THINKV_QA_MIN_BLOCKS overrides it
+/// for experiments). 6 caps the kernel at 40 registers (g = 16 spills 16 bytes), so 12 CTAs of
+/// D = 128 threads share an SM. H200, batch 64 (16,384 jobs, R4E4T2): 4 (54 registers) 181 us,
+/// 6 173 us, 8 177 us.
+constexpr int kMinBlocks = THINKV_QA_MIN_BLOCKS;
 
 /// The scale of one group of G staged values x (loaded into registers by the caller; x is
 /// clobbered for ternary), as quantize_group computes it: returns the E4M3 scale code and sets
@@ -129,15 +138,23 @@ __device__ __forceinline__ std::uint8_t group_scale(float (&x)[G], float s2, flo
   return scale;
 }
 
-/// The code of staged element x of a group whose scale gave `use` (group_scale).
+/// The code of staged element x of a group whose scale gave `use` (group_scale). Branch-free: an
+/// all-zero FP8 / NVFP4 group (use == 0) divides by 1 and discards the code.
 template <int P>
 __device__ __forceinline__ std::uint32_t element_code(float x, float use) {
   constexpr Precision kP = static_cast<Precision>(P);
   if constexpr (kP == Precision::kTernary) {
     return ternary_element_code(x, use);
   } else {
-    return use != 0.0f ? fp_element_code(kP, x, use) : 0u;
+    const std::uint32_t code = fp_element_code(kP, x, use != 0.0f ? use : 1.0f);
+    return use != 0.0f ? code : 0u;
   }
+}
+
+/// Byte offset, from the pool's pages, of destination row i (0 <= i < G): lane i of every warp
+/// holds it (`mine`); every lane of the warp must call this.
+__device__ __forceinline__ std::size_t lane_offset(std::size_t mine, int i) {
+  return static_cast<std::size_t>(__shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine), i));
 }
 
 /// K, channel c, one thread per channel (c < d when `active`; every lane of the warp calls it):
@@ -145,11 +162,13 @@ __device__ __forceinline__ std::uint32_t element_code(float x, float use) {
 /// scale to record[c]; the E = 8 / bits channels of one row byte sit on E adjacent lanes, which OR
 /// their codes together (element c of a row sits in byte c / E at bit (c % E) * bits, as
 /// store_code places it) and the first of them writes byte c / E of each of the G destination K
-/// rows. The element codes re-read the staged values (L1 hits) so the loop need not be unrolled.
-/// Returns the number of saturated groups (0 or 1).
+/// rows. The element codes re-read the staged values (L1 hits) so the loop need not be unrolled;
+/// an inactive lane reads channel 0 and codes it with use = 0 (code 0), so only the store is
+/// predicated. `row` is this lane's destination row offset (lane_offset). Returns the number of
+/// saturated groups (0 or 1).
 template <int P, int G>
-__device__ inline int key_channel(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
-                                  const std::size_t* row_off, std::uint8_t* record, int c, bool active) {
+__device__ inline int key_channel(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool, std::size_t row,
+                                  std::uint8_t* record, int c, bool active) {
   constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kPerByte = 8 / kBits;
   const std::uint16_t* src = stg + (active ? c : 0);
@@ -161,58 +180,53 @@ __device__ inline int key_channel(const std::uint16_t* stg, int d, float s2, std
     for (int i = 0; i < G; ++i) x[i] = decode_bf16(src[static_cast<std::size_t>(i) * d]);
     record[c] = group_scale<P, G>(x, s2, use, saturated);
   }
-  const int r = c % kPerByte;
+  const unsigned shift = static_cast<unsigned>((c % kPerByte) * kBits);
+  const bool writer = active && shift == 0u;
+  std::uint8_t* dst = pool + c / kPerByte;
 #pragma unroll kElementUnroll
-  for (int i = 0; i < G; ++i) {
-    std::uint32_t byte = 0u;
-    if (active) byte = element_code<P>(decode_bf16(src[static_cast<std::size_t>(i) * d]), use) << (r * kBits);
+  for (int i = 0; i < G; ++i, src += d) {
+    std::uint32_t byte = element_code<P>(decode_bf16(*src), use) << shift;
 #pragma unroll
     for (int off = 1; off < kPerByte; off <<= 1) byte |= __shfl_xor_sync(0xFFFFFFFFu, byte, off);
-    if (active && r == 0) pool[row_off[i] + static_cast<std::size_t>(c / kPerByte)] = static_cast<std::uint8_t>(byte);
+    const std::size_t o = lane_offset(row, i);
+    if (writer) dst[o] = static_cast<std::uint8_t>(byte);
   }
   return saturated ? 1 : 0;
 }
 
-/// V, item = (token i, value group j), j < d / G: quantizes channels j*G .. j*G+G-1 of token i,
-/// writes the scale to the slot's value scale j and the G * bits / 8 packed bytes into its V row
-/// (one byte at a time, its elements re-read from the staging row). Returns the number of
-/// saturated groups (0 or 1).
+/// V, item = (token i, value group j), j < d / G (when `active`; every lane of the warp calls it):
+/// quantizes channels j*G .. j*G+G-1 of token i, writes the scale to the slot's value scale j and
+/// the G * bits / 8 packed bytes into its V row (one byte at a time, its elements re-read from the
+/// staging row). `row` and `vs` are this lane's destination row and value-scale offsets
+/// (lane_offset). Returns the number of saturated groups (0 or 1).
 template <int P, int G>
-__device__ inline int value_group(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool,
-                                  const std::size_t* row_off, const std::size_t* vs_off, int item) {
+__device__ inline int value_group(const std::uint16_t* stg, int d, float s2, std::uint8_t* pool, std::size_t row,
+                                  std::size_t vs, int item, bool active) {
   constexpr int kBits = bits_of(static_cast<Precision>(P));
   constexpr int kPerByte = 8 / kBits;
   constexpr int kBytes = G * kBits / 8;  // the group starts on a byte boundary (G * bits % 8 == 0)
   const int groups = d / G;
-  const int i = item / groups;
-  const int j = item % groups;
+  const int i = active ? item / groups : 0;
+  const int j = item - i * groups;
+  const std::size_t row_i = lane_offset(row, i);
+  const std::size_t vs_i = lane_offset(vs, i);
+  if (!active) return 0;
   const std::uint16_t* src = stg + static_cast<std::size_t>(i) * d + static_cast<std::size_t>(j) * G;
   float x[G];
 #pragma unroll
   for (int e = 0; e < G; ++e) x[e] = decode_bf16(src[e]);
   bool saturated = false;
   float use = 0.0f;
-  pool[vs_off[i] + static_cast<std::size_t>(j)] = group_scale<P, G>(x, s2, use, saturated);
-  std::uint8_t* dst = pool + row_off[i] + static_cast<std::size_t>(j) * kBytes;
+  pool[vs_i + static_cast<std::size_t>(j)] = group_scale<P, G>(x, s2, use, saturated);
+  std::uint8_t* dst = pool + row_i + static_cast<std::size_t>(j) * kBytes;
 #pragma unroll kElementUnroll
-  for (int b = 0; b < kBytes; ++b) {
+  for (int b = 0; b < kBytes; ++b, src += kPerByte) {
     std::uint32_t byte = 0u;
 #pragma unroll
-    for (int e = 0; e < kPerByte; ++e) byte |= element_code<P>(decode_bf16(src[b * kPerByte + e]), use) << (e * kBits);
+    for (int e = 0; e < kPerByte; ++e) byte |= element_code<P>(decode_bf16(src[e]), use) << (e * kBits);
     dst[b] = static_cast<std::uint8_t>(byte);
   }
   return saturated ? 1 : 0;
-}
-
-/// BF16, element idx of the G x d group: little-endian copy (CpuKvBackend::commit).
-THINKV_HD inline void bf16_copy(const std::uint16_t* stg, int d, std::uint8_t* pool,
-                                const std::size_t* row_off, int idx) noexcept {
-  const int i = idx / d;
-  const int c = idx % d;
-  const std::uint16_t x = stg[idx];
-  std::uint8_t* dst = pool + row_off[i] + 2 * static_cast<std::size_t>(c);
-  dst[0] = static_cast<std::uint8_t>(x & 0xFF);
-  dst[1] = static_cast<std::uint8_t>(x >> 8);
 }
 
 /// Max over the CTA of each thread's m (m >= 0). Must be reached by every thread of the CTA.
@@ -231,11 +245,11 @@ __device__ float block_max(float m, float* warp_max) {
   return r;
 }
 
-/// The K or V half of one (validated) job at precision P. Called by every thread of the CTA.
+/// The K or V half of one (validated) job at precision P. Called by every thread of the CTA; lane
+/// i < G of every warp holds destination row i's offsets (row, vs).
 template <int P, int G>
 __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeAppendJob& job, int kv,
-                              const std::size_t* row_off, const std::size_t* vs_off,
-                              float* warp_max, float* s2_shared) {
+                              std::size_t row, std::size_t vs, float* warp_max) {
   const QuantizeAppendView& v = prm.cache;
   const int d = v.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
@@ -244,15 +258,26 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
       v.staging + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) * G *
                       static_cast<std::size_t>(d);
   std::uint8_t* pool = v.pages[P];
+  // Loops over items with a uniform trip count (whole warps shuffle the row offsets).
   if constexpr (P == kBf16) {
-    for (int idx = tid; idx < G * d; idx += nt) bf16_copy(stg, d, pool, row_off, idx);
+    for (int base = 0; base < G * d; base += nt) {  // element idx of the G x d group
+      const int idx = base + tid;
+      const bool active = idx < G * d;
+      const int i = active ? idx / d : 0;
+      const std::size_t o = lane_offset(row, i) + 2 * static_cast<std::size_t>(idx - i * d);
+      if (active) {  // little-endian copy (CpuKvBackend::commit)
+        const std::uint16_t x = stg[idx];
+        pool[o] = static_cast<std::uint8_t>(x & 0xFF);
+        pool[o + 1] = static_cast<std::uint8_t>(x >> 8);
+      }
+    }
   } else {
     constexpr Precision kP = static_cast<Precision>(P);
     float* s2p = v.s2 + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) *
                             kNumPrecisions + P;
-    if (tid == 0) *s2_shared = *s2p;
-    __syncthreads();
-    float s2 = *s2_shared;  // the same value in every thread: the branch below is uniform
+    // Every thread reads s2 before any thread can write it (the write follows block_max's
+    // barrier; no other CTA writes this (stream, K/V, precision)), so the branch is uniform.
+    float s2 = *s2p;
     if (s2 == 0.0f) {
       // First group of this (stream, K/V, precision) with a nonzero value fixes s2.
       const float amax = block_max(staged_amax_partial(stg, G * d, tid, nt), warp_max);
@@ -265,12 +290,12 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
     int saturations = 0;
     if (kv == 0) {
       std::uint8_t* record = v.key_scales + static_cast<std::size_t>(job.record) * d;
-      for (int base = 0; base < d; base += nt) {  // uniform trip count: whole warps shuffle
-        saturations += key_channel<P, G>(stg, d, s2_use, pool, row_off, record, base + tid, base + tid < d);
+      for (int base = 0; base < d; base += nt) {
+        saturations += key_channel<P, G>(stg, d, s2_use, pool, row, record, base + tid, base + tid < d);
       }
     } else {
-      for (int item = tid; item < d; item += nt) {  // G tokens x d / G groups = d items
-        saturations += value_group<P, G>(stg, d, s2_use, pool, row_off, vs_off, item);
+      for (int base = 0; base < d; base += nt) {  // G tokens x d / G groups = d items
+        saturations += value_group<P, G>(stg, d, s2_use, pool, row, vs, base + tid, base + tid < d);
       }
     }
     if (saturations > 0 && prm.scale_saturations != nullptr) {
@@ -280,38 +305,40 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
 }
 
 /// Grid: 2 * num_jobs CTAs, CTA b = (job b / 2, K if b is even else V). blockDim.x: a multiple of
-/// 32, 32..kMaxThreads (>= G). g = 32 keeps the default register budget (its 32-element local
-/// arrays would spill at 64 registers).
+/// 32, 32..kMaxThreads (>= G). g = 32 keeps the default register budget (its 32-element arrays
+/// would spill at 64 registers). Every warp checks the job and computes the G destination
+/// offsets itself (lane i: row i), so no barrier is needed unless s2 is unset.
 template <int G>
-__global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : 4) quantize_append_kernel(const QuantizeAppendParams prm) {
-  __shared__ std::size_t row_off[G];
-  __shared__ std::size_t vs_off[G];
+__global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : kMinBlocks) quantize_append_kernel(const QuantizeAppendParams prm) {
   __shared__ float warp_max[kMaxThreads / 32];
-  __shared__ float s2_shared;
   const int job_index = static_cast<int>(blockIdx.x >> 1);
   const int kv = static_cast<int>(blockIdx.x & 1u);
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  // Both loads go out at once (the slot's address does not depend on the job's fields).
   const QuantizeAppendJob job = prm.jobs[job_index];
+  const std::uint32_t id = prm.dest_slots[static_cast<std::size_t>(job_index) * G + static_cast<std::size_t>(lane < G ? lane : 0)];
   const int p = static_cast<int>(job.precision);
-  bool bad = !job_ok(prm.cache, job);
-  if (!bad && threadIdx.x < static_cast<unsigned>(G)) {
-    const std::uint32_t id = prm.dest_slots[static_cast<std::size_t>(job_index) * G + threadIdx.x];
+  bool bad = !job_ok(prm.cache, job);  // uniform
+  std::size_t row = 0;
+  std::size_t vs = 0;
+  if (!bad && lane < G) {
     bad = !dest_ok(prm.cache, p, id);
     if (!bad) {
       const SlotOffsets o = slot_offsets(prm.cache, p, id, kv);
-      row_off[threadIdx.x] = o.row;
-      vs_off[threadIdx.x] = o.value_scales;
+      row = o.row;
+      vs = o.value_scales;
     }
   }
-  // Also the barrier that publishes row_off / vs_off.
-  if (__syncthreads_or(bad ? 1 : 0) != 0) {
+  // The same verdict in every warp (the same job and slots): a bad job writes nothing.
+  if (__any_sync(0xFFFFFFFFu, bad)) {
     if (threadIdx.x == 0 && kv == 0 && prm.rejected_jobs != nullptr) atomicAdd(prm.rejected_jobs, 1u);
-    return;  // the whole CTA: nothing written for this job
+    return;
   }
   switch (p) {  // uniform over the CTA
-    case 0: quantize_half<0, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
-    case 1: quantize_half<1, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
-    case 2: quantize_half<2, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
-    default: quantize_half<3, G>(prm, job, kv, row_off, vs_off, warp_max, &s2_shared); break;
+    case 0: quantize_half<0, G>(prm, job, kv, row, vs, warp_max); break;
+    case 1: quantize_half<1, G>(prm, job, kv, row, vs, warp_max); break;
+    case 2: quantize_half<2, G>(prm, job, kv, row, vs, warp_max); break;
+    default: quantize_half<3, G>(prm, job, kv, row, vs, warp_max); break;
   }
 }
 
