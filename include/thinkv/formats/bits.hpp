@@ -67,4 +67,29 @@ THINKV_HD constexpr std::uint32_t shift_right_round_even(std::uint32_t m, int sh
   return (rem > half || (rem == half && (q & 1u) != 0u)) ? q + 1u : q;
 }
 
+/// The magnitude code of a float in a minifloat format with kMantissa mantissa bits, exponent
+/// bias kBias and subnormals (E4M3: <3, 7>; E2M1: <1, 1>): `a` is the float's magnitude bits
+/// (float_to_bits(|x|), not a NaN). Rounds to nearest, ties to even; magnitudes that round above
+/// `max_code` (Inf included) give max_code. Branch-free: both ranges are computed and one is
+/// selected, so a GPU thread runs a dozen instructions with no divergent branch.
+///  - Normal range (|x| >= 2^(1 - kBias)): keep kMantissa of 23 mantissa bits, rounding to nearest
+///    even over the whole magnitude ((a + 2^(s-1) - 1 + lsb) >> s, s = 23 - kMantissa; a carry
+///    ripples into the exponent), then rebias 127 -> kBias.
+///  - Subnormal range: |x| / 2^(1 - kBias - kMantissa) (exact) rounded to an integer, ties to
+///    even, by adding 2^23 in float (the sum's ulp is 1; its low mantissa bits are the integer).
+///    The result reaches the smallest normal code when |x| rounds up to it; float zeros and
+///    subnormals give 0.
+template <int kMantissa, int kBias>
+THINKV_HD constexpr std::uint32_t minifloat_magnitude_code(std::uint32_t a, std::uint32_t max_code) noexcept {
+  static_assert(kMantissa >= 1 && kMantissa <= 10 && kBias >= 1 && kBias + kMantissa <= 24, "a small float format");
+  constexpr int kShift = 23 - kMantissa;
+  constexpr std::uint32_t kRebias = static_cast<std::uint32_t>(127 - kBias) << kMantissa;
+  constexpr std::uint32_t kNormalMinBits = static_cast<std::uint32_t>(128 - kBias) << 23;  // 2^(1 - kBias)
+  constexpr float kSubnormalScale = static_cast<float>(1u << (kBias + kMantissa - 1));
+  std::uint32_t normal = ((a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u)) >> kShift) - kRebias;
+  normal = normal < max_code ? normal : max_code;
+  const std::uint32_t sub = float_to_bits(bits_to_float(a) * kSubnormalScale + 8388608.0f) - 0x4B000000u;
+  return a >= kNormalMinBits ? normal : sub;
+}
+
 }  // namespace thinkv

@@ -20,22 +20,12 @@ inline constexpr std::uint8_t kE2M1MaxCode = 0x7;
 /// NaN becomes +6 (0x7); -0 and negative values that round to zero become 0x8 (negative zero),
 /// as NVIDIA's conversion does. Returns a code in 0..15.
 THINKV_HD constexpr std::uint8_t encode_e2m1(float x) noexcept {
-  // Branch-free (both ranges are computed, one is selected) so that a GPU thread runs ~12
-  // instructions instead of a divergent subnormal shift; tested against the branchy definition
-  // (test_formats: exhaustively under [.exhaustive], sampled by default).
+  // Branch-free (minifloat_magnitude_code); tested against the branchy definition (test_formats:
+  // exhaustively under [.exhaustive], sampled by default). Subnormal range: units of 0.5, so 0,
+  // 1 or 2 (code 0b010 = 1.0).
   const std::uint32_t u = float_to_bits(x);
   const std::uint32_t a = u & kFloatAbsMask;
-  const std::uint32_t sign = (u >> 28) & 0x8u;
-  // |x| >= 1: E2M1 normal range. Keep 1 of 23 mantissa bits, rounding to nearest even over the
-  // whole magnitude ((a + 2^21 - 1 + lsb) >> 22; carries ripple into the exponent), rebias
-  // 127 -> 1, saturate at 6 (Inf too).
-  std::uint32_t normal = ((a + 0x1FFFFFu + ((a >> 22) & 1u)) >> 22) - ((127u - 1u) << 1);
-  normal = normal < kE2M1MaxCode ? normal : kE2M1MaxCode;
-  // |x| < 1: units of 0.5, i.e. |x| * 2 (exact) rounded to an integer, ties to even, by adding
-  // 2^23 in float (the sum's ulp is 1; its low mantissa bits are the integer). 0, 1 or 2; 2 is
-  // code 0b010 = 1.0. Float zeros and subnormals give 0.
-  const std::uint32_t sub = float_to_bits(bits_to_float(a) * 2.0f + 8388608.0f) - 0x4B000000u;
-  const std::uint32_t code = sign | (a >= 0x3F800000u ? normal : sub);
+  const std::uint32_t code = ((u >> 28) & 0x8u) | minifloat_magnitude_code<1, 1>(a, kE2M1MaxCode);
   return static_cast<std::uint8_t>(a > kFloatInfBits ? kE2M1MaxCode : code);
 }
 

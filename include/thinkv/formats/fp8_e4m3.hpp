@@ -27,20 +27,12 @@ inline constexpr float kE4M3MinNormal = 0x1p-6f;
 /// negative values that round to zero become 0x80 (negative zero), as NVIDIA's SATFINITE
 /// conversion does.
 THINKV_HD constexpr std::uint8_t encode_e4m3(float x) noexcept {
-  // Branch-free (both ranges are computed, one is selected), as encode_e2m1; tested against the
-  // branchy definition (test_formats: exhaustively under [.exhaustive], sampled by default).
+  // Branch-free (minifloat_magnitude_code); tested against the branchy definition (test_formats:
+  // exhaustively under [.exhaustive], sampled by default). Subnormal range: units of 2^-9, so
+  // 0..8 (8 is the smallest normal code 0x08 = 2^-6).
   const std::uint32_t u = float_to_bits(x);
   const std::uint32_t a = u & kFloatAbsMask;
-  const std::uint32_t sign = (u >> 24) & 0x80u;
-  // |x| >= 2^-6: E4M3 normal range. Keep 3 of 23 mantissa bits, rounding to nearest even over
-  // the whole magnitude ((a + 2^19 - 1 + lsb) >> 20; carries ripple into the exponent), rebias
-  // 127 -> 7, saturate at 448 (Inf too).
-  std::uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
-  normal = normal < kE4M3MaxCode ? normal : kE4M3MaxCode;
-  // |x| < 2^-6: E4M3 subnormal range, units of 2^-9: |x| * 2^9 (exact) rounded to an integer,
-  // ties to even, by adding 2^23 in float. 0..8; 8 is the smallest normal code 0x08 (= 2^-6).
-  const std::uint32_t sub = float_to_bits(bits_to_float(a) * 512.0f + 8388608.0f) - 0x4B000000u;
-  const std::uint32_t code = sign | (a >= 0x3C800000u ? normal : sub);
+  const std::uint32_t code = ((u >> 24) & 0x80u) | minifloat_magnitude_code<3, 7>(a, kE4M3MaxCode);
   return static_cast<std::uint8_t>(a > kFloatInfBits ? kE4M3NanCode : code);
 }
 
