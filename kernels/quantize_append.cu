@@ -25,7 +25,7 @@
 /// (sort_descending_network, the same sequence of values as the CPU's insertion sort; unit-tested
 /// against quantize_group). The offset helpers below are __host__ __device__. Occupancy: launch
 /// bounds of 6 x 256 threads (40 registers) for g = 8 and 16, so 12 CTAs of D = 128 threads share
-/// an SM (measured on the H200: see kMinBlocks and docs/perf.md).
+/// an SM (measured on the H200: see kMinBlocks and docs/perf-history.md, 2026-11-30 08:22 UTC).
 
 #include <cuda_runtime.h>
 
@@ -103,7 +103,7 @@ THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int 
 /// BF16, K or V) run side by side on an SM, and with every loop fully unrolled the G = 16 kernel
 /// was 177 KB of code whose warps waited on instruction fetch for 62% of their stall samples.
 /// H200, batch 64 (16,384 jobs, R4E4T2): fully unrolled 552 us, unroll 4 296 us, 2 or 1 265 us
-/// (docs/perf.md).
+/// (docs/perf-history.md, 2026-11-30 08:22 UTC).
 constexpr int kElementUnroll = THINKV_QA_ELEMENT_UNROLL;
 #ifndef THINKV_QA_MIN_BLOCKS
 #define THINKV_QA_MIN_BLOCKS 6

@@ -37,9 +37,9 @@ namespace thinkv::kernels {
 /// Start-up and wind-down of one main-pass CTA, in half-pieces of `piece` slot positions (3 = one
 /// and a half pieces of 128 positions): the stream-id, block-list, fill, mask and record loads
 /// that precede a CTA's first window, the Q fragments, and the write of its partial. Measured on
-/// the H200 (docs/perf.md, 2026-11-30, 06:30 UTC): the 32-layer step (batch 64, 1,024 positions)
-/// at 2 / 3 / 4 splits took 2,366 / 2,564 / 2,854 µs, which ceil(waves) x (start-up + pieces per
-/// chunk) fits with a start-up of 1.3-1.6 pieces.
+/// the H200 (docs/perf-history.md, 2026-11-30 07:00 UTC section): the 32-layer step (batch 64,
+/// 1,024 positions) at 2 / 3 / 4 splits took 2,366 / 2,564 / 2,854 µs, which ceil(waves) x
+/// (start-up + pieces per chunk) fits with a start-up of 1.3-1.6 pieces.
 inline constexpr long long kSplitStartupHalfPieces = 3;
 
 /// The merge kernel a launch of more than one chunk per KV head needs, in the same half-piece
