@@ -6,7 +6,9 @@
 //  - ThinKvCache<CudaKvBackend> and ThinKvCache<CpuKvBackend> driven by the same decode must take
 //    the same decisions (refreshes, thought types, evictions), since the GPU sparsity is exact.
 //  - Refusals: use before init, an attention shape the kernel does not serve, device memory
-//    exhausted at init.
+//    exhausted at init; a refused append (NaN / Inf / past BF16 in K or V, a wrong shape, a
+//    thought change inside a group, a full pool) leaves every observable byte of the GPU cache
+//    as it was, and the cache usable.
 // Fresh random inputs per run (tt::base_seed; THINKV_TEST_SEED pins it).
 
 #include <catch2/catch.hpp>
@@ -287,6 +289,133 @@ TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[
   CHECK(cpu.stats().refreshes == gpu.stats().refreshes);
   CHECK(cpu.tracker(0).stats().refresh_histogram == gpu.tracker(0).stats().refresh_histogram);
   compare_storage(cpu.paged(), gpu.paged());
+}
+
+// Everything a user can observe of a GPU cache: every page, key-scale record and second-level
+// scale on the device, every staged token, and the block table's per-stream counts.
+struct Observed {
+  std::vector<std::vector<std::uint8_t>> pages, records;
+  std::vector<float> scales, staged;
+  std::vector<std::int64_t> counts;
+  bool operator==(const Observed&) const = default;
+};
+
+Observed observe(const PagedKvCache<CudaKvBackend>& c) {
+  Observed o;
+  const auto& gb = c.backend();
+  for (std::uint32_t b = 0; b < c.table().pools().total; ++b) {
+    REQUIRE(gb.copy_page(b, o.pages.emplace_back()).is_ok());
+  }
+  const auto records = static_cast<std::uint32_t>(thinkv::effective_record_capacity(c.config()));
+  for (std::uint32_t r = 0; r < records; ++r) REQUIRE(gb.copy_record(r, o.records.emplace_back()).is_ok());
+  const int d = c.config().head_dim;
+  std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
+  for (int s = 0; s < c.config().num_streams; ++s) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (Precision p : thinkv::kAllPrecisions) REQUIRE(gb.stream_scale(s, kv, p, o.scales.emplace_back()).is_ok());
+    }
+    for (int r = 0; r < c.table().staged_count(s); ++r) {
+      REQUIRE(gb.read_staged(s, r, k.data(), v.data()).is_ok());
+      o.staged.insert(o.staged.end(), k.begin(), k.end());
+      o.staged.insert(o.staged.end(), v.begin(), v.end());
+    }
+    o.counts.push_back(c.table().staged_count(s));
+    o.counts.push_back(static_cast<std::int64_t>(c.table().live_slots(s)));
+    o.counts.push_back(static_cast<std::int64_t>(c.table().blocks(s).size()));
+  }
+  o.counts.push_back(static_cast<std::int64_t>(gb.stats().groups_quantized));
+  return o;
+}
+
+TEST_CASE("A refused append leaves the GPU cache as it was", "[cuda_backend]") {
+  TT_SEEDED_RNG();
+  // Small pools so that one stream can exhaust them: 2 NVFP4 blocks (R and E), 1 ternary (T).
+  const Shape sh{"D=64 g=16 B=16 R4E4T2", 64, 16, 16, thinkv::kR4E4T2};
+  CacheConfig cfg = make_config(sh, 2, 64);
+  for (int p = 0; p < thinkv::kNumPrecisions; ++p) cfg.pool_blocks[p] = 0;
+  cfg.pool_blocks[static_cast<int>(Precision::kNvfp4)] = 2;
+  cfg.pool_blocks[static_cast<int>(Precision::kTernary)] = 1;
+  PagedKvCache<CpuKvBackend> cpu(cfg);
+  PagedKvCache<CudaKvBackend> gpu(cfg);
+  const int d = sh.d;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto token = [&](std::vector<float>& k, std::vector<float>& v) {
+    k.resize(static_cast<std::size_t>(d));
+    v.resize(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+  };
+  std::vector<float> k, v;
+  const auto R = thinkv::ThoughtType::kReasoning;
+  // Stream 0: 2 committed groups (both NVFP4 blocks) and 15 staged tokens. Stream 1: 5 staged
+  // tokens, its scales still unset.
+  for (int i = 0; i < 47; ++i) {
+    token(k, v);
+    REQUIRE(cpu.append(0, k, v, R).is_ok());
+    REQUIRE(gpu.append(0, k, v, R).is_ok());
+  }
+  for (int i = 0; i < 5; ++i) {
+    token(k, v);
+    REQUIRE(cpu.append(1, k, v, R).is_ok());
+    REQUIRE(gpu.append(1, k, v, R).is_ok());
+  }
+  const Observed before = observe(gpu);
+  auto refused = [&](int stream, const std::vector<float>& kk, const std::vector<float>& vv, thinkv::ThoughtType t,
+                     thinkv::StatusCode want, const char* says) {
+    const thinkv::Status s = gpu.append(stream, kk, vv, t);
+    INFO(s.to_string());
+    CHECK(s.code() == want);
+    CHECK(s.message().find(says) != std::string::npos);
+    CHECK(cpu.append(stream, kk, vv, t).code() == want);  // the CPU backend refuses the same
+    CHECK(observe(gpu) == before);
+  };
+  SECTION("NaN, Inf or a magnitude past 2^64 in K or V") {
+    token(k, v);
+    k[7] = NAN;
+    refused(1, k, v, R, thinkv::StatusCode::kNonFinite, "not finite");
+    token(k, v);
+    v[0] = -INFINITY;
+    refused(1, k, v, R, thinkv::StatusCode::kNonFinite, "not finite");
+    token(k, v);
+    v[d - 1] = 3.4e38f;  // finite in FP32, past the largest magnitude ThinKV stores (2^64)
+    refused(0, k, v, R, thinkv::StatusCode::kNonFinite, "largest magnitude");
+    // The comparison sees a change: an accepted token (staged on the device) changes what is
+    // observed.
+    token(k, v);
+    REQUIRE(cpu.append(1, k, v, R).is_ok());
+    REQUIRE(gpu.append(1, k, v, R).is_ok());
+    CHECK_FALSE(observe(gpu) == before);
+  }
+  SECTION("a wrong shape") {
+    token(k, v);
+    k.pop_back();
+    refused(1, k, v, R, thinkv::StatusCode::kShapeMismatch, "head_dim = 64");
+  }
+  SECTION("a thought type change inside a staging group") {
+    token(k, v);
+    refused(1, k, v, thinkv::ThoughtType::kTransition, thinkv::StatusCode::kInvalidArgument, "group");
+  }
+  SECTION("a full pool: the 16th token of a group finds no NVFP4 block") {
+    token(k, v);
+    refused(0, k, v, R, thinkv::StatusCode::kPoolExhausted, "pool");
+    // The cache stays usable: evict half of each committed group, then the staged group commits
+    // into those slots in place.
+    const auto live = cpu.table().live_slot_list(0);
+    REQUIRE(live.size() == 32);
+    std::vector<thinkv::SlotRef> half;
+    for (std::size_t i = 0; i < live.size(); i += 2) half.push_back(live[i]);
+    REQUIRE(cpu.evict(0, half).is_ok());
+    REQUIRE(gpu.evict(0, half).is_ok());
+    REQUIRE(cpu.append(0, k, v, R).is_ok());
+    const thinkv::Status s = gpu.append(0, k, v, R);
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+    CHECK(cpu.table().stats().slots_reused == 16);
+    CHECK(gpu.table().stats().slots_reused == 16);
+  }
+  // Whatever was refused, the GPU cache still equals the CPU cache fed the same calls.
+  compare_storage(cpu, gpu);
+  compare_tokens(cpu, gpu);
 }
 
 TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_backend]") {
