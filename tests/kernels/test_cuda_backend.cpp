@@ -6,7 +6,7 @@
 //  - ThinKvCache<CudaKvBackend> and ThinKvCache<CpuKvBackend> driven by the same decode must take
 //    the same decisions (refreshes, thought types, evictions), since the GPU sparsity is exact.
 //  - Refusals: use before init, an attention shape the kernel does not serve, device memory
-//    exhausted at init; a refused append (NaN / Inf / past BF16 in K or V, a wrong shape, a
+//    exhausted at init; a refused append (NaN / Inf / |x| > 2^64 in K or V, a wrong shape, a
 //    thought change inside a group, a full pool) leaves every observable byte of the GPU cache
 //    as it was, and the cache usable.
 // Fresh random inputs per run (tt::base_seed; THINKV_TEST_SEED pins it).
