@@ -88,6 +88,14 @@ struct ThinKvConfig {
                  " must be a positive multiple of num_kv_heads " + std::to_string(num_kv_heads));
     }
     if (max_tokens < 1) return bad("max_tokens " + std::to_string(max_tokens) + " must be >= 1");
+    // group_size and block_size first: the checks below and paged_config() divide by them.
+    if (group_size != 8 && group_size != 16 && group_size != 32) {
+      return bad("group_size " + std::to_string(group_size) + " is not supported; allowed: 8, 16, 32");
+    }
+    if (block_size < 1 || block_size > CacheConfig::kMaxBlockSize) {
+      return bad("block_size " + std::to_string(block_size) + " is out of range; allowed: 1.." +
+                 std::to_string(CacheConfig::kMaxBlockSize));
+    }
     if (segment_len < group_size || segment_len % group_size != 0) {
       return bad("segment_len " + std::to_string(segment_len) + " must be a positive multiple of "
                  "group_size " + std::to_string(group_size));
@@ -104,6 +112,14 @@ struct ThinKvConfig {
     THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
     if (token_budget < 0) return bad("token_budget " + std::to_string(token_budget) + " must be >= 0");
+    // Only closed segments are evicted, so the open one alone can hold segment_len live tokens:
+    // a smaller budget could never be met.
+    if (evicts(mode) && token_budget > 0 && token_budget < segment_len) {
+      return bad("token_budget " + std::to_string(token_budget) + " is below segment_len " +
+                 std::to_string(segment_len) + " (the open thought segment is never evicted, so it " +
+                 "alone can hold that many live tokens); allowed: 0 (no budget) or >= " +
+                 std::to_string(segment_len) + ", or lower segment_len");
+    }
     return paged_config().validate();
   }
 
@@ -135,7 +151,8 @@ struct ThinKvStats {
   std::int64_t steps = 0;                 ///< end_token calls
   std::int64_t eviction_calls = 0;        ///< plans with at least one step-down, applied
   std::int64_t transition_events = 0;     ///< case-1 triggers
-  std::int64_t budget_unreachable = 0;    ///< steps over budget with every segment at minimum
+  std::int64_t budget_unreachable = 0;    ///< steps over budget with every closed segment at the
+                                          ///< minimum (the open one is never evicted; design.md)
   std::int64_t segment_steps = 0;         ///< segment step-downs applied (per sequence)
   std::int64_t tokens_evicted = 0;        ///< slots evicted, all streams
   std::int64_t kmeans_calls = 0;          ///< K-means selections run, all streams
@@ -218,17 +235,39 @@ class ThinKvCache {
     }
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer)));
     SeqState& s = seq_(seq);
-    // Pre-check every head's commit so the layer is all-or-nothing (a head's append only fails
-    // on a full pool, which plan_commit detects without changing anything).
+    // Pre-check every head's commit so the layer is all-or-nothing. A head's append only fails on
+    // a full pool; plan_commit sees each head alone, against the same free lists, so the fresh
+    // blocks and key-scale records all heads need are summed and checked against the pools.
     const std::uint32_t seg = s.segments.back().id;
     const int d = config_.head_dim;
+    std::size_t need_blocks[kNumPrecisions] = {};
+    std::size_t need_records = 0;
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       const int st = stream_of(seq, layer, h);
       THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
       if (cache_.table().staged_count(st) + 1 == config_.group_size) {
         CommitPlan plan;
         THINKV_RETURN_IF_ERROR(cache_.table().plan_commit(st, s.type, plan));
+        need_blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
+        if (plan.record != kNoRecord) ++need_records;
       }
+    }
+    for (Precision p : kAllPrecisions) {
+      const std::size_t have = cache_.table().free_blocks(p);
+      if (need_blocks[static_cast<int>(p)] > have) {
+        return {StatusCode::kPoolExhausted,
+                "append layer " + std::to_string(layer) + ": the " + std::string(to_string(p)) +
+                    " pool has " + std::to_string(have) + " free blocks; the layer's " +
+                    std::to_string(config_.num_kv_heads) + " KV heads need " +
+                    std::to_string(need_blocks[static_cast<int>(p)]) +
+                    " (raise pool_blocks, lower the token budget, or evict)"};
+      }
+    }
+    if (need_records > cache_.table().free_records()) {
+      return {StatusCode::kPoolExhausted,
+              "append layer " + std::to_string(layer) + ": the key-scale record pool has " +
+                  std::to_string(cache_.table().free_records()) + " free records; the layer's KV heads need " +
+                  std::to_string(need_records)};
     }
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       THINKV_RETURN_IF_ERROR(cache_.append(stream_of(seq, layer, h), k.subspan(static_cast<std::size_t>(h) * d, d),

@@ -113,6 +113,17 @@ TEST_CASE("PrecisionMap: every ordered map is expressible, every inverted one th
   CHECK(valid == 20);  // multisets of size 3 over 4 widths
 }
 
+TEST_CASE("PrecisionMap: a precision value outside the enum is refused, naming value and thought",
+          "[policy][precision_map][bad_input]") {
+  const auto bad = static_cast<Precision>(7);
+  const Status s = PrecisionMap::check(Precision::kNvfp4, bad, Precision::kTernary);
+  REQUIRE_FALSE(s.is_ok());
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("unknown precision value 7 for E"));
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("allowed: bf16, fp8_e4m3, nvfp4, ternary"));
+  CHECK_THROWS_AS(PrecisionMap(bad, Precision::kNvfp4, Precision::kTernary), ConfigError);
+}
+
 TEST_CASE("PrecisionMap::parse accepts the documented examples", "[policy][precision_map]") {
   PrecisionMap m = kFullKvMap;
   REQUIRE(PrecisionMap::parse("R4E4T2", m).is_ok());

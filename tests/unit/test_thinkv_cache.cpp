@@ -261,9 +261,13 @@ TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thi
   const auto mem = cache.memory();
   const auto stats = cache.paged().table().stats();
   REQUIRE(cache.begin_token(0).is_ok());
+  const auto before = tt::snapshot_cache(cache.paged());
   CHECK(cache.begin_token(0).code() == thinkv::StatusCode::kInvalidArgument);
-  std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim), 0.5f), v(k);
-  std::vector<float> short_k(k.size() - 1, 0.5f);
+  std::normal_distribution<float> normal;
+  std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  std::vector<float> short_k(k.begin(), k.end() - 1);
   CHECK(cache.append(0, 0, short_k, v).code() == thinkv::StatusCode::kShapeMismatch);
   k[17] = NAN;
   const auto s = cache.append(0, 0, k, v);
@@ -272,13 +276,49 @@ TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thi
   k[17] = 0.5f;
   v[3] = INFINITY;
   CHECK(cache.append(0, 0, k, v).code() == thinkv::StatusCode::kNonFinite);
+  v[3] = -INFINITY;
+  CHECK(cache.append(0, 0, k, v).code() == thinkv::StatusCode::kNonFinite);
   CHECK(cache.append(0, 5, k, v).code() == thinkv::StatusCode::kOutOfRange);
   CHECK(cache.append(7, 0, k, v).code() == thinkv::StatusCode::kOutOfRange);
   CHECK(cache.memory() == mem);
   CHECK(cache.paged().table().stats().commits == stats.commits);
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
   std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim)), out(q.size());
   CHECK(cache.attend(1, 0, q, out).code() == thinkv::StatusCode::kInvalidArgument);  // no begin_token
   CHECK(cache.end_token(1).code() == thinkv::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("ThinKV append on a pool too small for all KV heads fails and changes nothing",
+          "[thinkv_cache][bad_input]") {
+  // Each head of a layer commits its group on the same token; the pool has room for fewer fresh
+  // blocks than the heads need. The append must fail before any head commits.
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
+  INFO("seed " << seed);
+  for (int pool : {1, 2, 3}) {
+    INFO("pool_blocks " << pool);
+    auto cfg = small_config(CacheMode::kTbq);
+    cfg.num_sequences = 1;
+    cfg.num_layers = 1;
+    cfg.num_kv_heads = 4;
+    cfg.num_q_heads = 4;
+    cfg.classifier = {};  // every token R: one pool in play
+    cfg.pool_blocks = pool;
+    thinkv::ThinKvCache<> cache(cfg);
+    std::mt19937 rng(seed + static_cast<unsigned>(pool));
+    // group 8, block 16: the first commit of each head takes a fresh block; `pool` heads fit.
+    for (int t = 0; t < cfg.group_size - 1; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
+    REQUIRE(cache.begin_token(0).is_ok());
+    const auto before = tt::snapshot_cache(cache.paged());
+    std::normal_distribution<float> normal;
+    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
+    for (auto& x : k) x = normal(rng);
+    for (auto& x : v) x = normal(rng);
+    const auto s = cache.append(0, 0, k, v);
+    INFO(s);
+    CHECK(s.code() == thinkv::StatusCode::kPoolExhausted);
+    CHECK_THAT(s.message(), Catch::Matchers::Contains("KV heads need 4"));
+    TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+  }
 }
 
 TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
@@ -306,6 +346,26 @@ TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
   c = small_config(CacheMode::kThinKv);
   c.num_q_heads = 3;
   expect(c, "num_q_heads 3");
+  // group_size and block_size are checked before anything divides by them (0 used to SIGFPE).
+  for (int g : {0, -8, 12, 64}) {
+    c = small_config(CacheMode::kThinKv);
+    c.group_size = g;
+    expect(c, "group_size " + std::to_string(g) + " is not supported; allowed: 8, 16, 32");
+  }
+  for (int b : {0, -1, 4097}) {
+    c = small_config(CacheMode::kThinKv);
+    c.block_size = b;
+    expect(c, "block_size " + std::to_string(b) + " is out of range; allowed: 1..4096");
+  }
+  // A budget below one segment can never be met: the open segment is not evicted.
+  c = small_config(CacheMode::kThinKv);
+  c.token_budget = 63;
+  expect(c, "token_budget 63 is below segment_len 64");
+  c.mode = CacheMode::kTbq;  // no eviction: the budget is not used, so not checked
+  CHECK_NOTHROW(thinkv::ThinKvCache<>(c));
+  c.mode = CacheMode::kTbe;
+  c.token_budget = 64;
+  CHECK_NOTHROW(thinkv::ThinKvCache<>(c));
   CHECK(thinkv::parse_cache_mode("thinkv") == CacheMode::kThinKv);
   CHECK_FALSE(thinkv::parse_cache_mode("fast").has_value());
 }
@@ -320,4 +380,136 @@ TEST_CASE("ThinKV memory against FullKV of the whole sequence", "[thinkv_cache]"
   CHECK(cache.fullkv_sequence_bytes(0) == 600LL * 4 * 2 * cfg.head_dim * 2);
   CHECK(cache.memory().fullkv_fp16_bytes == cache.live_tokens(0) * 4 * 2 * cfg.head_dim * 2);
   CHECK(cache.memory().physical_bytes() < cache.fullkv_sequence_bytes(0) / 2);
+}
+
+TEST_CASE("ThinKV cache against an independent model of the CT cache, every step, every mode",
+          "[thinkv_cache][model]") {
+  // Random decoding with shifting thought types (refresh, relabel, TBE case 1 and case 2, K-means
+  // selection, in-place reuse) drives the ThinKV cache. An independent model of the CT cache
+  // (tests/unit/test_util.hpp: its own placement rule, its own group quantization, its own memory
+  // formula) follows every append, commit, relabel and eviction, and after every step the whole
+  // paged cache is compared with it: stats, pools, every block's owner, type, fill, live count and
+  // mask, every slot's position, segment, record and K/V bits (so eviction moved nothing and kept
+  // tokens never changed), record refcounts, staging, and memory per stream and in total. The
+  // model does not choose which tokens K-means keeps: it learns the victims from the table and
+  // checks that they come from closed segments, in the numbers the plan says.
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
+  INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
+  // Budget 160: always reachable here (open segment <= 64 + 4 per closed segment + staging).
+  // Budget 64 = segment_len: unreachable whenever the open segment is nearly full.
+  const std::pair<CacheMode, int> runs[] = {{CacheMode::kFull, 0},   {CacheMode::kTbq, 0},
+                                            {CacheMode::kTbe, 160},  {CacheMode::kThinKv, 160},
+                                            {CacheMode::kTbe, 64},   {CacheMode::kThinKv, 64}};
+  for (const auto& [mode, budget] : runs) {
+    INFO("mode " << thinkv::to_string(mode) << " budget " << budget);
+    std::mt19937 rng(seed);
+    auto cfg = small_config(mode);
+    cfg.max_tokens = 800;
+    if (budget > 0) cfg.token_budget = budget;
+    thinkv::ThinKvCache<> cache(cfg);
+    const auto& table = cache.paged().table();
+    tt::CtModel model(cache.paged().config());
+    std::normal_distribution<float> normal;
+    const int d = cfg.head_dim;
+    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * d)), v(k.size());
+    std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * d)), out(q.size());
+    std::int64_t unreachable_before = 0, refreshes_before = 0, flagged_steps = 0;
+    float sharp = 1.0f;
+    for (int t = 0; t < 700; ++t) {
+      if (t % 32 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+        INFO("t " << t << " seq " << seq);
+        tt::Diff diff;
+        REQUIRE(cache.begin_token(seq).is_ok());
+        const auto& open = cache.segments(seq).back();
+        for (int l = 0; l < cfg.num_layers; ++l) {
+          const double mag = std::exp2(std::uniform_real_distribution<double>(-3, 3)(rng));
+          for (auto& x : k) x = static_cast<float>(normal(rng) * mag);
+          for (auto& x : v) x = static_cast<float>(normal(rng) * mag);
+          for (auto& x : q) x = normal(rng) * sharp;
+          REQUIRE(cache.append(seq, l, k, v).is_ok());
+          for (int h = 0; h < cfg.num_kv_heads; ++h) {
+            const int st = cache.stream_of(seq, l, h);
+            model.stage(st, open.type, open.id, std::span<const float>(k).subspan(static_cast<std::size_t>(h * d), d),
+                        std::span<const float>(v).subspan(static_cast<std::size_t>(h * d), d));
+            if (static_cast<int>(model.S(st).staged.size()) == cfg.group_size) {
+              std::vector<std::int32_t> pos;
+              for (const auto& x : model.S(st).staged) pos.push_back(x.pos);
+              const auto real = tt::slots_of_positions(table, st, pos);
+              const std::uint32_t rec = real[0].block == thinkv::kNoBlock ? thinkv::kNoRecord
+                                                                          : table.slot_record(real[0]);
+              model.commit(st, real, rec, diff);
+            }
+          }
+          REQUIRE(cache.attend(seq, l, q, out).is_ok());
+        }
+        const std::vector<thinkv::SegmentState> segs_before = cache.segments(seq);
+        REQUIRE(cache.end_token(seq).is_ok());
+        // A refresh relabels the staged group of every stream of the sequence.
+        if (cache.stats().refreshes > refreshes_before) {
+          refreshes_before = cache.stats().refreshes;
+          for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+            if (!model.S(st).staged.empty()) model.S(st).staged_thought = cache.segments(seq).back().type;
+          }
+        }
+        // Evictions: what the model holds live and the table no longer does.
+        std::map<std::uint32_t, const thinkv::SegmentState*> before_by_id, after_by_id;
+        for (const auto& sg : segs_before) before_by_id[sg.id] = &sg;
+        for (const auto& sg : cache.segments(seq)) after_by_id[sg.id] = &sg;
+        for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+          const auto live_now = table.live_slot_list(st);
+          const std::set<thinkv::SlotRef> now(live_now.begin(), live_now.end());
+          std::vector<thinkv::SlotRef> victims;
+          std::map<std::uint32_t, int> evicted_per_seg;
+          for (auto r : model.live_slots(st)) {
+            if (now.count(r)) continue;
+            victims.push_back(r);
+            ++evicted_per_seg[model.find(st, r)->seg];
+          }
+          for (const auto& [id, n] : evicted_per_seg) {
+            if (!before_by_id.count(id) || !before_by_id[id]->closed) {
+              diff.fail("stream ", st, ": ", n, " tokens evicted from segment ", id, ", which is not closed");
+            } else if (before_by_id[id]->size - after_by_id[id]->size != n) {
+              diff.fail("stream ", st, ": segment ", id, " lost ", n, " tokens; the plan took it from ",
+                        before_by_id[id]->size, " to ", after_by_id[id]->size);
+            }
+          }
+          if (!thinkv::evicts(mode) && !victims.empty()) diff.fail("mode without eviction evicted");
+          model.evict(st, victims);
+        }
+        diff.merge(tt::check_cache(cache.paged(), model));
+        INFO(diff.msg);
+        REQUIRE(diff.ok());
+        // Budget: met, or flagged, and a flag only when no closed segment can step down.
+        const std::int64_t live = cache.live_tokens(seq);
+        if (thinkv::evicts(mode)) {
+          if (cache.stats().budget_unreachable > unreachable_before) {
+            ++flagged_steps;
+            for (const auto& sg : cache.segments(seq)) {
+              INFO("segment " << sg.id << " level " << sg.level);
+              REQUIRE((!sg.closed || sg.level >= cfg.retention.num_levels()));
+            }
+          } else {
+            REQUIRE(live <= cfg.token_budget);
+          }
+          unreachable_before = cache.stats().budget_unreachable;
+        } else {
+          REQUIRE(live == t + 1);
+        }
+      }
+    }
+    // The run exercised what it claims to.
+    const auto& ts = table.stats();
+    CHECK(ts.gather_bytes == 0);
+    if (thinkv::evicts(mode)) {
+      CHECK(cache.stats().tokens_evicted > 0);
+      CHECK(ts.slots_reused > 0);
+      CHECK(ts.blocks_freed > 0);
+      CHECK(cache.stats().segment_steps > 0);
+      if (mode == CacheMode::kThinKv) CHECK(cache.stats().transition_events > 0);  // case 1 fired
+      if (budget == 160) CHECK(flagged_steps == 0);
+      if (budget == 64) CHECK(flagged_steps > 0);  // the flag path above was checked
+    }
+    if (mode != CacheMode::kFull) CHECK(cache.stats().refreshes > 0);
+  }
 }

@@ -43,10 +43,14 @@ class PrecisionMap {
   /// Validates a candidate map without constructing it.
   static Status check(Precision r, Precision e, Precision t) {
     const int br = bits_of(r), be = bits_of(e), bt = bits_of(t);
-    for (int b : {br, be, bt}) {
-      if (!precision_from_bits(b)) {
+    constexpr const char* kNames[3] = {"R", "E", "T"};
+    const Precision ps[3] = {r, e, t};
+    for (int i = 0; i < 3; ++i) {
+      if (!precision_from_bits(bits_of(ps[i]))) {
         return {StatusCode::kInvalidArgument,
-                "unknown precision (" + std::to_string(b) + " bits); allowed: 16, 8, 4, 2"};
+                std::string("unknown precision value ") +
+                    std::to_string(static_cast<int>(ps[i])) + " for " + kNames[i] +
+                    "; allowed: bf16, fp8_e4m3, nvfp4, ternary (16, 8, 4 or 2 bits)"};
       }
     }
     if (be > br) {
