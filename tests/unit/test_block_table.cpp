@@ -218,6 +218,26 @@ TEST_CASE("BlockTable: holes are reused only by the same thought type", "[block_
   TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
 }
 
+TEST_CASE("BlockTable: per-block segment starts and masks follow eviction and reuse", "[block_table]") {
+  // g 8, block 16, one stream: segments 10 and 11 fill block b; evicting slots 0, 1 and 9 and
+  // reusing them for segment 12 interleaves three segments in one block.
+  BlockTable t(table_config(8, 16, {0, 0, 4, 4}, kR4E4T2, 1));
+  CtModel m(t.config());
+  push_group(t, m, 0, R, 10);
+  push_group(t, m, 0, R, 11);
+  const std::uint32_t b = t.blocks(0)[0];
+  using BS = BlockTable::BlockSegment;
+  CHECK(t.block_segments(b) == std::vector<BS>{{10, 0, {0x00FFu}}, {11, 8, {0xFF00u}}});
+  evict_both(t, m, 0, {{b, 0}, {b, 1}, {b, 9}});
+  CHECK(t.block_segments(b) == std::vector<BS>{{10, 2, {0x00FCu}}, {11, 8, {0xFD00u}}});
+  // The next group of R reuses the three holes (lowest slot first), then opens a fresh block.
+  push_group(t, m, 0, R, 12);
+  CHECK(t.block_segments(b) == std::vector<BS>{{12, 0, {0x0203u}}, {10, 2, {0x00FCu}}, {11, 8, {0xFD00u}}});
+  REQUIRE(t.blocks(0).size() == 2u);
+  CHECK(t.block_segments(t.blocks(0)[1]) == std::vector<BS>{{12, 0, {0x001Fu}}});
+  TT_REQUIRE_OK_DIFF(tt::check_table(t, m));
+}
+
 TEST_CASE("BlockTable: blocks come from the pool of the thought's precision", "[block_table]") {
   for (const PrecisionMap& map : {kR4E4T2, kR8E4T2, kR8E8T4, kFullKvMap}) {
     CAPTURE(map);

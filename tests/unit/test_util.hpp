@@ -655,6 +655,19 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
       const bool want = i < mb.fill && mb.slots[i].evicted;
       if (bit != want) d.fail("block ", b, " mask bit ", i, " = ", bit, ", model ", want);
     }
+    // Per-block segment view: start index and mask of every segment with a live slot here.
+    std::vector<BlockTable::BlockSegment> want_segs;
+    for (int i = 0; i < mb.fill; ++i) {
+      if (mb.slots[i].evicted) continue;
+      auto it = std::find_if(want_segs.begin(), want_segs.end(),
+                             [&](const auto& x) { return x.segment == mb.slots[i].seg; });
+      if (it == want_segs.end()) {
+        want_segs.push_back({mb.slots[i].seg, i, std::vector<std::uint64_t>(static_cast<std::size_t>(words), 0)});
+        it = want_segs.end() - 1;
+      }
+      it->mask[static_cast<std::size_t>(i / 64)] |= std::uint64_t{1} << (i % 64);
+    }
+    if (t.block_segments(b) != want_segs) d.fail("block ", b, " segment starts/masks differ from the model");
     for (int i = 0; i < mb.fill; ++i) {
       const MSlot& ms_ = mb.slots[i];
       const SlotRef r{b, static_cast<std::uint32_t>(i)};

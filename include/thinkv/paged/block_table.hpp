@@ -200,6 +200,31 @@ class BlockTable {
     return {evict_mask_.data() + static_cast<std::size_t>(b) * layout_.evict_mask_words(),
             static_cast<std::size_t>(layout_.evict_mask_words())};
   }
+  /// The thought segments a block's live slots belong to: per segment its id, its start index in
+  /// the block (the lowest live slot naming it) and its segment mask (bit i = live slot i belongs
+  /// to it), in order of start index. Derived from the per-slot segment ids: with in-place reuse
+  /// a block holds tokens of several segments in any slot order (docs/design.md, "Block table").
+  struct BlockSegment {
+    std::uint32_t segment = 0;
+    int start = 0;                     ///< first live slot of the segment in this block
+    std::vector<std::uint64_t> mask;   ///< evict_mask layout: bit i of word i/64 = slot i
+    friend bool operator==(const BlockSegment&, const BlockSegment&) = default;
+  };
+  [[nodiscard]] std::vector<BlockSegment> block_segments(std::uint32_t b) const {
+    std::vector<BlockSegment> out;
+    for (int i = 0; i < block_fill_[b]; ++i) {
+      const SlotRef r{b, static_cast<std::uint32_t>(i)};
+      if (is_evicted(r)) continue;
+      const std::uint32_t id = slot_segment(r);
+      auto it = std::find_if(out.begin(), out.end(), [&](const BlockSegment& x) { return x.segment == id; });
+      if (it == out.end()) {
+        out.push_back({id, i, std::vector<std::uint64_t>(static_cast<std::size_t>(layout_.evict_mask_words()), 0)});
+        it = out.end() - 1;
+      }
+      it->mask[static_cast<std::size_t>(i / 64)] |= std::uint64_t{1} << (i % 64);
+    }
+    return out;
+  }
   [[nodiscard]] std::size_t free_blocks(Precision p) const {
     return free_blocks_[static_cast<int>(p)].size();
   }
