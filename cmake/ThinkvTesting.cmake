@@ -53,5 +53,7 @@ function(thinkv_add_test_executable target)
       target_link_libraries(${target} PRIVATE thinkv_catch_cuda_gate)
     endif()
   endif()
-  catch_discover_tests(${target} TEST_PREFIX "${target}." PROPERTIES ${_props})
+  # --warn NoTests: a test name ctest mangles (a ";" splits it) matches nothing and fails loudly
+  # instead of passing without running.
+  catch_discover_tests(${target} TEST_PREFIX "${target}." EXTRA_ARGS --warn NoTests PROPERTIES ${_props})
 endfunction()

@@ -179,7 +179,7 @@ TEST_CASE("K-means keeps one token per planted cluster, the one nearest its mean
   }
 }
 
-TEST_CASE("K-means with K >= n keeps everything; K = 0 keeps nothing", "[kmeans]") {
+TEST_CASE("K-means with K >= n keeps everything, and K = 0 keeps nothing", "[kmeans]") {
   std::vector<float> x = {1, 2, 3, 4, 5, 6};
   CHECK(thinkv::kmeans_select(x.data(), 3, 2, 3) == std::vector<int>{0, 1, 2});
   CHECK(thinkv::kmeans_select(x.data(), 3, 2, 7) == std::vector<int>{0, 1, 2});
