@@ -99,10 +99,13 @@ inline Status load_tokenizer_for(const Model& m, const std::string& path, Tokeni
   }
   const std::string p = default_tokenizer_path(m);
   if (p.empty()) {
-    return {StatusCode::kInvalidArgument, m.path + ": no tokenizer: looked for tok" +
-                                              std::to_string(m.config.vocab_size) +
-                                              ".bin and tokenizer.bin next to the model; give one "
-                                              "with --tokenizer (llama2.c tokenizer.bin format)"};
+    const std::string tok = "tok" + std::to_string(m.config.vocab_size) + ".bin";
+    return {StatusCode::kInvalidArgument,
+            m.path + ": no tokenizer: looked for " + tok +
+                " and tokenizer.bin next to the model; give one with --tokenizer PATH (llama2.c "
+                "tokenizer.bin format), or put it next to the model. The small test models' "
+                "tokenizer (tok512.bin) comes from " +
+                kModelSources};
   }
   return load_llama2c_tokenizer(p, m.config.vocab_size, out);
 }

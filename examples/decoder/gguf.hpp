@@ -7,10 +7,12 @@
 /// F16, BF16 or Q8_0 (block = FP16 scale + 32 int8), and the embedded sentencepiece tokenizer
 /// (tokenizer.ggml.tokens / scores / token_type, bos/eos ids).
 ///
-/// Every count and length read from the file is checked against the bytes that remain before
-/// anything is allocated, so a corrupt header cannot make the reader allocate wildly or read past
-/// the end. Refusals name what was found: another architecture, an unsupported tensor type
-/// ("Q4_K"), an unknown metadata value type, a bad magic or version.
+/// Every count and length read from the file is checked against the bytes that remain (and
+/// element counts against fixed limits, gguf_detail::kMaxArrayElements...) before anything is
+/// allocated, and arrays grow only with the elements actually read, so a corrupt header cannot
+/// make the reader allocate wildly or read past the end. Refusals name what was found: another
+/// architecture, an unsupported tensor type ("Q4_K"), an unknown metadata value type, a bad magic
+/// or version.
 ///
 /// Q/K layout: llama.cpp stores 'llama' attn_q/attn_k rows in the interleaved (adjacent-pair)
 /// rotary layout that llama2.c also uses (convert_hf_to_gguf.py permutes Hugging Face's
@@ -18,6 +20,7 @@
 /// permutation is applied here. Checked on stories260K: the .gguf's attn_q/attn_k are
 /// bit-identical to the .bin's wq/wk, and both files decode to the same tokens (test_decoder).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -202,6 +205,19 @@ struct GgufFile {
 namespace gguf_detail {
 
 inline constexpr int kMaxArrayDepth = 4;
+/// Most elements one metadata array may have. Every element read costs a GgufValue (about 100
+/// bytes) in memory, so a count is refused above this limit even when the file has the bytes: a
+/// corrupt count in a multi-GB file must not become a multi-GB allocation. The largest arrays of
+/// real files are tokenizer vocabularies and merge lists (32K to 262K entries); 4M is 16 times the
+/// largest vocabulary in use.
+inline constexpr std::uint64_t kMaxArrayElements = std::uint64_t{1} << 22;
+/// Most metadata key/values and tensors a header may declare (real files: tens of keys, and up to
+/// a few thousand tensors for the largest models). Larger counts are refused as corrupt.
+inline constexpr std::uint64_t kMaxMetadataEntries = std::uint64_t{1} << 16;
+inline constexpr std::uint64_t kMaxTensors = std::uint64_t{1} << 20;
+/// Entries reserved up front at most; beyond that vectors grow with the entries actually read, so
+/// memory follows the bytes the file really holds rather than the count it claims.
+inline constexpr std::uint64_t kMaxReserve = 4096;
 
 inline Status read_string(ByteReader& r, std::string& out, const std::string& what) {
   std::uint64_t n = 0;
@@ -301,12 +317,24 @@ inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const 
       if (n > r.remaining() / min_size(v.elem_type)) {
         return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) +
                                     " elements of " + gguf_type_name(et) + ", more than the " +
-                                    std::to_string(r.remaining()) + " remaining bytes can hold");
+                                    std::to_string(r.remaining()) +
+                                    " remaining bytes can hold; the file is corrupt or truncated "
+                                    "(re-download or re-convert it)");
       }
-      v.array.resize(static_cast<std::size_t>(n));
+      if (n > kMaxArrayElements) {
+        return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) +
+                                    " elements of " + gguf_type_name(et) + ", more than the " +
+                                    std::to_string(kMaxArrayElements) +
+                                    " this reader accepts (real tokenizer arrays have under 300K);"
+                                    " the file is corrupt (re-download or re-convert it)");
+      }
+      // Grown as elements are read (each takes >= min_size bytes of the file), never sized from
+      // the claimed count alone.
+      v.array.reserve(static_cast<std::size_t>(std::min(n, kMaxReserve)));
       for (std::uint64_t k = 0; k < n; ++k) {
-        THINKV_RETURN_IF_ERROR(read_value(r, et, v.array[static_cast<std::size_t>(k)],
-                                          key + "[" + std::to_string(k) + "]", depth + 1));
+        GgufValue& e = v.array.emplace_back();
+        THINKV_RETURN_IF_ERROR(
+            read_value(r, et, e, key + "[" + std::to_string(k) + "]", depth + 1));
       }
       break;
     }
@@ -379,17 +407,22 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
   THINKV_RETURN_IF_ERROR(r.read(n_kv, "uint64 metadata key/value count"));
   // A key/value needs at least 8 (key length) + 4 (type) + 1 bytes; a tensor info at least 8 + 4 +
   // 4 + 8.
-  if (n_kv > r.remaining() / 13) {
+  if (n_kv > r.remaining() / 13 || n_kv > kMaxMetadataEntries) {
     return r.corrupt_at(
-        16, "metadata count " + std::to_string(n_kv) + " is more than the file can hold");
+        16, "metadata count " + std::to_string(n_kv) + " is more than the file can hold (at most " +
+                std::to_string(std::min<std::uint64_t>(r.remaining() / 13, kMaxMetadataEntries)) +
+                "); the file is corrupt");
   }
-  if (n_tensors > r.remaining() / 24) {
+  if (n_tensors > r.remaining() / 24 || n_tensors > kMaxTensors) {
     return r.corrupt_at(
-        8, "tensor count " + std::to_string(n_tensors) + " is more than the file can hold");
+        8, "tensor count " + std::to_string(n_tensors) +
+               " is more than the file can hold (at most " +
+               std::to_string(std::min<std::uint64_t>(r.remaining() / 24, kMaxTensors)) +
+               "); the file is corrupt");
   }
   GgufFile g;
   g.version = version;
-  g.metadata.reserve(static_cast<std::size_t>(n_kv));
+  g.metadata.reserve(static_cast<std::size_t>(std::min(n_kv, kMaxReserve)));
   for (std::uint64_t k = 0; k < n_kv; ++k) {
     std::string key;
     THINKV_RETURN_IF_ERROR(read_string(r, key, "key of metadata entry " + std::to_string(k)));
@@ -410,7 +443,7 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
     }
     g.alignment = al;
   }
-  g.tensors.reserve(static_cast<std::size_t>(n_tensors));
+  g.tensors.reserve(static_cast<std::size_t>(std::min(n_tensors, kMaxReserve)));
   for (std::uint64_t k = 0; k < n_tensors; ++k) {
     GgufTensorInfo t;
     t.info_offset = r.offset();

@@ -165,7 +165,8 @@ struct CacheOptions {
   int budget = 0;      ///< 0 = default: seq_len / 4 (at least the retention minimum)
   int group_size = 0;  ///< 0 = default: 16 unless head_dim % 16 != 0, then 8
   int segment_len =
-      0;        ///< 0 = default: min(128, seq_len / 4 rounded down to a multiple of the group);
+      0;        ///< 0 = default: min(128, seq_len / 4, and in eviction modes the budget),
+                ///< rounded down to a multiple of the group;
                 ///< under 64 the retention schedule keeps only its levels <= segment_len
   int tau = 0;  ///< 0 = the calibration's tau, or the segment default when uncalibrated
   PrecisionMap precision{};
@@ -200,6 +201,11 @@ inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, Thi
   k.precision = o.precision;
   k.token_budget = o.budget > 0 ? o.budget : default_budget(c, k.retention);
   k.segment_len = o.segment_len > 0 ? o.segment_len : default_segment_len(c, k.group_size);
+  // The open segment is never evicted, so a budget below the segment could never be met: by
+  // default the segment shrinks to fit the budget (an explicit --segment is kept and checked).
+  if (o.segment_len <= 0 && evicts(k.mode) && k.token_budget < k.segment_len) {
+    k.segment_len = std::max(k.group_size, k.token_budget / k.group_size * k.group_size);
+  }
   // Short contexts (segments under 64 tokens): keep the retention levels that fit a segment.
   if (k.segment_len < k.retention.levels().front()) {
     std::vector<int> levels;

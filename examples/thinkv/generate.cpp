@@ -56,7 +56,8 @@ constexpr const char* kGenerateHelp =
     "  --budget K           live tokens per KV stream for tbe/thinkv (default: context / 4)\n"
     "  --group G            quantization group 8, 16 or 32 (default 16; 8 when head_dim % 16 != "
     "0)\n"
-    "  --segment L          thought segment length (default min(128, context/4), a multiple of G)\n"
+    "  --segment L          thought segment length (default min(128, context/4), in tbe/thinkv\n"
+    "                       at most --budget; a multiple of G)\n"
     "  --tau T              classifier refresh period (default: the calibration's, else "
     "--segment)\n"
     "  --precision MAP      TBQ bits per thought, e.g. R4E4T2 (default), R8E4T2, R8E8T4\n"
@@ -74,8 +75,10 @@ constexpr const char* kGenerateHelp =
     "                       memory, quantize-append and decode-attention kernels; needs a CUDA\n"
     "                       build and a GPU). The model itself runs on the CPU either way.\n"
     "  --json               print one JSON object as the last line of stdout\n"
-    "  --progress           progress line on stderr (default: only when stderr is a terminal and\n"
-    "                       stdout is not)\n"
+    "  --progress           progress line on stderr, always (default: while decoding, only when\n"
+    "                       stderr is a terminal and stdout is not, so the line never tears the\n"
+    "                       text; during --compare full, which runs after the text is complete,\n"
+    "                       whenever stderr is a terminal)\n"
     "\n"
     "Exit status: 0 ok, 1 data error (missing or corrupt file, cache error), 2 usage error.\n"
     "\n"
@@ -433,16 +436,22 @@ int run_generate(int argc, char** argv) {
     RunOptions fo = ro;
     fo.on_token = nullptr;
     fo.after_step = nullptr;
-    progress.update("comparing with FullKV...", true);
+    // The text is complete (and ended by its newline), so a status line cannot tear it: this
+    // phase shows one whenever stderr is a terminal, even where the decode phase left the
+    // terminal to the text (stdout and stderr on the same terminal).
+    Progress compare_progress(a.progress || ::isatty(2) != 0, "thinkv generate: ");
     const bool greedy = !(a.temperature > 0.0f);
+    compare_progress.update(
+        "comparing with FullKV on the same prompt (" + std::to_string(a.steps) + " steps)...",
+        true);
     if (Status s = measure_fidelity(model, full_cfg, cfg, prompt, a.steps, fo,
                                     greedy ? &st.tokens : nullptr, fid);
         !s.is_ok()) {
-      progress.clear();
+      compare_progress.clear();
       std::fprintf(stderr, "thinkv generate: fidelity run: %s\n", s.to_string().c_str());
       return kExitData;
     }
-    progress.clear();
+    compare_progress.clear();
   }
 
   // Summary (stderr).
@@ -501,12 +510,16 @@ int run_generate(int argc, char** argv) {
                static_cast<long long>(st.table_stats.gather_bytes),
                static_cast<long long>(st.cache_stats.budget_unreachable));
   if (a.compare) {
+    const std::string divergence =
+        fid.first_divergence < 0
+            ? std::string("first divergence: none")
+            : "first divergence at step " + std::to_string(fid.first_divergence);
     std::fprintf(stderr,
                  "  fidelity vs full (greedy, %d steps): token agreement %.1f %%, mean KL(full || "
                  "%s) %.4g nats "
-                 "(max %.3g), first divergence at step %d\n",
+                 "(max %.3g), %s\n",
                  fid.steps, 100.0 * fid.token_agreement, std::string(to_string(cfg.mode)).c_str(),
-                 fid.mean_kl, fid.max_kl, fid.first_divergence);
+                 fid.mean_kl, fid.max_kl, divergence.c_str());
   }
 
   if (a.json) {

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../../examples/decoder/decoder.hpp"
@@ -413,6 +414,77 @@ std::vector<int> runc_encode(const Tokenizer& t, const std::string& text) {
   return toks;
 }
 
+/// Decodes `steps` greedy tokens from BOS in ThinKV mode with `classifier` and checks, after every
+/// step, the per-layer sparsity signal the decoder's attention leaves in the cache: on refresh
+/// steps (positive multiples of tau, computed here independently of the library) every layer of
+/// L* has a finite sparsity in [0,1] and the other layers none (NaN: not computed); on other
+/// steps no layer has one; stats().refreshes counts exactly the refresh steps so far. Returns the
+/// run's statistics; `max_signal` gets the largest L* sparsity seen.
+RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifier, int steps,
+                               float& max_signal) {
+  CacheOptions o;
+  o.mode = CacheMode::kThinKv;
+  o.max_tokens = steps + 1;
+  o.classifier = classifier;
+  ThinKvConfig cfg;
+  const Status cs = make_cache_config(m.config, o, cfg);
+  INFO(cs.to_string());
+  REQUIRE(cs.is_ok());
+  const bool calibrated = classifier.needs_signal();
+  const int tau = cfg.classifier.tau();
+  if (calibrated) REQUIRE(tau == classifier.tau());
+  const auto L = static_cast<std::size_t>(m.config.n_layers);
+  std::int64_t refresh_steps = 0, bad = 0;
+  max_signal = 0.0f;
+  RunOptions ro;
+  ro.steps = steps;
+  ro.stop_at_bos_eos = false;
+  ro.after_step = [&](int step, const thinkv::decoder::SessionCache& c) {
+    const std::int32_t pos = c.position(0) - 1;  // the token this step decoded
+    const bool refresh = calibrated && pos > 0 && pos % tau == 0;
+    if (refresh) ++refresh_steps;
+    const std::span<const float> sp = c.layer_sparsity(0);
+    REQUIRE(sp.size() == L);
+    for (std::size_t l = 0; l < L; ++l) {
+      const bool in_lstar = classifier.uses_layer(static_cast<int>(l));
+      const float x = sp[l];
+      if (refresh && in_lstar) {
+        if (!(std::isfinite(x) && x >= 0.0f && x <= 1.0f)) {
+          ++bad;
+          FAIL_CHECK("step " << step << " (position " << pos << "), layer " << l
+                             << " of L*: sparsity " << x << " is not a value in [0,1]");
+        } else {
+          max_signal = std::max(max_signal, x);
+        }
+      } else if (!std::isnan(x)) {
+        ++bad;
+        FAIL_CHECK("step " << step << " (position " << pos << "), layer " << l
+                           << (refresh ? " (not in L*)" : " (not a refresh step)") << ": sparsity "
+                           << x << " was computed");
+      }
+    }
+    if (c.stats().refreshes != refresh_steps) {
+      ++bad;
+      FAIL_CHECK("position " << pos << ": stats().refreshes " << c.stats().refreshes << ", but "
+                             << refresh_steps << " refresh steps so far");
+    }
+    if (c.tracker(0).stats().refreshes != refresh_steps) {
+      ++bad;
+      FAIL_CHECK("position " << pos << ": tracker(0).stats().refreshes "
+                             << c.tracker(0).stats().refreshes << ", expected " << refresh_steps);
+    }
+    return bad > 20 ? Status(StatusCode::kInternal, "too many failures") : Status::ok();
+  };
+  RunStats st;
+  const Status s = run_sequence(m, cfg, {1}, ro, st);
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  REQUIRE(st.tokens.size() == static_cast<std::size_t>(steps));
+  CHECK(st.cache_stats.refreshes == refresh_steps);
+  CHECK(st.thought_stats.refreshes == refresh_steps);
+  return st;
+}
+
 }  // namespace
 
 // ---- real models
@@ -543,7 +615,7 @@ TEST_CASE("GGUF F16 and Q8_0 weights stay close to F32 (synthetic conversions of
   CHECK(kl8 < 0.0006);  // measured 0.00030 (same as the llama2.c Q8_0 export: 0.000315)
 }
 
-TEST_CASE("ThinKV mode decodes 400 steps within budget; the fidelity metric catches a broken cache",
+TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches a broken cache",
           "[model][decoder][thinkv]") {
   if (skip_without_models()) return;
   const Model m = load_or_fail(model_path("stories260K.bin"));
@@ -631,6 +703,32 @@ TEST_CASE("generation stops at BOS/EOS and respects max_tokens", "[model][decode
     CHECK(t != 1);
     CHECK(t != 2);
   }
+}
+
+TEST_CASE("the decoder produces the sparsity signal on refresh steps of a calibrated classifier",
+          "[model][decoder][thinkv]") {
+  if (skip_without_models()) return;
+  const Model m = load_or_fail(model_path("stories260K.bin"));
+  REQUIRE(m.config.n_layers == 5);
+  const int steps = 100, tau = 16;  // refresh at positions 16, 32, ..., 96: six refreshes
+  float max_signal = 0.0f;
+  const RunStats cal = check_sparsity_signal(
+      m, ThoughtClassifier::three_types(0.3f, 0.6f, {1, 3}, tau, m.config.n_layers), steps,
+      max_signal);
+  CHECK(cal.cache_stats.refreshes == 6);
+  // The signal is real attention: the model's rows are far from uniform after 16 tokens
+  // (the traces of `thinkv trace` put the mean sparsity of these layers at 0.7-0.9).
+  CHECK(max_signal > 0.1f);
+  // Every token labelled (the refreshes relabel; the counts still cover all tokens).
+  CHECK(cal.thought_stats.tokens[0] + cal.thought_stats.tokens[1] + cal.thought_stats.tokens[2] ==
+        steps);
+
+  // Uncalibrated (every token R): no refresh, no sparsity computed on any step.
+  float unused = 0.0f;
+  const RunStats unc = check_sparsity_signal(m, ThoughtClassifier{}, steps, unused);
+  CHECK(unc.cache_stats.refreshes == 0);
+  CHECK(unc.thought_stats.refreshes == 0);
+  CHECK(unc.thought_stats.tokens[0] == steps);
 }
 
 // ---- tokenizer
@@ -773,6 +871,27 @@ TEST_CASE("synthetic tiny GGUF llama loads and decodes in every weight type", "[
     const std::vector<int> toks = greedy(m, CacheMode::kThinKv, 30);
     CHECK(toks.size() == 30);
   }
+}
+
+TEST_CASE("synthetic tiny GGUF llama: the sparsity signal on refresh steps, none uncalibrated",
+          "[files][decoder][thinkv]") {
+  TempDir dir;
+  TinyLlama t;
+  t.layers = 3;  // L* = {1}: layers 0 and 2 must not compute the signal
+  Model m;
+  const Status s = load_bytes(dir, "tiny.gguf", t.gguf().build(), m);
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  const int steps = 60, tau = 8;  // refresh at positions 8, 16, ..., 56: seven refreshes
+  float max_signal = 0.0f;
+  const RunStats cal = check_sparsity_signal(
+      m, ThoughtClassifier::three_types(0.3f, 0.6f, {1}, tau, m.config.n_layers), steps,
+      max_signal);
+  CHECK(cal.cache_stats.refreshes == 7);
+  float unused = 0.0f;
+  const RunStats unc = check_sparsity_signal(m, ThoughtClassifier{}, steps, unused);
+  CHECK(unc.cache_stats.refreshes == 0);
+  CHECK(unc.thought_stats.refreshes == 0);
 }
 
 TEST_CASE("GGUF with a 'gpt2' tokenizer loads its merges", "[files][gguf][tokenizer]") {
@@ -927,6 +1046,62 @@ TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt hea
   }
 }
 
+TEST_CASE("GGUF: metadata counts are bounded by fixed limits, not only by the bytes left",
+          "[files][gguf]") {
+  TempDir dir;
+  Model m;
+  const GgufBuilder base = TinyLlama{}.gguf();
+  // A builder whose first key/value is `key` = array of uint8 with `count` elements and
+  // `present` bytes of them in the file; the value's element count sits at offset
+  // 24 (header) + 8 + key size (key) + 4 (value type) + 4 (element type).
+  auto with_u8_array = [&](const std::string& key, std::uint64_t count, std::size_t present) {
+    GgufBuilder h;
+    std::string p;
+    put<std::uint32_t>(p, 0);  // uint8
+    put<std::uint64_t>(p, count);
+    p.append(present, '\0');
+    h.kv_raw(key, 9, p);
+    h.kv += base.kv;
+    h.n_kv += base.n_kv;
+    h.tensors = base.tensors;
+    return h.build();
+  };
+  const std::size_t count_offset = 24 + 8 + std::string("x.big").size() + 4 + 4;
+
+  SECTION("a count the file has the bytes for, but above the element limit") {
+    // Without the limit this array would be read element by element (4M values of ~100 bytes
+    // each); a corrupt count in a multi-GB file would ask for far more.
+    const std::uint64_t n = gguf_detail::kMaxArrayElements + 1;
+    const Status s = load_bytes(dir, "big.gguf", with_u8_array("x.big", n, n), m);
+    expect_refused(s, {"big.gguf", "x.big", std::to_string(n),
+                       "offset " + std::to_string(count_offset), "corrupt"});
+  }
+  SECTION("counts that no file could hold: refused before any allocation, never bad_alloc") {
+    for (std::uint64_t n : {std::uint64_t{1} << 33, std::uint64_t{1} << 62, ~std::uint64_t{0}}) {
+      INFO("count " << n);
+      Status s;
+      REQUIRE_NOTHROW(s = load_bytes(dir, "huge.gguf", with_u8_array("x.big", n, 64), m));
+      expect_refused(
+          s, {"huge.gguf", "x.big", std::to_string(n), "offset " + std::to_string(count_offset)});
+    }
+  }
+  SECTION("a metadata count above its limit, with the bytes present") {
+    // 13 zero bytes parse as one key/value (empty key, uint8 0): a file padded with zeros holds
+    // the claimed entries, and only the limit refuses them.
+    const std::uint64_t n = gguf_detail::kMaxMetadataEntries + 1;
+    std::string b = base.build();
+    std::memcpy(b.data() + 16, &n, 8);
+    b.append(static_cast<std::size_t>(n) * 13, '\0');
+    expect_refused(load_bytes(dir, "kvcount.gguf", b, m),
+                   {"kvcount.gguf", "metadata count " + std::to_string(n), "offset 16"});
+  }
+  SECTION("an array at a modest size is read") {
+    const Status s = load_bytes(dir, "ok.gguf", with_u8_array("x.big", 100000, 100000), m);
+    INFO(s.to_string());
+    CHECK(s.is_ok());
+  }
+}
+
 TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files are refused",
           "[files][llama2c]") {
   TempDir dir;
@@ -969,6 +1144,18 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   expect_refused(load_bytes(dir, "v2.bin", header(2), m), {"v2.bin", "truncated"});
   expect_refused(load_bytes(dir, "v2short.bin", header(2).substr(0, 30), m),
                  {"v2short.bin", "offset"});
+}
+
+TEST_CASE("a llama2.c model without its tokenizer: the message says where to get tok512.bin",
+          "[files][tokenizer]") {
+  TempDir dir;
+  Model m;
+  const std::string path = dir.write("lonely.bin", llama2c_v0(16, 32, 2, 2, 1, 12, 8));
+  REQUIRE(load_model(path, m).is_ok());
+  Tokenizer tok;
+  const Status s = load_tokenizer_for(m, "", tok);
+  expect_refused(s, {"lonely.bin", "tok12.bin", "tokenizer.bin", "--tokenizer", "tok512.bin",
+                     "karpathy/tinyllamas", "SOURCES.md"});
 }
 
 TEST_CASE("real model files: truncated copies are refused", "[model][files]") {
@@ -1029,4 +1216,37 @@ TEST_CASE("model search path and cache defaults follow the model", "[files][deco
   CHECK(default_budget(c) == 32768);
   c.seq_len = 256;
   CHECK(default_segment_len(c, 16) == 64);
+
+  // In eviction modes a budget below the default segment shrinks the segment to fit (the open
+  // segment is never evicted); an explicit segment is kept and the cache refuses the mismatch.
+  c.head_dim = 8;
+  c.seq_len = 512;
+  c.n_layers = 2;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  for (const auto& [mode, budget, want_segment] :
+       std::vector<std::tuple<CacheMode, int, int>>{{CacheMode::kThinKv, 32, 32},
+                                                    {CacheMode::kTbe, 60, 56},
+                                                    {CacheMode::kThinKv, 200, 128},
+                                                    {CacheMode::kTbq, 32, 128}}) {
+    CacheOptions o;
+    o.mode = mode;
+    o.max_tokens = 300;
+    o.budget = budget;
+    ThinKvConfig k;
+    INFO("mode " << to_string(mode) << " budget " << budget);
+    REQUIRE(make_cache_config(c, o, k).is_ok());
+    CHECK(k.segment_len == want_segment);
+    CHECK(k.retention.levels().front() <= k.segment_len);
+    CHECK_NOTHROW(ThinKvCache<>(k));
+  }
+  CacheOptions o;
+  o.mode = CacheMode::kThinKv;
+  o.max_tokens = 300;
+  o.budget = 32;
+  o.segment_len = 64;
+  ThinKvConfig k;
+  const Status s = make_cache_config(c, o, k);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("token_budget 32 is below segment_len 64"));
 }
