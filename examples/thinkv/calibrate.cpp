@@ -35,7 +35,7 @@ constexpr int kExitUsage = 2;
 
 constexpr const char* kUsage =
     "usage: thinkv calibrate TRACE... -o CALIB.json [--plot DENSITIES.svg] [--types 3|2]\n"
-    "                        [--max-layers N] [--tau N] [--thresholds a[,b]]\n"
+    "                        [--max-layers N] [--tau N] [--thresholds a[,b]] [--min-prompts N]\n"
     "                        [--bandwidth-scale X] [--progress] [--quiet] [--verbose]\n";
 
 constexpr const char* kHelp =
@@ -56,6 +56,8 @@ constexpr const char* kHelp =
     "  --thresholds a[,b]     use these thresholds (ascending, in (0,1); types-1 values) instead\n"
     "                         of estimating them; layers are still chosen by the mode rule when\n"
     "                         possible, else all layers are used\n"
+    "  --min-prompts N        refuse to estimate thresholds from fewer than N prompts (default 3:\n"
+    "                         the fewest for which a layer must show its modes on two prompts)\n"
     "  --bandwidth-scale X    multiply Silverman's KDE bandwidth by X (default 1; > 1 smooths more)\n"
     "  --progress             show progress even when stderr is not a terminal\n"
     "  -q, --quiet            no progress and no per-layer report (the summary line stays)\n"
@@ -76,6 +78,7 @@ struct Args {
   int types = 3;
   int max_layers = 4;
   int tau = 128;
+  int min_prompts = thinkv::kDefaultMinPrompts;
   std::vector<float> thresholds;
   double bandwidth_scale = 1.0;
   bool progress = false;
@@ -169,6 +172,10 @@ int parse_args(int argc, char** argv, Args& a) {
     } else if (name == "--tau") {
       if (!value(v) || !parse_int(v, 1, 1 << 30, a.tau)) {
         return usage_error("--tau " + std::string(v) + ": must be an integer >= 1");
+      }
+    } else if (name == "--min-prompts") {
+      if (!value(v) || !parse_int(v, 1, 1 << 30, a.min_prompts)) {
+        return usage_error("--min-prompts " + std::string(v) + ": must be an integer >= 1");
       }
     } else if (name == "--bandwidth-scale") {
       if (!value(v) || !parse_double(v, a.bandwidth_scale) || !(a.bandwidth_scale > 0.0)) {
@@ -307,6 +314,7 @@ int run_calibrate(int argc, char** argv) {
   opt.num_types = a.types;
   opt.max_layers = a.max_layers;
   opt.tau = a.tau;
+  opt.min_prompts = a.min_prompts;
   opt.bandwidth_scale = a.bandwidth_scale;
   opt.user_thresholds = a.thresholds;
   opt.progress = [&](std::string_view stage, int done, int total) {
@@ -316,9 +324,9 @@ int run_calibrate(int argc, char** argv) {
   const thinkv::Status cs = thinkv::calibrate(trace, opt, result);
   progress.clear();
   if (!cs.is_ok()) {
-    std::fprintf(stderr, "thinkv calibrate: calibration failed for %s (%d layers, %zu prompts, %ld steps): %s\n",
-                 trace.model.c_str(), trace.num_layers, trace.prompts.size(), trace.total_steps(),
-                 cs.message().c_str());
+    std::fprintf(stderr, "thinkv calibrate: calibration failed for %s (%d layers, %zu prompt%s, %ld steps): %s\n",
+                 trace.model.c_str(), trace.num_layers, trace.prompts.size(), trace.prompts.size() == 1 ? "" : "s",
+                 trace.total_steps(), cs.message().c_str());
     return kExitData;
   }
 
@@ -342,11 +350,11 @@ int run_calibrate(int argc, char** argv) {
     bands += std::string(i ? " < " : "") + std::string(thinkv::to_string(result.band_types[static_cast<std::size_t>(i)]));
   }
   std::fprintf(stderr,
-               "calibrate: %s (%d layers): L* = %s, thresholds %s (%s by sparsity, %s), %d prompts, %ld steps "
+               "calibrate: %s (%d layers): L* = %s, thresholds %s (%s by sparsity, %s), %d prompt%s, %ld steps "
                "-> %s%s%s\n",
                result.model.c_str(), result.num_layers, fmt_layers(result.layers).c_str(),
                fmt_thresholds(result.thresholds).c_str(), bands.c_str(), result.method.c_str(), result.prompts,
-               result.steps, a.output == "-" ? "<stdout>" : a.output.c_str(), a.plot.empty() ? "" : ", ",
+               result.prompts == 1 ? "" : "s", result.steps, a.output == "-" ? "<stdout>" : a.output.c_str(), a.plot.empty() ? "" : ", ",
                a.plot.c_str());
   return 0;
 }

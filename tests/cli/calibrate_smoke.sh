@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CLI test of `thinkv calibrate`: a trimodal trace calibrates (JSON + SVG written, the trimodal
-# layers chosen); a unimodal trace fails with exit 1 and a message naming the modes found; a bad
-# flag exits 2.   calibrate_smoke.sh THINKV MAKE_TRACE WORKDIR
+# layers chosen); a unimodal trace fails with exit 1 and a message naming the modes found; a
+# one-prompt trace fails with exit 1 (fewer than --min-prompts, default 3) unless --min-prompts 1
+# is given; a bad flag exits 2.   calibrate_smoke.sh THINKV MAKE_TRACE WORKDIR
 set -u
 thinkv=$1 make_trace=$2 work=$3
 mkdir -p "$work" && cd "$work" || exit 1
@@ -27,7 +28,26 @@ cat uni.err
 grep -q "mode" uni.err || fail "the unimodal failure does not report the modes found"
 [ ! -e uni.json ] || fail "a failed calibration wrote uni.json"
 
+"$make_trace" one.csv trimodal 7 1 || fail "could not write the one-prompt trace"
+rm -f one.json one1.json
+"$thinkv" calibrate one.csv -o one.json 2> one.err
+rc=$?
+cat one.err
+[ $rc -eq 1 ] || fail "calibrate on a one-prompt trace exited $rc, expected 1"
+grep -q "only 1 prompt in the traces; calibration needs at least 3" one.err || fail "the one-prompt failure does not say what was found and needed"
+grep -q -- "--min-prompts 1" one.err || fail "the one-prompt failure does not name --min-prompts"
+[ ! -e one.json ] || fail "a failed calibration wrote one.json"
+"$thinkv" calibrate one.csv -o one1.json --min-prompts 1 2> one1.err
+rc=$?
+cat one1.err
+[ $rc -eq 0 ] || fail "calibrate --min-prompts 1 on a one-prompt trace exited $rc"
+tr -d ' \n' < one1.json | grep -q '"prompts":1,' || fail "one1.json does not record 1 prompt: $(cat one1.json)"
+
 "$thinkv" calibrate --no-such-flag tri.csv -o x.json 2> bad.err
 rc=$?
 [ $rc -eq 2 ] || fail "a bad flag exited $rc, expected 2"
+"$thinkv" calibrate --min-prompts 0 tri.csv -o x.json 2> bad.err
+rc=$?
+[ $rc -eq 2 ] || fail "--min-prompts 0 exited $rc, expected 2"
+grep -q -- "--min-prompts 0: must be an integer >= 1" bad.err || fail "--min-prompts 0 message: $(cat bad.err)"
 echo "1 passed, 0 failed"

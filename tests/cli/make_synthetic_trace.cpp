@@ -1,7 +1,7 @@
 // Writes a synthetic sparsity trace for the CLI tests: per prompt and step, layers 1 and 3 draw
 // from a trimodal mixture (modes 0.25 / 0.55 / 0.85), the other layers from one mode, or (kind
-// "unimodal") every layer from one mode.
-//   make_synthetic_trace OUT.csv trimodal|unimodal [seed]
+// "unimodal") every layer from one mode; 8 prompts of 800 steps unless PROMPTS says otherwise.
+//   make_synthetic_trace OUT.csv trimodal|unimodal [seed [prompts]]
 
 #include <algorithm>
 #include <cstdio>
@@ -14,17 +14,22 @@
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: make_synthetic_trace OUT.csv trimodal|unimodal [seed]\n");
+    std::fprintf(stderr, "usage: make_synthetic_trace OUT.csv trimodal|unimodal [seed [prompts]]\n");
     return 2;
   }
   const std::string kind = argv[2];
   std::mt19937 rng(argc > 3 ? static_cast<unsigned>(std::strtoul(argv[3], nullptr, 10)) : 1u);
+  const int prompts = argc > 4 ? std::atoi(argv[4]) : 8;
+  if (prompts < 1) {
+    std::fprintf(stderr, "make_synthetic_trace: prompts '%s' must be an integer >= 1\n", argv[4]);
+    return 2;
+  }
   std::normal_distribution<float> noise(0.0f, 0.045f);
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
   thinkv::SparsityTrace t;
   t.model = "synthetic-5L";
   t.num_layers = 5;
-  for (int p = 0; p < 8; ++p) {
+  for (int p = 0; p < prompts; ++p) {
     thinkv::PromptTrace pt;
     pt.id = "p" + std::to_string(p);
     for (int s = 0; s < 800; ++s) {

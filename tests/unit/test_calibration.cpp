@@ -13,8 +13,8 @@
 /// ~0.008 here (h <= 0.06); (2) sampling noise of each per-prompt valley, ~0.01-0.02 on a flat
 /// valley, divided by sqrt of the 10-50 (prompt, layer) pairs averaged: ~0.003; (3) the grid step
 /// 1/511 = 0.002 (reduced by the parabolic refinement). The sum is ~0.013; 0.03 leaves a margin of
-/// two over it (observed worst over 200 seeds: see docs/calibration.md) while still catching a
-/// valley picked on the wrong side of a mode (>= 0.1 away).
+/// two over it (observed worst over THINKV_TEST_SEED=1..2000: 0.0223, see docs/calibration.md)
+/// while still catching a valley picked on the wrong side of a mode (>= 0.1 away).
 
 #include <catch2/catch.hpp>
 
@@ -423,6 +423,82 @@ TEST_CASE("calibration: too few steps per prompt is an error", "[calibration]") 
   CHECK_THAT(s.message(), Contains("record longer traces"));
 }
 
+TEST_CASE("calibration: too few prompts is an error unless asked for", "[calibration]") {
+  TT_SEEDED_RNG();
+  // Clean trimodal layers (1 and 3): every prompt shows three modes there, so only the prompt
+  // count stands between these traces and a calibration file.
+  const std::vector<Mixture> layers = {unimodal(rng), trimodal(rng, 0.04, 0.04), bimodal(rng),
+                                       trimodal(rng, 0.04, 0.04)};
+  const SparsityTrace t3 = make_trace(rng, layers, 3, 800, 1200);
+  SparsityTrace t1 = t3, t2 = t3;
+  t1.prompts.resize(1);
+  t2.prompts.resize(2);
+  CalibrationResult r;
+  r.model = "unchanged";
+
+  Status s = run(t1, r);
+  REQUIRE_FALSE(s.is_ok());
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message() ==
+        "only 1 prompt in the traces; calibration needs at least 3 (record more with `thinkv trace`, or pass "
+        "--min-prompts 1 to accept fewer, or give --thresholds; CalibrationOptions::min_prompts / user_thresholds)");
+  CHECK(r.model == "unchanged");
+  s = run(t2, r);
+  REQUIRE_FALSE(s.is_ok());
+  CHECK_THAT(s.message(), StartsWith("only 2 prompts in the traces; calibration needs at least 3 ("));
+  CHECK_THAT(s.message(), Contains("--min-prompts 2 to accept fewer"));
+  CHECK(r.model == "unchanged");
+  CHECK(kDefaultMinPrompts == 3);
+  CHECK(CalibrationOptions{}.min_prompts == kDefaultMinPrompts);
+
+  // Three prompts are enough by default; the same layers come out with fewer when asked.
+  REQUIRE(run(t3, r).is_ok());
+  CHECK(r.layers == std::vector<int>{1, 3});
+  CHECK(r.prompts == 3);
+  CalibrationOptions o;
+  o.min_prompts = 1;
+  CalibrationResult r1;
+  const Status s1 = run(t1, r1, o);
+  INFO(s1);
+  REQUIRE(s1.is_ok());
+  CHECK(r1.layers == std::vector<int>{1, 3});
+  CHECK(r1.prompts == 1);
+  check_thresholds(r1, layers);
+  // A higher minimum refuses what the default accepts.
+  o.min_prompts = 4;
+  CHECK_THAT(run(t3, r, o).message(), StartsWith("only 3 prompts in the traces; calibration needs at least 4"));
+  o.min_prompts = 0;
+  CHECK(run(t3, r, o).message() == "min_prompts 0 must be >= 1");
+
+  // User thresholds are the explicit fallback: no minimum, but a note says L* rests on 1 prompt.
+  CalibrationOptions u;
+  u.user_thresholds = {0.4f, 0.7f};
+  CalibrationResult ru;
+  REQUIRE(run(t1, ru, u).is_ok());
+  CHECK(ru.layers == std::vector<int>{1, 3});
+  REQUIRE(ru.notes.size() == 1);
+  CHECK(ru.notes[0] ==
+        "the layer selection used 1 prompt, fewer than min_prompts 3: L* rests on little data (record more "
+        "prompts with `thinkv trace`)");
+}
+
+TEST_CASE("calibration: traces with more layers than the classifier takes are refused", "[calibration]") {
+  TT_SEEDED_RNG();
+  std::vector<Mixture> layers(static_cast<std::size_t>(kMaxClassifierLayers) + 1, Mixture{{0.5}, {0.08}, {1.0}});
+  layers[1] = trimodal(rng);
+  const SparsityTrace t = make_trace(rng, layers, 3, 40, 40);
+  REQUIRE(validate_sparsity_trace(t, "t").is_ok());  // a valid trace: the format takes 4096 layers
+  CalibrationResult r;
+  Status s = run(t, r);
+  REQUIRE_FALSE(s.is_ok());
+  CHECK(s.message() ==
+        "the traces have 257 layers; the thought classifier supports at most 256 (kMaxClassifierLayers), so no "
+        "calibration file for this model could be used");
+  CalibrationOptions u;  // user thresholds do not get around it
+  u.user_thresholds = {0.4f, 0.7f};
+  CHECK_THAT(run(t, r, u).message(), StartsWith("the traces have 257 layers"));
+}
+
 TEST_CASE("calibration: bad traces and options are rejected", "[calibration]") {
   TT_SEEDED_RNG();
   std::vector<Mixture> layers = {trimodal(rng), trimodal(rng)};
@@ -529,6 +605,12 @@ TEST_CASE("calibration: user thresholds", "[calibration]") {
   REQUIRE(r2.notes.size() == 2);
   CHECK_THAT(r2.notes[0], Contains("'p0' (10)"));
   CHECK_THAT(r2.notes[1], Contains("every layer is used"));
+  // The provenance counts the prompts and steps used: the short prompt was left out.
+  CHECK(r2.prompts == 3);
+  CHECK(r2.steps == u.total_steps() - 10);
+  CalibrationFile f2 = to_calibration_file(r2);
+  CHECK(f2.provenance.prompts == 3);
+  CHECK(f2.provenance.steps == u.total_steps() - 10);
 }
 
 // ---- the calibration file --------------------------------------------------------------------
@@ -639,7 +721,7 @@ TEST_CASE("calibration file: corrupt and mismatched files are rejected naming th
       {replaced(v, "\"format\": \"thinkv-calibration\",", ""), "calib.json: missing field 'format'"},
       {replaced(v, "\"name\": \"m\", ", ""), "calib.json: missing field 'model.name'"},
       {replaced(v, ", \"num_layers\": 32", ""), "calib.json: missing field 'model.num_layers'"},
-      {replaced(v, "\"num_layers\": 32", "\"num_layers\": 0"), "calib.json: field 'model.num_layers' is 0, expected an integer in [1, 4096]"},
+      {replaced(v, "\"num_layers\": 32", "\"num_layers\": 0"), "calib.json: field 'model.num_layers' is 0, expected an integer in [1, 256]"},
       {replaced(v, "\"thresholds\": [0.41, 0.7],", ""), "calib.json: missing field 'thresholds'"},
       {replaced(v, "[0.41, 0.7]", "[0.7, 0.41]"), "calib.json: field 'thresholds' [0.7, 0.41] must be strictly ascending numbers in (0,1)"},
       {replaced(v, "[0.41, 0.7]", "[0.41, 0.41]"), "calib.json: field 'thresholds' [0.41, 0.41] must be strictly ascending"},
@@ -683,6 +765,33 @@ TEST_CASE("calibration file: corrupt and mismatched files are rejected naming th
   CHECK_THAT(s.message(), Contains("not valid JSON: the file is corrupt or truncated"));
   s = read_calibration_json(std::filesystem::path("/nonexistent/calib.json"), f);
   CHECK_THAT(s.message(), Contains("/nonexistent/calib.json: cannot open the calibration file (no such file)"));
+}
+
+TEST_CASE("calibration file: more layers than the classifier takes is refused", "[calibration][file]") {
+  // The file's limit is the classifier's (kMaxClassifierLayers = 256), not the trace format's
+  // (4096): a file that reads back always becomes a classifier.
+  const std::string v = kValidFile;
+  CalibrationFile f;
+  REQUIRE(read_str(replaced(v, "\"num_layers\": 32", "\"num_layers\": 256"), f).is_ok());
+  CHECK(f.num_layers == kMaxClassifierLayers);
+  CHECK(classifier_from_calibration(f).num_layers() == kMaxClassifierLayers);
+  const std::string want =
+      "calib.json: field 'model.num_layers' is 257; ThinKV's thought classifier supports at most 256 layers "
+      "(kMaxClassifierLayers), so this calibration cannot be used";
+  for (const char* n : {"257", "4096", "100000"}) {
+    CalibrationFile g = f;
+    const Status s = read_str(replaced(v, "\"num_layers\": 32", std::string("\"num_layers\": ") + n), g);
+    INFO("num_layers " << n);
+    REQUIRE_FALSE(s.is_ok());
+    CHECK(s.message() == replaced(want, "257", n));
+    CHECK(g.num_layers == kMaxClassifierLayers);  // unchanged
+  }
+  // The validator (and so the writer) says the same.
+  f.num_layers = 257;
+  CHECK(validate_calibration(f, "calib.json").message() == want);
+  std::ostringstream os;
+  CHECK_FALSE(write_calibration_json(os, f).is_ok());
+  CHECK(os.str().empty());
 }
 
 TEST_CASE("calibration file: check_model", "[calibration][file]") {

@@ -5,9 +5,10 @@
 /// For every (prompt, layer) the decode steps' sparsity values are smoothed by a Gaussian kernel
 /// density estimate (Silverman's bandwidth) on a fixed grid of 512 points over [0,1]; the modes of
 /// the density are counted with a robustness rule; a layer qualifies on a prompt when it shows
-/// exactly `num_types` modes. The layers that qualify on the most prompts (at least half) form L*,
-/// and the thresholds Theta are the density minima between adjacent modes, averaged over every
-/// (prompt, chosen layer) that qualifies. Bands from lowest to highest sparsity are E, R, T.
+/// exactly `num_types` modes. With at least min_prompts prompts (3 by default), the layers that
+/// qualify on the most prompts (at least half) form L*, and the thresholds Theta are the density
+/// minima between adjacent modes, averaged over every (prompt, chosen layer) that qualifies.
+/// Bands from lowest to highest sparsity are E, R, T.
 ///
 /// The pieces (silverman_bandwidth, kde_on_grid, find_modes) are exposed for tests and tools.
 
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "thinkv/status.hpp"
+#include "thinkv/thought/classifier.hpp"
 #include "thinkv/thought/trace.hpp"
 #include "thinkv/types.hpp"
 
@@ -49,6 +51,11 @@ inline constexpr double kModeMaxValleyRatio = 0.80;
 inline constexpr double kMinLayerScore = 0.5;
 /// Fewest decode steps a prompt must have for its KDE to mean anything.
 inline constexpr int kMinStepsPerPrompt = 32;
+/// Default of CalibrationOptions::min_prompts: the fewest prompts the mode rule accepts. With the
+/// "qualifies on at least half of the prompts" rule, 1 prompt decides alone and 2 prompts let one
+/// of them decide (1/2 is half); 3 is the fewest for which a layer must show its modes on two
+/// separately recorded prompts (2/3) to be chosen, so one odd prompt cannot make L* and Theta.
+inline constexpr int kDefaultMinPrompts = 3;
 
 /// Band types from lowest to highest sparsity: {E, R, T} for 3 types, {E, T} for 2 (the third
 /// entry is unused and set to T).
@@ -66,6 +73,9 @@ struct CalibrationOptions {
   int max_layers = 4;             ///< |L*| at most
   int tau = 128;                  ///< classifier refresh interval written into the result
   double bandwidth_scale = 1.0;   ///< multiplies Silverman's bandwidth (> 0)
+  /// Fewest prompts the mode rule accepts (>= 1; kDefaultMinPrompts says why 3). Not applied
+  /// with user_thresholds (then a note says when fewer prompts chose L*).
+  int min_prompts = kDefaultMinPrompts;
   /// When not empty: the thresholds to use (num_types - 1 values, strictly ascending in (0,1));
   /// layers are still chosen by the mode rule when any layer is eligible, else all layers are.
   std::vector<float> user_thresholds;
@@ -96,8 +106,10 @@ struct CalibrationResult {
   std::array<ThoughtType, 3> band_types = default_band_types(3);  ///< lowest to highest sparsity
   std::string model;
   int num_layers = 0;
-  int prompts = 0;                 ///< prompts in the traces
-  long steps = 0;                  ///< decode steps in the traces
+  /// Prompts used: every prompt of the traces, except (user thresholds only) prompts shorter
+  /// than kMinStepsPerPrompt, which are left out of the layer selection (notes names them).
+  int prompts = 0;
+  long steps = 0;                  ///< decode steps of the prompts used
   std::string date;                ///< ISO 8601 UTC, e.g. "2025-01-31T12:00:00Z"
   std::string method;              ///< "kde-silverman" or "user-thresholds"
   double bandwidth_scale = 1.0;
@@ -414,6 +426,7 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
     return invalid("max_layers " + std::to_string(opt.max_layers) + " must be >= 1");
   }
   if (opt.tau < 1) return invalid("tau " + std::to_string(opt.tau) + " must be >= 1");
+  if (opt.min_prompts < 1) return invalid("min_prompts " + std::to_string(opt.min_prompts) + " must be >= 1");
   if (!(std::isfinite(opt.bandwidth_scale) && opt.bandwidth_scale > 0.0)) {
     return invalid("bandwidth_scale " + calib_detail::fmt(opt.bandwidth_scale) + " must be a number > 0");
   }
@@ -435,6 +448,18 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
   THINKV_RETURN_IF_ERROR(validate_sparsity_trace(trace, "calibrate: the trace"));
   if (trace.prompts.empty()) {
     return invalid("the traces hold no decode steps (no data rows); record traces with `thinkv trace`");
+  }
+  if (trace.num_layers > kMaxClassifierLayers) {
+    return invalid("the traces have " + std::to_string(trace.num_layers) + " layers; the thought classifier "
+                   "supports at most " + std::to_string(kMaxClassifierLayers) +
+                   " (kMaxClassifierLayers), so no calibration file for this model could be used");
+  }
+  const int num_prompts = static_cast<int>(trace.prompts.size());
+  if (!user && num_prompts < opt.min_prompts) {
+    return invalid("only " + std::to_string(num_prompts) + (num_prompts == 1 ? " prompt" : " prompts") +
+                   " in the traces; calibration needs at least " + std::to_string(opt.min_prompts) +
+                   " (record more with `thinkv trace`, or pass --min-prompts " + std::to_string(num_prompts) +
+                   " to accept fewer, or give --thresholds; CalibrationOptions::min_prompts / user_thresholds)");
   }
 
   // Prompts long enough for a KDE.
@@ -466,8 +491,9 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
   r.band_types = default_band_types(T);
   r.model = trace.model;
   r.num_layers = L;
-  r.prompts = static_cast<int>(trace.prompts.size());
-  r.steps = trace.total_steps();
+  r.prompts = P;
+  r.steps = 0;
+  for (std::size_t p : usable) r.steps += static_cast<long>(trace.prompts[p].num_steps());
   r.date = iso8601_utc(std::chrono::system_clock::now());
   r.method = user ? "user-thresholds" : "kde-silverman";
   r.bandwidth_scale = opt.bandwidth_scale;
@@ -476,6 +502,11 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
   if (user && !short_ids.empty()) {
     r.notes.push_back("prompts with fewer than " + std::to_string(kMinStepsPerPrompt) +
                       " steps were left out of the layer selection: " + short_text);
+  }
+  if (user && P < opt.min_prompts) {
+    r.notes.push_back("the layer selection used " + std::to_string(P) + (P == 1 ? " prompt" : " prompts") +
+                      ", fewer than min_prompts " + std::to_string(opt.min_prompts) +
+                      ": L* rests on little data (record more prompts with `thinkv trace`)");
   }
 
   // valleys[l]: the valley positions of layer l on each prompt where it qualifies.

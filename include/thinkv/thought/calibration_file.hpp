@@ -103,6 +103,15 @@ inline Status bad(std::string_view source, const std::string& what) {
               "; the file is corrupt or not a ThinKV calibration file — recalibrate with `thinkv calibrate`"};
 }
 
+/// A model with more layers than the thought classifier takes: not a corrupt file, but one that
+/// cannot be used (calibrate() refuses such traces for the same reason).
+inline Status too_many_layers(std::string_view source, long long num_layers) {
+  return {StatusCode::kInvalidArgument,
+          source_or(source) + ": field 'model.num_layers' is " + std::to_string(num_layers) +
+              "; ThinKV's thought classifier supports at most " + std::to_string(kMaxClassifierLayers) +
+              " layers (kMaxClassifierLayers), so this calibration cannot be used"};
+}
+
 inline std::string float_list(const std::vector<float>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) {
@@ -136,9 +145,10 @@ inline Status validate_calibration(const CalibrationFile& f, std::string_view so
                                                  : " — recalibrate with `thinkv calibrate`")};
   }
   if (f.model_name.empty()) return bad(source, "field 'model.name' is empty");
-  if (f.num_layers < 1 || f.num_layers > kMaxTraceLayers) {
+  if (f.num_layers > kMaxClassifierLayers) return calib_file_detail::too_many_layers(source, f.num_layers);
+  if (f.num_layers < 1) {
     return bad(source, "field 'model.num_layers' is " + std::to_string(f.num_layers) + ", expected 1.." +
-                           std::to_string(kMaxTraceLayers));
+                           std::to_string(kMaxClassifierLayers));
   }
   if (f.num_types != 2 && f.num_types != 3) {
     return bad(source, "field 'num_types' is " + std::to_string(f.num_types) + ", expected 2 or 3");
@@ -333,7 +343,13 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
   const json::Value* model = nullptr;
   THINKV_RETURN_IF_ERROR(F.object(root, "model", "model", model));
   THINKV_RETURN_IF_ERROR(F.string(*model, "name", "model.name", f.model_name));
-  THINKV_RETURN_IF_ERROR(F.integer(*model, "num_layers", "model.num_layers", 1, kMaxTraceLayers, ll));
+  // The classifier's limit, not the trace format's (kMaxTraceLayers): a file that validates
+  // always becomes a classifier (classifier_from_calibration).
+  if (const json::Value* n = model->find("num_layers");
+      n != nullptr && n->is_integer() && n->as_number() > kMaxClassifierLayers && n->as_number() <= 1e18) {
+    return calib_file_detail::too_many_layers(src, static_cast<long long>(n->as_number()));
+  }
+  THINKV_RETURN_IF_ERROR(F.integer(*model, "num_layers", "model.num_layers", 1, kMaxClassifierLayers, ll));
   f.num_layers = static_cast<int>(ll);
   THINKV_RETURN_IF_ERROR(F.integer(root, "num_types", "num_types", 2, 3, ll));
   f.num_types = static_cast<int>(ll);
