@@ -504,7 +504,6 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
     if (thinkv::evicts(mode)) {
       CHECK(cache.stats().tokens_evicted > 0);
       CHECK(ts.slots_reused > 0);
-      CHECK(ts.blocks_freed > 0);
       CHECK(cache.stats().segment_steps > 0);
       if (mode == CacheMode::kThinKv) CHECK(cache.stats().transition_events > 0);  // case 1 fired
       if (budget == 160) CHECK(flagged_steps == 0);
