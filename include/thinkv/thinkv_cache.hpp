@@ -89,13 +89,8 @@ struct ThinKvConfig {
     }
     if (max_tokens < 1) return bad("max_tokens " + std::to_string(max_tokens) + " must be >= 1");
     // group_size and block_size first: the checks below and paged_config() divide by them.
-    if (group_size != 8 && group_size != 16 && group_size != 32) {
-      return bad("group_size " + std::to_string(group_size) + " is not supported; allowed: 8, 16, 32");
-    }
-    if (block_size < 1 || block_size > CacheConfig::kMaxBlockSize) {
-      return bad("block_size " + std::to_string(block_size) + " is out of range; allowed: 1.." +
-                 std::to_string(CacheConfig::kMaxBlockSize));
-    }
+    THINKV_RETURN_IF_ERROR(CacheConfig::check_group_size(group_size));
+    THINKV_RETURN_IF_ERROR(CacheConfig::check_block_size(block_size));
     if (segment_len < group_size || segment_len % group_size != 0) {
       return bad("segment_len " + std::to_string(segment_len) + " must be a positive multiple of "
                  "group_size " + std::to_string(group_size));

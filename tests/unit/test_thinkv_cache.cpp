@@ -429,17 +429,9 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
           for (auto& x : q) x = normal(rng) * sharp;
           REQUIRE(cache.append(seq, l, k, v).is_ok());
           for (int h = 0; h < cfg.num_kv_heads; ++h) {
-            const int st = cache.stream_of(seq, l, h);
-            model.stage(st, open.type, open.id, std::span<const float>(k).subspan(static_cast<std::size_t>(h * d), d),
-                        std::span<const float>(v).subspan(static_cast<std::size_t>(h * d), d));
-            if (static_cast<int>(model.S(st).staged.size()) == cfg.group_size) {
-              std::vector<std::int32_t> pos;
-              for (const auto& x : model.S(st).staged) pos.push_back(x.pos);
-              const auto real = tt::slots_of_positions(table, st, pos);
-              const std::uint32_t rec = real[0].block == thinkv::kNoBlock ? thinkv::kNoRecord
-                                                                          : table.slot_record(real[0]);
-              model.commit(st, real, rec, diff);
-            }
+            const auto off = static_cast<std::size_t>(h * d);
+            tt::mirror_append(table, model, cache.stream_of(seq, l, h), std::span<const float>(k).subspan(off, d),
+                              std::span<const float>(v).subspan(off, d), open.type, open.id, diff);
           }
           REQUIRE(cache.attend(seq, l, q, out).is_ok());
         }

@@ -879,22 +879,28 @@ inline std::vector<SlotRef> slots_of_positions(const BlockTable& t, int s, std::
 /// Appends one token to cache and model and, when the group commits, checks placement with the
 /// model (the commit's slots are found through their positions). Returns the append status; on an
 /// error the model is left unchanged.
+/// Mirrors into the model one token the implementation has appended to stream s: stages it and,
+/// when the group is full, commits it where the table put it (found through the positions).
+inline void mirror_append(const BlockTable& t, CtModel& m, int s, std::span<const float> k,
+                          std::span<const float> v, ThoughtType th, std::uint32_t seg, Diff& d) {
+  m.stage(s, th, seg, k, v);
+  if (static_cast<int>(m.S(s).staged.size()) == m.g) {
+    std::vector<std::int32_t> pos;
+    for (const auto& x : m.S(s).staged) pos.push_back(x.pos);
+    const auto real = slots_of_positions(t, s, pos);
+    const std::uint32_t rec = real[0].block == kNoBlock ? kNoRecord : t.slot_record(real[0]);
+    for (SlotRef r : real)
+      if (r.block != kNoBlock && t.slot_record(r) != rec)
+        d.fail("the slots of one group name different records");
+    m.commit(s, real, rec, d);
+  }
+}
+
 template <class B>
 Status append_both(PagedKvCache<B>& c, CtModel& m, int s, std::span<const float> k,
                    std::span<const float> v, ThoughtType t, std::uint32_t seg, Diff& d) {
   const Status st = c.append(s, k, v, t, seg);
-  if (!st.is_ok()) return st;
-  m.stage(s, t, seg, k, v);
-  if (static_cast<int>(m.S(s).staged.size()) == m.g) {
-    std::vector<std::int32_t> pos;
-    for (const auto& x : m.S(s).staged) pos.push_back(x.pos);
-    const auto real = slots_of_positions(c.table(), s, pos);
-    const std::uint32_t rec = real[0].block == kNoBlock ? kNoRecord : c.table().slot_record(real[0]);
-    for (SlotRef r : real)
-      if (r.block != kNoBlock && c.table().slot_record(r) != rec)
-        d.fail("the slots of one group name different records");
-    m.commit(s, real, rec, d);
-  }
+  if (st.is_ok()) mirror_append(c.table(), m, s, k, v, t, seg, d);
   return st;
 }
 

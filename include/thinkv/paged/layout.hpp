@@ -38,6 +38,19 @@ struct CacheConfig {
   static constexpr int kMaxBlockSize = 4096;
   static constexpr int kMaxStreams = 1 << 24;
 
+  /// The group size alone (also checked first by configurations that divide by it).
+  [[nodiscard]] static Status check_group_size(int g) {
+    if (g == 8 || g == 16 || g == 32) return Status::ok();
+    return {StatusCode::kInvalidArgument,
+            "group_size " + std::to_string(g) + " is not supported; allowed: 8, 16, 32"};
+  }
+  /// The block size alone (also checked first by configurations that divide by it).
+  [[nodiscard]] static Status check_block_size(int b) {
+    if (b >= 1 && b <= kMaxBlockSize) return Status::ok();
+    return {StatusCode::kInvalidArgument, "block_size " + std::to_string(b) +
+                                              " is out of range; allowed: 1.." + std::to_string(kMaxBlockSize)};
+  }
+
   /// Checks every field; the message names the bad value and the allowed range.
   [[nodiscard]] Status validate() const {
     auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); };
@@ -45,9 +58,7 @@ struct CacheConfig {
       return bad("num_streams " + std::to_string(num_streams) + " is out of range; allowed: 1.." +
                  std::to_string(kMaxStreams));
     }
-    if (group_size != 8 && group_size != 16 && group_size != 32) {
-      return bad("group_size " + std::to_string(group_size) + " is not supported; allowed: 8, 16, 32");
-    }
+    THINKV_RETURN_IF_ERROR(check_group_size(group_size));
     if (head_dim < 1 || head_dim > kMaxHeadDim) {
       return bad("head_dim " + std::to_string(head_dim) + " is out of range; allowed: 1.." +
                  std::to_string(kMaxHeadDim) + " and a multiple of group_size");
@@ -57,10 +68,7 @@ struct CacheConfig {
                  std::to_string(group_size) + "; use a group_size (8, 16 or 32) that divides head_dim" +
                  (head_dim % 8 == 0 ? " (e.g. group_size 8)" : ""));
     }
-    if (block_size < 1 || block_size > kMaxBlockSize) {
-      return bad("block_size " + std::to_string(block_size) + " is out of range; allowed: 1.." +
-                 std::to_string(kMaxBlockSize));
-    }
+    THINKV_RETURN_IF_ERROR(check_block_size(block_size));
     for (Precision p : kAllPrecisions) {
       const int n = pool_blocks[static_cast<int>(p)];
       const std::int64_t max_blocks = (std::int64_t{1} << 31) / block_size;

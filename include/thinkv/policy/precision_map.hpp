@@ -43,13 +43,13 @@ class PrecisionMap {
   /// Validates a candidate map without constructing it.
   static Status check(Precision r, Precision e, Precision t) {
     const int br = bits_of(r), be = bits_of(e), bt = bits_of(t);
-    constexpr const char* kNames[3] = {"R", "E", "T"};
-    const Precision ps[3] = {r, e, t};
-    for (int i = 0; i < 3; ++i) {
-      if (!precision_from_bits(bits_of(ps[i]))) {
+    const Precision ps[kNumThoughtTypes] = {r, e, t};
+    for (ThoughtType th : kAllThoughtTypes) {
+      const Precision p = ps[static_cast<int>(th)];
+      if (!precision_from_bits(bits_of(p))) {
         return {StatusCode::kInvalidArgument,
-                std::string("unknown precision value ") +
-                    std::to_string(static_cast<int>(ps[i])) + " for " + kNames[i] +
+                "unknown precision value " + std::to_string(static_cast<int>(p)) + " for " +
+                    std::string(thinkv::to_string(th)) +
                     "; allowed: bf16, fp8_e4m3, nvfp4, ternary (16, 8, 4 or 2 bits)"};
       }
     }
