@@ -1,4 +1,4 @@
-// Oracle tests: our FP8 E4M3 / E2M1 / BF16 encoders and decoders against NVIDIA's host-side
+// Oracle tests: our FP8 E4M3 / E2M1 / BF16 / FP16 encoders and decoders against NVIDIA's host-side
 // conversions from cuda_fp8.h, cuda_fp4.h and cuda_bf16.h, bit for bit. Host-only code (no GPU):
 // build with the CUDA toolkit include directory on the include path. The exhaustive sweep over all
 // 2^32 float bit patterns is tagged [.exhaustive] (hidden); run it with `test_cuda_oracle
@@ -58,6 +58,10 @@ std::uint8_t nv_encode_e2m1(float x) {
 }
 std::uint16_t nv_encode_bf16(float x) {
   const __nv_bfloat16_raw r = __float2bfloat16_rn(x);
+  return r.x;
+}
+std::uint16_t nv_encode_fp16(float x) {
+  const __half_raw r = __float2half_rn(x);
   return r.x;
 }
 float half_raw_to_float(__half_raw h) { return __half2float(__half(h)); }
@@ -294,6 +298,57 @@ TEST_CASE("BF16 encode matches __float2bfloat16_rn bit for bit", "[oracle][bf16]
   }
 }
 
+TEST_CASE("FP16 encode matches __float2half_rn bit for bit", "[oracle][fp16]") {
+  const auto ours = [](float x) { return thinkv::encode_fp16(x); };
+  SECTION("every float exponent: exact, ties, tie +-1, random low bits; specials") {
+    // FP16 keeps 10 of the 23 mantissa bits in its normal range and fewer below 2^-14: the low
+    // 13 bits (or more) decide the rounding. Each exponent gets exact values, ties, tie +-1 and
+    // random low bits with even and odd kept mantissas.
+    std::mt19937_64 rng(test_seed() + 5);
+    std::uniform_int_distribution<std::uint32_t> bits_dist;
+    std::vector<float> in;
+    for (std::uint32_t sign = 0; sign < 2; ++sign) {
+      for (std::uint32_t e = 0; e < 256; ++e) {
+        for (std::uint32_t m = 0; m < 64; ++m) {
+          const std::uint32_t man = m < 8 ? (m << 20) | (m & 1u) << 13  // a few kept patterns
+                                          : bits_dist(rng) & 0x7FFFFFu;
+          for (std::uint32_t lo_shift : {0u, 1u, 13u, 14u, 17u, 20u}) {
+            const std::uint32_t half = lo_shift ? 1u << (lo_shift - 1) : 0u;
+            const std::uint32_t keep = man & ~((1u << lo_shift) - 1u);
+            for (std::uint32_t lo : {0u, half, half - (half ? 1u : 0u), half + 1u}) {
+              in.push_back(bits_to_float((sign << 31) | (e << 23) | ((keep | lo) & 0x7FFFFFu)));
+            }
+          }
+        }
+      }
+    }
+    for (float x : {65504.0f, 65519.0f, 65519.996f, 65520.0f, 65536.0f, 0x1p-24f, 0x1p-25f,
+                    0x1.8p-25f, 0x1.0000002p-25f, 0x1p-14f, 0x1.ff8p-15f, 0x1.ffcp-15f}) {
+      push_with_neighbours(in, x);
+    }
+    push_specials(in);
+    check_encoder(in, ours, nv_encode_fp16);
+  }
+  SECTION("random floats") {
+    INFO("seed " << test_seed() << " (set THINKV_TEST_SEED to reproduce)");
+    check_encoder(random_inputs(test_seed() + 6, 1000000), ours, nv_encode_fp16);
+  }
+  SECTION("encode then decode is the identity on every non-NaN FP16 code") {
+    int bad = 0;
+    for (std::uint32_t c = 0; c < 65536; ++c) {
+      const auto code = static_cast<std::uint16_t>(c);
+      const float x = thinkv::decode_fp16(code);
+      if (!std::isnan(x)) bad += thinkv::encode_fp16(x) != code;
+    }
+    CHECK(bad == 0);
+  }
+  SECTION("documented special cases") {
+    CHECK(nv_encode_fp16(bits_to_float(0xFFC00000u)) == thinkv::kFp16CanonicalNan);
+    CHECK(nv_encode_fp16(65520.0f) == 0x7C00);  // the tie above 65504 overflows to +Inf
+    CHECK(nv_encode_fp16(-0.0f) == 0x8000);
+  }
+}
+
 TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibble)",
           "[oracle][packing]") {
   INFO("seed " << test_seed() << " (set THINKV_TEST_SEED to reproduce)");
@@ -326,20 +381,23 @@ TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibb
   }
 }
 
-TEST_CASE("exhaustive: all 2^32 floats through E4M3, E2M1 and BF16 encoders",
+TEST_CASE("exhaustive: all 2^32 floats through E4M3, E2M1, BF16 and FP16 encoders",
           "[.exhaustive][oracle]") {
   std::uint64_t bad_e4m3 = 0;
   std::uint64_t bad_e2m1 = 0;
   std::uint64_t bad_bf16 = 0;
+  std::uint64_t bad_fp16 = 0;
   std::uint32_t u = 0;
   do {
     const float x = bits_to_float(u);
     bad_e4m3 += thinkv::encode_e4m3(x) != nv_encode_e4m3(x);
     bad_e2m1 += thinkv::encode_e2m1(x) != nv_encode_e2m1(x);
     bad_bf16 += thinkv::encode_bf16(x) != nv_encode_bf16(x);
+    bad_fp16 += thinkv::encode_fp16(x) != nv_encode_fp16(x);
     ++u;
   } while (u != 0u);
   CHECK(bad_e4m3 == 0);
   CHECK(bad_e2m1 == 0);
   CHECK(bad_bf16 == 0);
+  CHECK(bad_fp16 == 0);
 }

@@ -13,13 +13,14 @@
 ///   E2M1 s.ee.m      -> FP16 s.000ee.m000000000 = value * 2^-14
 ///
 /// tests/unit/test_formats.cpp checks every code against decode_e4m3 / decode_e2m1;
-/// decode_fp16 is checked against cuda_fp16.h's __half2float on all 65,536 patterns
-/// (tests/oracle/).
+/// decode_fp16 (formats/fp16.hpp) is checked against cuda_fp16.h's __half2float on all 65,536
+/// patterns (tests/oracle/).
 
 #include <cstdint>
 
 #include "thinkv/config.hpp"
 #include "thinkv/formats/bits.hpp"
+#include "thinkv/formats/fp16.hpp"  // decode_fp16, the reference the placements are checked with
 
 namespace thinkv {
 
@@ -52,19 +53,6 @@ THINKV_HD constexpr std::uint32_t e2m1_even_fp16_high_bytes(std::uint32_t w) noe
 }
 THINKV_HD constexpr std::uint32_t e2m1_odd_fp16_high_bytes(std::uint32_t w) noexcept {
   return ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
-}
-
-/// The exact float value of an IEEE binary16 (host reference; kernels convert in hardware).
-/// Inf stays Inf; NaN becomes a quiet NaN with the payload's top bits.
-THINKV_HD constexpr float decode_fp16(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1Fu;
-  const std::uint32_t man = h & 0x3FFu;
-  if (exp == 0x1Fu) return bits_to_float(sign | 0x7F800000u | (man << 13));  // Inf / NaN
-  if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
-  // Subnormal (or zero): man * 2^-24, exact in float.
-  const float v = static_cast<float>(man) * 0x1p-24f;
-  return sign ? -v : v;
 }
 
 }  // namespace thinkv
