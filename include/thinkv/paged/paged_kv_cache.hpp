@@ -18,6 +18,7 @@
 
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/kv_values.hpp"
 #include "thinkv/paged/block_table.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/status.hpp"
@@ -63,33 +64,6 @@ struct MemoryUsage {
   }
   friend bool operator==(const MemoryUsage&, const MemoryUsage&) = default;
 };
-
-/// Largest |value| a K/V element may have. Beyond it the FP32 scale arithmetic of the formats
-/// could overflow (docs/formats.md); real keys and values are many orders of magnitude smaller.
-inline constexpr float kMaxKvMagnitude = 0x1p64f;
-
-/// Checks one token's K and V values: finite, representable in the BF16 staging format without
-/// overflowing to Inf, and |x| <= kMaxKvMagnitude. `where` names the destination in messages.
-inline Status check_kv_values(std::span<const float> k, std::span<const float> v,
-                              const std::string& where) {
-  for (int kv = 0; kv < 2; ++kv) {
-    const std::span<const float> x = kv == 0 ? k : v;
-    for (std::size_t c = 0; c < x.size(); ++c) {
-      const float xc = x[c];
-      const std::string name = std::string(kv == 0 ? "k" : "v") + "[" + std::to_string(c) + "]";
-      if (!std::isfinite(xc)) {
-        return {StatusCode::kNonFinite, name + " = " + std::to_string(xc) + " appended to " +
-                                            where + " is not finite; the token was not stored"};
-      }
-      if (!(std::fabs(xc) <= kMaxKvMagnitude)) {
-        return {StatusCode::kNonFinite, name + " = " + std::to_string(xc) + " appended to " +
-                                            where + " exceeds the largest magnitude ThinKV "
-                                            "stores (2^64); the token was not stored"};
-      }
-    }
-  }
-  return Status::ok();
-}
 
 /// The compressed paged KV cache over backend B (the CPU reference backend by default).
 template <kv_backend B = CpuKvBackend>

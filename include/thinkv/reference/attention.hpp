@@ -69,8 +69,11 @@ namespace reference {
 ///   out[c] = (sum_j p_j * v[j][c]) / l
 /// q: [n_q, d], k and v: [n, d], out: [n_q, d]; n >= 1.
 /// When `sparsity` ([n_q]) is non-null, sparsity[h] = #{j : s_j - m < kSparsityLogThreshold} / n.
+/// When `prob_sum` ([n]) is non-null, prob_sum[j] += p_j / l for every query row (the attention
+/// each token receives, summed over the rows; H2O and R-KV score tokens by it).
 inline void attend_tokens(const float* q, int n_q, const float* k, const float* v, int n, int d,
-                          float scale, float* out, float* sparsity = nullptr) {
+                          float scale, float* out, float* sparsity = nullptr,
+                          float* prob_sum = nullptr) {
   std::vector<float> p(static_cast<std::size_t>(n));
   std::vector<float> acc(static_cast<std::size_t>(d));
   for (int h = 0; h < n_q; ++h) {
@@ -103,6 +106,9 @@ inline void attend_tokens(const float* q, int n_q, const float* k, const float* 
     }
     float* oh = out + static_cast<std::ptrdiff_t>(h) * d;
     for (int c = 0; c < d; ++c) oh[c] = acc[static_cast<std::size_t>(c)] / l;
+    if (prob_sum != nullptr) {
+      for (int j = 0; j < n; ++j) prob_sum[j] += p[static_cast<std::size_t>(j)] / l;
+    }
   }
 }
 
