@@ -36,6 +36,7 @@ constexpr int kExitUsage = 2;
 constexpr const char* kUsage =
     "usage: thinkv calibrate TRACE... -o CALIB.json [--plot DENSITIES.svg] [--types 3|2]\n"
     "                        [--max-layers N] [--tau N] [--thresholds a[,b]] [--min-prompts N]\n"
+    "                        [--layers a[,b...]] [--band-types X,Y[,Z]]\n"
     "                        [--bandwidth-scale X] [--progress] [--quiet] [--verbose]\n";
 
 constexpr const char* kHelp =
@@ -56,6 +57,10 @@ constexpr const char* kHelp =
     "  --thresholds a[,b]     use these thresholds (ascending, in (0,1); types-1 values) instead\n"
     "                         of estimating them; layers are still chosen by the mode rule when\n"
     "                         possible, else all layers are used\n"
+    "  --layers a[,b...]      use these layers as L* instead of choosing them by the mode rule\n"
+    "  --band-types X,Y[,Z]   thought type of each band, lowest sparsity first, instead of the\n"
+    "                         paper's order (E,R,T; E,T for --types 2): for a model whose labelled\n"
+    "                         traces show another order (`thinkv thoughts` measures it)\n"
     "  --min-prompts N        refuse to estimate thresholds from fewer than N prompts (default 3:\n"
     "                         the fewest for which a layer must show its modes on two prompts)\n"
     "  --bandwidth-scale X    multiply Silverman's KDE bandwidth by X (default 1; > 1 smooths more)\n"
@@ -80,6 +85,8 @@ struct Args {
   int tau = 128;
   int min_prompts = thinkv::kDefaultMinPrompts;
   std::vector<float> thresholds;
+  std::vector<int> layers;
+  std::vector<thinkv::ThoughtType> band_types;
   double bandwidth_scale = 1.0;
   bool progress = false;
   bool quiet = false;
@@ -180,6 +187,33 @@ int parse_args(int argc, char** argv, Args& a) {
     } else if (name == "--bandwidth-scale") {
       if (!value(v) || !parse_double(v, a.bandwidth_scale) || !(a.bandwidth_scale > 0.0)) {
         return usage_error("--bandwidth-scale " + std::string(v) + ": must be a number > 0");
+      }
+    } else if (name == "--layers") {
+      if (!value(v) || v.empty()) return usage_error("--layers needs layer indices, e.g. --layers 2,4");
+      std::string_view rest = v;
+      for (;;) {
+        const auto comma = rest.find(',');
+        int l = 0;
+        if (!parse_int(rest.substr(0, comma), 0, thinkv::kMaxTraceLayers - 1, l)) {
+          return usage_error("--layers " + std::string(v) + ": '" + std::string(rest.substr(0, comma)) +
+                             "' is not a layer index");
+        }
+        a.layers.push_back(l);
+        if (comma == std::string_view::npos) break;
+        rest.remove_prefix(comma + 1);
+      }
+    } else if (name == "--band-types") {
+      if (!value(v) || v.empty()) return usage_error("--band-types needs types, e.g. --band-types E,R,T");
+      std::string_view rest = v;
+      for (;;) {
+        const auto comma = rest.find(',');
+        const std::string_view t = rest.substr(0, comma);
+        if (t == "R") a.band_types.push_back(thinkv::ThoughtType::kReasoning);
+        else if (t == "E") a.band_types.push_back(thinkv::ThoughtType::kExecution);
+        else if (t == "T") a.band_types.push_back(thinkv::ThoughtType::kTransition);
+        else return usage_error("--band-types " + std::string(v) + ": '" + std::string(t) + "' is not R, E or T");
+        if (comma == std::string_view::npos) break;
+        rest.remove_prefix(comma + 1);
       }
     } else if (name == "--thresholds") {
       if (!value(v) || v.empty()) return usage_error("--thresholds needs values, e.g. --thresholds 0.4,0.7");
@@ -317,6 +351,8 @@ int run_calibrate(int argc, char** argv) {
   opt.min_prompts = a.min_prompts;
   opt.bandwidth_scale = a.bandwidth_scale;
   opt.user_thresholds = a.thresholds;
+  opt.user_layers = a.layers;
+  opt.user_band_types = a.band_types;
   opt.progress = [&](std::string_view stage, int done, int total) {
     progress.update(std::string(stage) + " " + std::to_string(done) + "/" + std::to_string(total), done == total);
   };

@@ -24,6 +24,7 @@
 
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/decode_cache.hpp"
 #include "thinkv/paged/paged_kv_cache.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/tbe/kmeans.hpp"
@@ -52,6 +53,27 @@ inline std::optional<CacheMode> parse_cache_mode(std::string_view s) noexcept {
 constexpr bool quantizes(CacheMode m) noexcept { return m == CacheMode::kTbq || m == CacheMode::kThinKv; }
 constexpr bool evicts(CacheMode m) noexcept { return m == CacheMode::kTbe || m == CacheMode::kThinKv; }
 
+/// Which tokens a shrinking segment keeps. kKmeans is ThinKV's (the K-means centroids of the
+/// segment's post-RoPE keys); kFirst keeps its first K tokens, kLast its last K: the ablations that
+/// show what K-means buys (docs/results.md).
+enum class SegmentSelection : std::uint8_t { kKmeans, kFirst, kLast };
+
+constexpr std::string_view to_string(SegmentSelection s) noexcept {
+  switch (s) {
+    case SegmentSelection::kKmeans: return "kmeans";
+    case SegmentSelection::kFirst: return "first";
+    case SegmentSelection::kLast: return "last";
+  }
+  return "?";
+}
+/// Parses "kmeans", "first", "last".
+inline std::optional<SegmentSelection> parse_segment_selection(std::string_view s) noexcept {
+  for (SegmentSelection m : {SegmentSelection::kKmeans, SegmentSelection::kFirst, SegmentSelection::kLast}) {
+    if (s == to_string(m)) return m;
+  }
+  return std::nullopt;
+}
+
 struct ThinKvConfig {
   CacheMode mode = CacheMode::kThinKv;
   int num_sequences = 1;
@@ -68,10 +90,16 @@ struct ThinKvConfig {
   RetentionSchedule retention{};
   ThoughtClassifier classifier{};  ///< uncalibrated by default: every token R
   KmeansOptions kmeans{};
+  SegmentSelection selection = SegmentSelection::kKmeans;  ///< kept tokens of a shrinking segment
   /// Blocks per precision pool; 0 = sized so that no stream can run out (see pool_blocks()).
   int pool_blocks = 0;
   float softmax_scale = 0.0f;  ///< 0 = 1/sqrt(head_dim)
   bool trace_all_layers = false;  ///< record sparsity of every layer on every step (for traces)
+  /// The first positions of every sequence that are never evicted, stored as R and not
+  /// reclassified (the prompt, in the decode-stage setting ThinKV targets: thoughts are the
+  /// generated tokens); the token budget counts the tokens after them. Per sequence:
+  /// ThinKvCache::pin_prefix. 0 = none (the default: every token is a thought).
+  int pinned_prefix = 0;
 
   [[nodiscard]] int streams_per_sequence() const noexcept { return num_layers * num_kv_heads; }
 
@@ -106,7 +134,14 @@ struct ThinKvConfig {
     }
     THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
+    if (static_cast<int>(selection) > static_cast<int>(SegmentSelection::kLast)) {
+      return bad("selection " + std::to_string(static_cast<int>(selection)) + " is unknown; allowed: kmeans, first, last");
+    }
     if (token_budget < 0) return bad("token_budget " + std::to_string(token_budget) + " must be >= 0");
+    if (pinned_prefix < 0 || pinned_prefix > max_tokens) {
+      return bad("pinned_prefix " + std::to_string(pinned_prefix) + " is out of range; allowed: 0..max_tokens (" +
+                 std::to_string(max_tokens) + ")");
+    }
     // Only closed segments are evicted, so the open one alone can hold segment_len live tokens:
     // a smaller budget could never be met.
     if (evicts(mode) && token_budget > 0 && token_budget < segment_len) {
@@ -146,6 +181,7 @@ struct ThinKvStats {
   std::int64_t steps = 0;                 ///< end_token calls
   std::int64_t eviction_calls = 0;        ///< plans with at least one step-down, applied
   std::int64_t transition_events = 0;     ///< case-1 triggers
+  std::int64_t case1_steps = 0;           ///< segment step-downs made by case 1 (a new transition)
   std::int64_t budget_unreachable = 0;    ///< steps over budget with every closed segment at the
                                           ///< minimum (the open one is never evicted; design.md)
   std::int64_t segment_steps = 0;         ///< segment step-downs applied (per sequence)
@@ -170,12 +206,72 @@ class ThinKvCache {
   [[nodiscard]] int stream_of(int seq, int layer, int kv_head) const noexcept {
     return (seq * config_.num_layers + layer) * config_.num_kv_heads + kv_head;
   }
+  /// The attention shape (the decode_cache protocol).
+  [[nodiscard]] CacheShape shape() const noexcept {
+    return {config_.num_sequences, config_.num_layers, config_.num_kv_heads, config_.num_q_heads, config_.head_dim};
+  }
+  /// "thinkv budget 256, R4E4T2" and the like.
+  [[nodiscard]] std::string method_name() const {
+    std::string s(to_string(config_.mode));
+    if (evicts(config_.mode)) s += " budget " + std::to_string(config_.token_budget);
+    s += quantizes(config_.mode) ? ", " + config_.precision.to_string() : std::string(", BF16 pages");
+    if (evicts(config_.mode) && config_.selection != SegmentSelection::kKmeans) {
+      s += ", keep " + std::string(to_string(config_.selection));
+    }
+    return s;
+  }
+  /// Bytes of host metadata and device pools the cache allocated, all sequences together:
+  /// the backend's pages, key-scale records, staging and second-level scales, plus the block
+  /// table's per-block metadata, record headers and stream headers.
+  [[nodiscard]] std::int64_t allocated_bytes() const {
+    const BlockTable& t = cache_.table();
+    const CacheLayout& L = cache_.layout();
+    return cache_.backend().stats().bytes_allocated +
+           std::int64_t{t.pools().total} * (L.block_meta_bytes() + CacheLayout::kBlockTableEntryBytes) +
+           std::int64_t{t.record_capacity()} * CacheLayout::kRecordHeaderBytes +
+           std::int64_t{t.num_streams()} * CacheLayout::kStreamHeaderBytes;
+  }
+  /// The decode_cache report of one sequence: held bytes are exact (memory(seq)); allocated bytes
+  /// are the sequence's share of allocated_bytes().
+  [[nodiscard]] CacheReport report(int seq) const {
+    const SeqState& s = seq_(seq);
+    CacheReport r;
+    r.positions = s.position;
+    const MemoryUsage m = memory(seq);
+    r.live_tokens = m.live_tokens;
+    r.held_bytes = m.physical_bytes();
+    r.allocated_bytes = allocated_bytes() / config_.num_sequences;
+    r.fullkv_fp16_bytes = shape().fullkv_fp16_bytes(s.position);
+    r.eviction_calls = s.eviction_calls;
+    r.tokens_evicted = s.tokens_evicted;
+    r.gather_bytes = cache_.table().stats().gather_bytes;
+    return r;
+  }
   /// The thought tracker of a sequence (current type, refresh statistics).
   [[nodiscard]] const ThoughtTracker& tracker(int seq) const { return seq_(seq).tracker; }
   /// Segments of a sequence (sizes and levels are those of every stream of the sequence).
   [[nodiscard]] const std::vector<SegmentState>& segments(int seq) const { return seq_(seq).segments; }
   /// Position of the token being decoded (or next to decode) in a sequence.
   [[nodiscard]] std::int32_t position(int seq) const { return seq_(seq).position; }
+  /// Keeps the first `tokens` positions of a sequence (its prompt) out of TBE and stores them as R
+  /// (ThinKvConfig::pinned_prefix, per sequence). Only before the sequence's first token.
+  [[nodiscard]] Status pin_prefix(int seq, std::int32_t tokens) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (s.position != 0 || s.in_token) {
+      return {StatusCode::kInvalidArgument, "pin_prefix(" + std::to_string(seq) + ", " + std::to_string(tokens) +
+                                                "): the sequence is at position " + std::to_string(s.position) +
+                                                "; pin its prefix before its first token (or after reset_sequence)"};
+    }
+    if (tokens < 0 || tokens > config_.max_tokens) {
+      return {StatusCode::kInvalidArgument, "pin_prefix: " + std::to_string(tokens) +
+                                                " tokens is out of range; allowed: 0..max_tokens (" +
+                                                std::to_string(config_.max_tokens) + ")"};
+    }
+    s.pinned = tokens;
+    return Status::ok();
+  }
+  [[nodiscard]] std::int32_t pinned_prefix(int seq) const { return seq_(seq).pinned; }
   /// Per-layer sparsity recorded for the current token ([num_layers]; NaN where not computed).
   [[nodiscard]] std::span<const float> layer_sparsity(int seq) const { return seq_(seq).layer_sparsity; }
 
@@ -191,15 +287,19 @@ class ThinKvCache {
       return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
                                            std::to_string(config_.max_tokens)};
     }
-    s.type = s.tracker.type_for(s.position);
-    const bool boundary = s.position % config_.segment_len == 0 ||
-                          s.tracker.is_refresh_step(s.position);
+    const bool pinned = s.position < s.pinned;
+    s.type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
+    // Segments start every segment_len positions and at refresh steps; the pinned prefix is
+    // segmented the same way, and the first token after it starts a segment of its own.
+    const bool boundary = s.position % config_.segment_len == 0 || s.position == s.pinned ||
+                          (!pinned && s.tracker.is_refresh_step(s.position));
     if (boundary) {
       for (SegmentState& seg : s.segments) seg.closed = true;
       SegmentState seg;
       seg.id = s.next_segment++;
       seg.type = s.type;
       seg.start = s.position;
+      seg.pinned = pinned;
       s.segments.push_back(seg);
     }
     ++s.segments.back().size;
@@ -212,7 +312,7 @@ class ThinKvCache {
   [[nodiscard]] bool wants_sparsity(int seq, int layer) const {
     const SeqState& s = seq_(seq);
     if (config_.trace_all_layers) return true;
-    return s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
+    return s.position >= s.pinned && s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
            s.tracker.classifier().uses_layer(layer) && config_.mode != CacheMode::kFull;
   }
 
@@ -309,7 +409,7 @@ class ThinKvCache {
     SeqState& s = seq_(seq);
     if (!s.in_token) return {StatusCode::kInvalidArgument, "end_token without begin_token"};
     bool new_transition = false;
-    if (s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
+    if (s.position >= s.pinned && s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
         config_.mode != CacheMode::kFull) {
       ThoughtType t{};
       THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
@@ -370,6 +470,9 @@ class ThinKvCache {
     std::uint32_t next_segment = 0;
     ThoughtType type = ThoughtType::kReasoning;
     bool in_token = false;
+    std::int32_t pinned = 0;          ///< pinned prefix (positions never evicted)
+    std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
+    std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
   };
 
   static const ThinKvConfig& checked(const ThinKvConfig& c) {
@@ -378,6 +481,7 @@ class ThinKvCache {
   }
   void reset_state(SeqState& s) const {
     s = SeqState{};
+    s.pinned = config_.pinned_prefix;
     s.tracker = ThoughtTracker(config_.mode == CacheMode::kFull ? ThoughtClassifier{} : config_.classifier);
     s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
   }
@@ -407,12 +511,16 @@ class ThinKvCache {
   Status run_tbe(int seq, bool new_transition) {
     SeqState& s = seq_(seq);
     if (new_transition) ++stats_.transition_events;
+    std::int64_t pinned_live = 0;
+    for (const SegmentState& seg : s.segments) pinned_live += seg.pinned ? seg.size : 0;
     const EvictionPlan plan = plan_eviction(s.segments, config_.retention, new_transition,
-                                            config_.token_budget, live_tokens(seq));
+                                            config_.token_budget, live_tokens(seq) - pinned_live);
     if (plan.budget_unreachable) ++stats_.budget_unreachable;
     if (plan.empty()) return Status::ok();
     ++stats_.eviction_calls;
+    ++s.eviction_calls;
     stats_.segment_steps += static_cast<std::int64_t>(plan.steps.size());
+    stats_.case1_steps += plan.case1_steps;
     // Final size per segment (the last step for it wins).
     std::vector<std::pair<std::uint32_t, std::int32_t>> targets;
     for (const SegmentStep& st : plan.steps) {
@@ -434,11 +542,16 @@ class ThinKvCache {
         for (std::size_t j = 0; j < slots.size(); ++j) {
           THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
         }
-        KmeansOptions ko = config_.kmeans;
-        std::uint64_t mix = ko.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
-        ko.seed = splitmix64(mix);
-        const std::vector<int> kept = kmeans_select(keys.data(), static_cast<int>(slots.size()), d, size, ko);
-        ++stats_.kmeans_calls;
+        std::vector<int> kept;
+        if (config_.selection == SegmentSelection::kKmeans) {
+          KmeansOptions ko = config_.kmeans;
+          std::uint64_t mix = ko.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
+          ko.seed = splitmix64(mix);
+          kept = kmeans_select(keys.data(), static_cast<int>(slots.size()), d, size, ko);
+          ++stats_.kmeans_calls;
+        } else {  // the ablations: the segment's first or last `size` live tokens
+          kept = first_or_last_k(slots, size, config_.selection == SegmentSelection::kLast);
+        }
         victims.clear();
         std::size_t ki = 0;
         for (std::size_t j = 0; j < slots.size(); ++j) {
@@ -450,6 +563,7 @@ class ThinKvCache {
         }
         THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
         stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
+        s.tokens_evicted += static_cast<std::int64_t>(victims.size());
       }
     }
     // Record the new levels and sizes.
@@ -464,6 +578,22 @@ class ThinKvCache {
     return Status::ok();
   }
 
+  /// Indices (into `slots`, ascending) of the k live tokens of a segment with the lowest (first)
+  /// or highest (last) positions.
+  std::vector<int> first_or_last_k(const std::vector<SlotRef>& slots, std::int32_t k, bool last) const {
+    std::vector<int> idx(slots.size());
+    for (std::size_t j = 0; j < slots.size(); ++j) idx[j] = static_cast<int>(j);
+    std::sort(idx.begin(), idx.end(), [&](int a, int b) {
+      return cache_.table().slot_position(slots[static_cast<std::size_t>(a)]) <
+             cache_.table().slot_position(slots[static_cast<std::size_t>(b)]);
+    });
+    const std::size_t n = std::min(idx.size(), static_cast<std::size_t>(std::max(0, k)));
+    std::vector<int> kept = last ? std::vector<int>(idx.end() - static_cast<std::ptrdiff_t>(n), idx.end())
+                                 : std::vector<int>(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(n));
+    std::sort(kept.begin(), kept.end());
+    return kept;
+  }
+
   ThinKvConfig config_;
   PagedKvCache<B> cache_;
   std::vector<SeqState> seqs_;
@@ -471,5 +601,6 @@ class ThinKvCache {
   std::vector<std::int32_t> streams_;
   std::vector<float> sparsity_;
 };
+static_assert(decode_cache<ThinKvCache<>>);
 
 }  // namespace thinkv

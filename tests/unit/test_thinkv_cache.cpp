@@ -504,3 +504,117 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
     if (mode != CacheMode::kFull) CHECK(cache.stats().refreshes > 0);
   }
 }
+
+TEST_CASE("ThinKV first/last selection keeps each shrunk segment's first or last tokens", "[thinkv_cache]") {
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
+  INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
+  for (thinkv::SegmentSelection sel : {thinkv::SegmentSelection::kFirst, thinkv::SegmentSelection::kLast}) {
+    INFO("selection " << thinkv::to_string(sel));
+    std::mt19937 rng(seed);
+    auto cfg = small_config(CacheMode::kTbe);
+    cfg.selection = sel;
+    thinkv::ThinKvCache<> cache(cfg);
+    const auto& table = cache.paged().table();
+    for (int t = 0; t < 600; ++t) {
+      for (int seq = 0; seq < cfg.num_sequences; ++seq) REQUIRE(step(cache, seq, 1.0f, rng).is_ok());
+    }
+    REQUIRE(cache.stats().tokens_evicted > 0);
+    CHECK(cache.stats().kmeans_calls == 0);
+    int checked = 0;
+    for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+      for (const auto& sg : cache.segments(seq)) {
+        if (sg.level == 0) continue;
+        // The segment's original positions: [start, start + segment_len) (TBE mode: no refresh
+        // boundaries), of which `size` are kept.
+        for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+          std::vector<std::int32_t> pos;
+          for (auto r : table.live_slot_list(st)) {
+            if (table.slot_segment(r) == sg.id) pos.push_back(table.slot_position(r));
+          }
+          std::sort(pos.begin(), pos.end());
+          std::vector<std::int32_t> want;
+          for (int i = 0; i < sg.size; ++i) {
+            want.push_back(sel == thinkv::SegmentSelection::kFirst ? sg.start + i
+                                                                 : sg.start + cfg.segment_len - sg.size + i);
+          }
+          INFO("segment " << sg.id << " start " << sg.start << " level " << sg.level << " stream " << st);
+          REQUIRE(pos == want);
+          ++checked;
+        }
+      }
+    }
+    CHECK(checked > 0);
+  }
+}
+
+TEST_CASE("ThinKV pinned prefix: never evicted, stored as R, outside the budget", "[thinkv_cache]") {
+  const unsigned seed = static_cast<unsigned>(tt::base_seed());
+  INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
+  std::mt19937 rng(seed);
+  auto cfg = small_config(CacheMode::kThinKv);
+  cfg.pinned_prefix = 100;  // not a multiple of the segment or the group
+  thinkv::ThinKvCache<> cache(cfg);
+  REQUIRE(cache.pin_prefix(1, 37).is_ok());  // sequence 1 pins less
+  const auto& table = cache.paged().table();
+  std::int64_t unreachable_before = 0;
+  float sharp = 1.0f;
+  for (int t = 0; t < 900; ++t) {
+    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+      REQUIRE(step(cache, seq, sharp, rng).is_ok());
+      const std::int32_t pinned = cache.pinned_prefix(seq);
+      // Every pinned position is live in every stream, in an R block (or staged as R).
+      for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+        int pinned_live = 0;
+        for (auto r : table.live_slot_list(st)) {
+          if (table.slot_position(r) < pinned) {
+            ++pinned_live;
+            REQUIRE(table.block_thought(r.block) == ThoughtType::kReasoning);
+          }
+        }
+        for (int r = 0; r < table.staged_count(st); ++r) pinned_live += table.staged_position(st, r) < pinned;
+        REQUIRE(pinned_live == std::min(pinned, t + 1));
+      }
+      // The budget bounds the tokens after the prefix.
+      const std::int64_t after = cache.live_tokens(seq) - std::min(pinned, t + 1);
+      const bool flagged = cache.stats().budget_unreachable > unreachable_before;
+      REQUIRE((after <= cfg.token_budget || flagged));
+      unreachable_before = cache.stats().budget_unreachable;
+    }
+  }
+  CHECK(cache.stats().tokens_evicted > 0);
+  for (const auto& sg : cache.segments(0)) {
+    if (sg.start < 100) {
+      CHECK(sg.pinned);
+      CHECK(sg.level == 0);
+      CHECK(sg.type == ThoughtType::kReasoning);
+    } else {
+      CHECK_FALSE(sg.pinned);
+    }
+  }
+  // Pinning is refused once a sequence has started.
+  CHECK(cache.pin_prefix(0, 10).code() == thinkv::StatusCode::kInvalidArgument);
+  auto bad = cfg;
+  bad.pinned_prefix = cfg.max_tokens + 1;
+  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad), thinkv::ConfigError);
+}
+
+TEST_CASE("ThinKV case 1: a new transition steps every earlier unpinned segment down once", "[thinkv_cache]") {
+  // A classifier that calls every refresh T after one that was R: thresholds far below any
+  // sparsity make every refresh T, so the first refresh (after R segments) is a new transition.
+  auto cfg = small_config(CacheMode::kTbe);
+  cfg.token_budget = 0;  // no budget: only case 1 evicts
+  cfg.classifier = thinkv::ThoughtClassifier::three_types(0.0001f, 0.0002f, {0, 1}, 64, 2);
+  std::mt19937 rng(7);
+  thinkv::ThinKvCache<> cache(cfg);
+  for (int t = 0; t < 64 * 3; ++t) REQUIRE(step(cache, 0, 6.0f, rng).is_ok());  // positions 0..191 (sharp: sparse)
+  // Refresh at 64 (T after R): segment 0 steps down; refresh at 128: T after T, nothing.
+  CHECK(cache.stats().transition_events == 1);
+  CHECK(cache.stats().case1_steps == 1);
+  const auto& segs = cache.segments(0);
+  REQUIRE(segs.size() == 3);
+  CHECK(segs[0].level == 1);
+  CHECK(segs[0].size == 32);
+  CHECK(segs[1].level == 0);
+  CHECK(segs[1].type == ThoughtType::kTransition);
+}

@@ -13,6 +13,8 @@
 ///           budget or until every closed segment is at the minimum (then budget_unreachable).
 /// Case 2 also runs after case 1 in the same plan when case 1 alone does not meet the budget, so
 /// after every applied plan the stream is within budget whenever that is attainable.
+/// Pinned segments (a kept prompt) are never stepped down and their tokens are not counted
+/// against the budget: the caller passes the live tokens of the other segments.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +35,7 @@ struct SegmentState {
   std::int32_t size = 0;       ///< live tokens it holds now
   int level = 0;               ///< step-downs so far (0 = untouched)
   bool closed = false;         ///< a later segment has started; only closed segments are evicted
+  bool pinned = false;         ///< never evicted (the prompt, in the decode-stage setting)
   friend bool operator==(const SegmentState&, const SegmentState&) = default;
 };
 
@@ -52,6 +55,7 @@ struct EvictionPlan {
   std::int64_t live_before = 0;
   std::int64_t live_after = 0;
   bool transition = false;          ///< case 1 fired
+  std::int64_t case1_steps = 0;     ///< step-downs made by case 1 (the first ones in `steps`)
   bool budget_unreachable = false;  ///< over budget with every closed segment at the minimum
   [[nodiscard]] bool empty() const noexcept { return steps.empty(); }
   [[nodiscard]] std::int64_t tokens_evicted() const noexcept { return live_before - live_after; }
@@ -70,7 +74,8 @@ inline std::int32_t retained_size(const RetentionSchedule& r, int level, std::in
 }
 
 /// Plans the step-downs for one stream. `segments` in any order (age = start position);
-/// `live_tokens` counts every live token of the stream (closed + open segments + staged);
+/// `live_tokens` counts every live token of the stream that is not in a pinned segment (closed +
+/// open segments + staged);
 /// `budget` <= 0 means no budget (case 2 never fires).
 inline EvictionPlan plan_eviction(std::span<const SegmentState> segments,
                                   const RetentionSchedule& schedule, bool new_transition,
@@ -94,15 +99,16 @@ inline EvictionPlan plan_eviction(std::span<const SegmentState> segments,
   const int max_level = schedule.num_levels();
   if (new_transition) {
     for (SegmentState& s : seg) {
-      if (s.closed && s.level < max_level) step(s);
+      if (s.closed && !s.pinned && s.level < max_level) step(s);
     }
+    plan.case1_steps = static_cast<std::int64_t>(plan.steps.size());
   }
   if (budget > 0) {
     while (live > budget) {
       // Least important type first (T, then E, then R), oldest first within a type.
       SegmentState* victim = nullptr;
       for (SegmentState& s : seg) {
-        if (!s.closed || s.level >= max_level) continue;
+        if (!s.closed || s.pinned || s.level >= max_level) continue;
         if (victim == nullptr || importance(s.type) < importance(victim->type)) victim = &s;
       }
       if (victim == nullptr) {

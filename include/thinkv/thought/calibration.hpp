@@ -79,6 +79,14 @@ struct CalibrationOptions {
   /// When not empty: the thresholds to use (num_types - 1 values, strictly ascending in (0,1));
   /// layers are still chosen by the mode rule when any layer is eligible, else all layers are.
   std::vector<float> user_thresholds;
+  /// When not empty: L* itself (ascending or not, distinct layers); thresholds are then estimated
+  /// from these layers' valleys on the prompts where they show num_types modes (or taken from
+  /// user_thresholds).
+  std::vector<int> user_layers;
+  /// When not empty: the thought type of each band, lowest sparsity first (num_types distinct
+  /// types), instead of the paper's order (E, R, T for 3 types; E, T for 2). For a model whose
+  /// labelled traces show another order (`thinkv thoughts` measures it).
+  std::vector<ThoughtType> user_band_types;
   /// Called as progress("KDE layer", done, total) after each layer (may be empty).
   std::function<void(std::string_view stage, int done, int total)> progress;
 };
@@ -445,7 +453,26 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
       }
     }
   }
+  if (!opt.user_band_types.empty()) {
+    const auto& b = opt.user_band_types;
+    if (static_cast<int>(b.size()) != T) {
+      return invalid("band types: " + std::to_string(T) + " thought types need " + std::to_string(T) +
+                     " band types, found " + std::to_string(b.size()));
+    }
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      if (static_cast<int>(b[i]) >= kNumThoughtTypes) return invalid("band type " + std::to_string(i) + " is unknown");
+      for (std::size_t k = 0; k < i; ++k) {
+        if (b[k] == b[i]) return invalid("band types repeat " + std::string(to_string(b[i])) + "; each band needs its own type");
+      }
+    }
+  }
   THINKV_RETURN_IF_ERROR(validate_sparsity_trace(trace, "calibrate: the trace"));
+  for (int l : opt.user_layers) {
+    if (l < 0 || l >= trace.num_layers) {
+      return invalid("layer " + std::to_string(l) + " of the given L* is out of range; the traces have layers 0.." +
+                     std::to_string(trace.num_layers - 1));
+    }
+  }
   if (trace.prompts.empty()) {
     return invalid("the traces hold no decode steps (no data rows); record traces with `thinkv trace`");
   }
@@ -567,6 +594,30 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
     return a < b;
   });
   if (order.size() > static_cast<std::size_t>(opt.max_layers)) order.resize(static_cast<std::size_t>(opt.max_layers));
+  if (!opt.user_layers.empty()) {
+    order = opt.user_layers;
+    std::sort(order.begin(), order.end());
+    order.erase(std::unique(order.begin(), order.end()), order.end());
+    std::string text;
+    for (int l : order) text += (text.empty() ? "" : ",") + std::to_string(l);
+    r.notes.push_back("L* = {" + text + "} was given by the user, not chosen by the mode rule");
+    if (!user) {
+      long count = 0;
+      for (int l : order) count += static_cast<long>(valleys[static_cast<std::size_t>(l)].size());
+      if (count == 0) {
+        return invalid("the given layers {" + text + "} show " + std::to_string(T) +
+                       " modes on no prompt, so there is no valley to take thresholds from; give --thresholds");
+      }
+    }
+  }
+  if (!opt.user_band_types.empty()) {
+    std::string text;
+    for (int i = 0; i < T; ++i) {
+      r.band_types[static_cast<std::size_t>(i)] = opt.user_band_types[static_cast<std::size_t>(i)];
+      text += (i ? "," : "") + std::string(to_string(opt.user_band_types[static_cast<std::size_t>(i)]));
+    }
+    r.notes.push_back("band types (lowest sparsity first) " + text + " were given by the user, not the paper's order");
+  }
 
   if (order.empty()) {
     if (!user) {
