@@ -1,8 +1,9 @@
 # Shell helpers shared by tests/run.sh and examples/run.sh (sourced, not executed).
 # Callers run from the repository root with `set -euo pipefail`.
 
-# Debian packages the build needs (Debian 12 versions: CMake 3.25, g++ 12, Catch2 2.13, benchmark 1.7).
-THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev)
+# Debian packages the build needs (Debian 12 versions: CMake 3.25, g++ 12, Catch2 2.13, benchmark 1.7,
+# nlohmann-json 3.11).
+THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev nlohmann-json3-dev)
 
 thinkv_log() { printf '\n==== %s\n' "$*" >&2; }
 

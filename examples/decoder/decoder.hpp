@@ -12,6 +12,7 @@
 
 #include "gguf.hpp"
 #include "llama2c.hpp"
+#include "methods.hpp"
 #include "model.hpp"
 #include "model_file.hpp"
 #include "sampler.hpp"

@@ -1,7 +1,7 @@
 #pragma once
 /// \file session.hpp
-/// Decoding loops over a Transformer and a ThinKvCache, shared by `thinkv generate`,
-/// `thinkv trace` and the tests:
+/// Decoding loops over a Transformer and a KV cache of any method (ThinKV's or a baseline's,
+/// methods.hpp), shared by `thinkv generate`, `eval`, `trace` and the tests:
 ///  - run_sequence: prompt, then `steps` generated tokens (greedy, sampled, or teacher-forced),
 ///    with per-step hooks and the cache statistics the CLI reports;
 ///  - measure_fidelity: a mode against FullKV on the same prompt: greedy token agreement
@@ -21,29 +21,47 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <variant>
 #include <vector>
 
+#include "methods.hpp"
 #include "model.hpp"
 #include "sampler.hpp"
 #include "thinkv/backend/kv_backend.hpp"
+#include "thinkv/decode_cache.hpp"
 #include "thinkv/thinkv_cache.hpp"
 #include "transformer.hpp"
 
 namespace thinkv::decoder {
 
-/// The cache a session decodes into: ThinKvCache over a backend chosen at run time (CPU by
+/// ThinKV's cache as a session builds it: ThinKvCache over a backend chosen at run time (CPU by
 /// default; the CLI's --backend cuda gives CudaKvBackend).
 using SessionCache = ThinKvCache<DynamicBackend>;
-/// Makes the backend of each cache a session builds (empty: CpuKvBackend).
+/// A session's ThinKV cache behind the DecodeCache interface.
+using ThinKvSession = DecodeCacheModel<SessionCache>;
+/// Makes the backend of each ThinKV cache a session builds (empty: CpuKvBackend).
 using BackendFactory = std::function<std::unique_ptr<KvBackend>()>;
 
+/// The ThinKV cache behind a session's DecodeCache, or null when the method is a baseline.
+inline const SessionCache* thinkv_of(const DecodeCache& c) {
+  const auto* m = dynamic_cast<const ThinKvSession*>(&c);
+  return m != nullptr ? &m->get() : nullptr;
+}
+
 /// Builds a session cache; a ConfigError or a backend that cannot initialise becomes a Status.
-inline Status make_session_cache(const ThinKvConfig& cfg, const BackendFactory& backend,
-                                 std::unique_ptr<SessionCache>& out) {
-  std::unique_ptr<KvBackend> b = backend ? backend() : std::make_unique<BackendModel<CpuKvBackend>>();
-  if (!b) return {StatusCode::kInvalidArgument, "the backend factory returned no backend"};
+/// `backend` serves ThinKV's cache; the baselines are CPU reference implementations.
+inline Status make_session_cache(const CacheSpec& spec, const BackendFactory& backend,
+                                 std::unique_ptr<DecodeCache>& out) {
   try {
-    out = std::make_unique<SessionCache>(cfg, DynamicBackend(std::move(b)));
+    if (const auto* t = std::get_if<ThinKvConfig>(&spec)) {
+      std::unique_ptr<KvBackend> b = backend ? backend() : std::make_unique<BackendModel<CpuKvBackend>>();
+      if (!b) return {StatusCode::kInvalidArgument, "the backend factory returned no backend"};
+      out = std::make_unique<ThinKvSession>(*t, DynamicBackend(std::move(b)));
+    } else if (const auto* d = std::get_if<DenseKvConfig>(&spec)) {
+      out = std::make_unique<DecodeCacheModel<DenseKvCache>>(*d);
+    } else {
+      out = std::make_unique<DecodeCacheModel<KiviCache>>(std::get<KiviConfig>(spec));
+    }
   } catch (const ConfigError& e) {
     return e.status();
   } catch (const BackendError& e) {  // the backend could not set itself up (no device, no memory)
@@ -68,9 +86,10 @@ struct RunOptions {
   std::function<void(int prev, int token)> on_token;
   /// Called with the logits that choose generated token `step`.
   std::function<void(int step, std::span<const float> logits)> on_logits;
-  /// Called after every forward pass that produced logits for generated token `step`.
-  std::function<Status(int step, const SessionCache& cache)> after_step;
-  /// Backend of the caches the run builds (empty: CpuKvBackend).
+  /// Called after every forward pass that produced logits for generated token `step`
+  /// (thinkv_of(cache) gives ThinKV's own state).
+  std::function<Status(int step, const DecodeCache& cache)> after_step;
+  /// Backend of the ThinKV caches the run builds (empty: CpuKvBackend; baselines need it empty).
   BackendFactory backend;
 };
 
@@ -79,13 +98,17 @@ struct RunStats {
   int prompt_tokens = 0;
   int forward_passes = 0;
   double seconds = 0.0;  ///< wall time of all forward passes
-  MemoryUsage final_memory;
-  std::int64_t peak_physical_bytes = 0;
-  std::int64_t max_live_tokens = 0;
+  std::string method;    ///< the cache's method_name()
+  CacheReport report;    ///< the cache's report at the end (every method)
+  std::int64_t peak_physical_bytes = 0;  ///< largest report().held_bytes after a step
+  std::int64_t max_live_tokens = 0;      ///< largest live tokens of one stream (stream 0's for ThinKV)
   std::int64_t steps_over_budget = 0;  ///< steps that ended with more live tokens than the budget
+  // ThinKV's cache only (zero for the baselines):
+  MemoryUsage final_memory;
   ThinKvStats cache_stats;
   BlockTableStats table_stats;
   ThoughtStats thought_stats;
+  std::vector<SegmentState> segments;  ///< the sequence's thought segments at the end
   /// FullKV FP16 bytes of every position the sequence holds (what an uncompressed cache keeps).
   std::int64_t fullkv_fp16_bytes_all_positions = 0;
 };
@@ -95,27 +118,38 @@ inline std::int64_t fullkv_fp16_bytes(const ModelConfig& c, std::int64_t positio
   return positions * c.n_layers * c.n_kv_heads * 2 * std::int64_t{c.head_dim} * 2;
 }
 
-/// Runs one sequence from `prompt` (non-empty) on a fresh cache built from `cfg`.
-inline Status run_sequence(const Model& model, const ThinKvConfig& cfg,
+/// Live tokens of one stream of sequence 0: stream 0's for ThinKV (all its streams hold the same
+/// number), the mean over streams for the baselines.
+inline std::int64_t stream_live_tokens(const DecodeCache& c) {
+  if (const SessionCache* t = thinkv_of(c)) return t->live_tokens(0);
+  return c.report(0).live_tokens / std::max(1, c.shape().streams_per_sequence());
+}
+
+/// Runs one sequence from `prompt` (non-empty) on a fresh cache built from `spec`.
+inline Status run_sequence(const Model& model, const CacheSpec& spec,
                            const std::vector<int>& prompt, const RunOptions& opt, RunStats& out) {
   if (prompt.empty())
     return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
-  std::unique_ptr<SessionCache> cache;
-  THINKV_RETURN_IF_ERROR(make_session_cache(cfg, opt.backend, cache));
+  std::unique_ptr<DecodeCache> cache;
+  THINKV_RETURN_IF_ERROR(make_session_cache(spec, opt.backend, cache));
   Transformer tf(model, opt.threads);
   if (opt.kv_hook) tf.set_kv_hook(opt.kv_hook);
   const int steps = opt.forced != nullptr ? static_cast<int>(opt.forced->size()) : opt.steps;
   const int P = static_cast<int>(prompt.size());
-  if (P + steps - 1 > cfg.max_tokens) {
+  const int max_tokens = spec_max_tokens(spec);
+  if (P + steps - 1 > max_tokens) {
     return {StatusCode::kInvalidArgument,
             "prompt (" + std::to_string(P) + " tokens) + " + std::to_string(steps) +
-                " steps exceed the cache's max_tokens " + std::to_string(cfg.max_tokens)};
+                " steps exceed the cache's max_tokens " + std::to_string(max_tokens)};
   }
   RunStats st;
   st.prompt_tokens = P;
+  st.method = cache->method_name();
   std::vector<float> logits(static_cast<std::size_t>(model.config.vocab_size));
   Sampler sampler(opt.temperature, opt.seed);
-  const bool evicting = evicts(cfg.mode) && cfg.token_budget > 0;
+  int budget = 0;
+  if (const auto* t = std::get_if<ThinKvConfig>(&spec)) budget = evicts(t->mode) ? t->token_budget : 0;
+  if (const auto* d = std::get_if<DenseKvConfig>(&spec)) budget = d->token_budget;
   const auto t0 = std::chrono::steady_clock::now();
   int token = prompt[0];
   for (int pos = 0; steps > 0; ++pos) {
@@ -127,11 +161,10 @@ inline Status run_sequence(const Model& model, const ThinKvConfig& cfg,
     }
     const int step = pos - (P - 1);
     if (opt.on_logits) opt.on_logits(step, logits);
-    const MemoryUsage mem = cache->memory(0);
-    st.peak_physical_bytes = std::max(st.peak_physical_bytes, mem.physical_bytes());
-    const std::int64_t live = cache->live_tokens(0);
+    st.peak_physical_bytes = std::max(st.peak_physical_bytes, cache->report(0).held_bytes);
+    const std::int64_t live = stream_live_tokens(*cache);
     st.max_live_tokens = std::max(st.max_live_tokens, live);
-    if (evicting && live > cfg.token_budget) ++st.steps_over_budget;
+    if (budget > 0 && live > budget) ++st.steps_over_budget;
     if (opt.after_step) THINKV_RETURN_IF_ERROR(opt.after_step(step, *cache));
     const int next = opt.forced != nullptr ? (*opt.forced)[static_cast<std::size_t>(step)]
                                            : sampler.sample(logits);
@@ -143,10 +176,14 @@ inline Status run_sequence(const Model& model, const ThinKvConfig& cfg,
     if (static_cast<int>(st.tokens.size()) >= steps) break;
   }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  st.final_memory = cache->memory(0);
-  st.cache_stats = cache->stats();
-  st.table_stats = cache->paged().table().stats();
-  st.thought_stats = cache->tracker(0).stats();
+  st.report = cache->report(0);
+  if (const SessionCache* t = thinkv_of(*cache)) {
+    st.final_memory = t->memory(0);
+    st.cache_stats = t->stats();
+    st.table_stats = t->paged().table().stats();
+    st.thought_stats = t->tracker(0).stats();
+    st.segments = t->segments(0);
+  }
   st.fullkv_fp16_bytes_all_positions = fullkv_fp16_bytes(model.config, cache->position(0));
   out = std::move(st);
   return Status::ok();
@@ -169,13 +206,13 @@ struct Fidelity {
 /// FullKV run and the mode run teacher-forced on its tokens go in lockstep (no logits are
 /// stored); the mode's own free-running greedy tokens come from `mode_tokens` when the caller
 /// already has them (a greedy run of the same configuration), else from a third pass.
-inline Status measure_fidelity(const Model& model, const ThinKvConfig& full_cfg,
-                               const ThinKvConfig& mode_cfg, const std::vector<int>& prompt,
+inline Status measure_fidelity(const Model& model, const CacheSpec& full_cfg,
+                               const CacheSpec& mode_cfg, const std::vector<int>& prompt,
                                int steps, const RunOptions& base,
                                const std::vector<int>* mode_tokens, Fidelity& out) {
   if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens"};
   if (steps < 1) return {StatusCode::kInvalidArgument, "fidelity needs at least one step"};
-  std::unique_ptr<SessionCache> full, mode;
+  std::unique_ptr<DecodeCache> full, mode;
   THINKV_RETURN_IF_ERROR(make_session_cache(full_cfg, base.backend, full));
   THINKV_RETURN_IF_ERROR(make_session_cache(mode_cfg, base.backend, mode));
   Transformer tf(model, base.threads);

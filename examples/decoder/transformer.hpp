@@ -1,6 +1,7 @@
 #pragma once
 /// \file transformer.hpp
-/// The Llama forward pass for one token, with every attention inside thinkv::ThinKvCache:
+/// The Llama forward pass for one token, with every attention inside the KV cache (any
+/// thinkv::decode_cache: ThinKvCache, a baseline, or a DecodeCache chosen at run time):
 ///
 ///   x = embedding[token]
 ///   cache.begin_token(seq)
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "model.hpp"
+#include "thinkv/decode_cache.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
 namespace thinkv::decoder {
@@ -63,9 +65,9 @@ class Transformer {
   void set_threads(int threads) noexcept { threads_ = std::max(1, threads); }
 
   /// Checks that a cache was configured for this model (layers, heads, head_dim).
-  template <kv_backend B>
-  [[nodiscard]] Status check_cache(const ThinKvCache<B>& cache) const {
-    const ThinKvConfig& k = cache.config();
+  template <decode_cache C>
+  [[nodiscard]] Status check_cache(const C& cache) const {
+    const CacheShape k = cache.shape();
     const ModelConfig& c = m_.config;
     if (k.num_layers != c.n_layers || k.num_kv_heads != c.n_kv_heads ||
         k.num_q_heads != c.n_heads || k.head_dim != c.head_dim) {
@@ -78,9 +80,10 @@ class Transformer {
   }
 
   /// Runs `token` at the cache's current position of sequence `seq` and writes the next-token
-  /// logits ([vocab]). The position advances by one (end_token).
-  template <kv_backend B>
-  [[nodiscard]] Status forward(ThinKvCache<B>& cache, int seq, int token, std::span<float> logits) {
+  /// logits ([vocab]). The position advances by one (end_token). Any decode_cache works: ThinKV's
+  /// cache, a baseline, or a DecodeCache chosen at run time.
+  template <decode_cache C>
+  [[nodiscard]] Status forward(C& cache, int seq, int token, std::span<float> logits) {
     const ModelConfig& c = m_.config;
     THINKV_RETURN_IF_ERROR(check_cache(cache));
     if (token < 0 || token >= c.vocab_size) {
@@ -173,6 +176,7 @@ struct CacheOptions {
   ThoughtClassifier classifier{};  ///< uncalibrated by default
   bool trace_all_layers = false;
   std::uint64_t kmeans_seed = 0;  ///< 0 = the library default
+  int pinned_prefix = 0;  ///< positions never evicted (the prompt); ThinKvConfig::pinned_prefix
 };
 
 /// The defaults that scale with the model (documented in examples/thinkv/README.md).
@@ -216,6 +220,7 @@ inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, Thi
     k.retention = RetentionSchedule(std::move(levels));
   }
   k.trace_all_layers = o.trace_all_layers;
+  k.pinned_prefix = std::min(o.pinned_prefix, k.max_tokens);
   if (o.kmeans_seed != 0) k.kmeans.seed = o.kmeans_seed;
   // The classifier's refresh period: explicit tau, else the calibration's, else the segment length.
   const ThoughtClassifier& cl = o.classifier;

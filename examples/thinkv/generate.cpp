@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -18,6 +19,7 @@
 
 #include "../decoder/cli_util.hpp"
 #include "../decoder/decoder.hpp"
+#include "cache_flags.hpp"
 #if defined(THINKV_HAVE_KERNELS)
 #include "thinkv/backend/cuda_backend.hpp"
 #endif
@@ -31,11 +33,12 @@ using namespace thinkv::decoder;
 using namespace thinkv::decoder::cli;
 
 constexpr const char* kGenerateUsage =
-    "usage: thinkv generate --model PATH --steps N [--prompt TEXT] [--mode full|tbq|tbe|thinkv]\n"
-    "                       [--budget K] [--tokenizer PATH] [--temperature T] [--seed S]\n"
-    "                       [--compare full] [--calibration calib.json] [--group G] [--segment L]\n"
-    "                       [--tau T] [--precision R4E4T2] [--threads N] [--backend cpu|cuda]\n"
-    "                       [--json] [--progress]\n";
+    "usage: thinkv generate --model PATH [--steps N] [--prompt TEXT | --problems FILE --problem N|ID]\n"
+    "                       [--mode METHOD] [--budget K] [--tokenizer PATH] [--temperature T]\n"
+    "                       [--seed S] [--compare full] [--calibration calib.json] [--group G]\n"
+    "                       [--segment L] [--tau T] [--precision R4E4T2] [--select kmeans|first]\n"
+    "                       [--answer-pattern REGEX] [--threads N] [--backend cpu|cuda] [--json]\n"
+    "                       [--progress]\n";
 
 constexpr const char* kGenerateHelp =
     "\n"
@@ -49,11 +52,22 @@ constexpr const char* kGenerateHelp =
     "  --tokenizer PATH     llama2.c tokenizer.bin (default: the GGUF's own, or tok<vocab>.bin /\n"
     "                       tokenizer.bin next to a .bin model)\n"
     "  --prompt TEXT        prompt (default: none, start from BOS)\n"
-    "  --steps N            tokens to generate (prompt + steps must fit the model's context)\n"
-    "  --mode M             full (BF16 pages), tbq (thought-based quantization), tbe "
-    "(thought-based\n"
-    "                       eviction), thinkv (both; default)\n"
-    "  --budget K           live tokens per KV stream for tbe/thinkv (default: context / 4)\n"
+    "  --problems FILE      a JSONL problem set (as `thinkv eval` reads); --problem N or ID picks\n"
+    "                       one (default 0): its prompt is decoded and its answer checked\n"
+    "  --answer-pattern R   how the answer is found in the output (default: Answer: (\\d+)); with\n"
+    "                       --problems or --compare the summary shows it and FullKV's\n"
+    "  --steps N            tokens to generate (prompt + steps must fit the model's context; with\n"
+    "                       --problems the default is up to the context, ending at EOS)\n"
+    "  --mode M             the KV-cache method: thinkv (TBQ + TBE, default), tbq (thought-based\n"
+    "                       quantization), tbe (thought-based eviction), full (FullKV in FP16),\n"
+    "                       full-bf16 (ThinKV's paged cache, BF16 pages, nothing else), nvfp4,\n"
+    "                       kivi2, kivi4, streamingllm, h2o, rkv (baselines), tbe-first and\n"
+    "                       thinkv-first (ablations keeping each segment's first tokens)\n"
+    "  --select S           which tokens a shrinking segment keeps: kmeans (default), first, last\n"
+    "  --keep-prompt        (default) the prompt is never evicted and is stored as R; the budget\n"
+    "                       counts the generated tokens. --compress-prompt: the prompt too\n"
+    "  --budget K           live tokens per KV stream for the methods that evict (default:\n"
+    "                       context / 4)\n"
     "  --group G            quantization group 8, 16 or 32 (default 16; 8 when head_dim % 16 != "
     "0)\n"
     "  --segment L          thought segment length (default min(128, context/4), in tbe/thinkv\n"
@@ -65,7 +79,7 @@ constexpr const char* kGenerateHelp =
     "                       every token R)\n"
     "  --temperature T      0 = greedy (default); > 0 samples softmax(logits / T)\n"
     "  --seed S             sampling seed (default 42)\n"
-    "  --compare full       also run FullKV on the same prompt and report fidelity: share of\n"
+    "  --compare full       also run FullKV (FP16) on the same prompt and report fidelity: share of\n"
     "                       identical greedy tokens, mean KL(full || mode) teacher-forced on the\n"
     "                       FullKV tokens, first divergent step\n"
     "  --threads N          threads for the matrix products (default: all cores, or "
@@ -86,124 +100,6 @@ constexpr const char* kGenerateHelp =
     "  thinkv generate --model stories260K.bin --steps 200 --mode full\n"
     "  thinkv generate --model stories260K.bin --steps 300 --mode thinkv --budget 64 --compare "
     "full --json\n";
-
-int usage_error(const char* cmd, const char* usage, const std::string& msg) {
-  std::fprintf(stderr, "thinkv %s: %s\n%sRun `thinkv %s --help` for details.\n", cmd, msg.c_str(),
-               usage, cmd);
-  return kExitUsage;
-}
-
-/// Cache flags shared by generate and sweep.
-struct CacheFlags {
-  int budget = 0;
-  int group = 0;
-  int segment = 0;
-  int tau = 0;
-  PrecisionMap precision{};
-  std::string calibration;
-};
-
-/// Parses one cache flag at the scanner's position. Returns 1 when handled, 0 when not a cache
-/// flag, -1 after printing a usage error.
-int parse_cache_flag(Options& o, CacheFlags& c, const char* cmd, const char* usage, int& rc) {
-  const std::string_view n = o.name();
-  std::string_view v;
-  auto need = [&](const char* what) {
-    if (!o.value(v) || v.empty()) {
-      rc = usage_error(cmd, usage, std::string(n) + " needs " + what);
-      return false;
-    }
-    return true;
-  };
-  if (n == "--budget") {
-    if (!need("a token count")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.budget)) {
-      rc = usage_error(cmd, usage, "--budget " + std::string(v) + ": must be an integer >= 1");
-      return -1;
-    }
-  } else if (n == "--group") {
-    if (!need("8, 16 or 32")) return -1;
-    if (!parse_int(v, 1, 1024, c.group) || (c.group != 8 && c.group != 16 && c.group != 32)) {
-      rc = usage_error(cmd, usage, "--group " + std::string(v) + ": must be 8, 16 or 32");
-      return -1;
-    }
-  } else if (n == "--segment") {
-    if (!need("a length")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.segment)) {
-      rc = usage_error(cmd, usage, "--segment " + std::string(v) + ": must be an integer >= 1");
-      return -1;
-    }
-  } else if (n == "--tau") {
-    if (!need("a period")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.tau)) {
-      rc = usage_error(cmd, usage, "--tau " + std::string(v) + ": must be an integer >= 1");
-      return -1;
-    }
-  } else if (n == "--precision") {
-    if (!need("a map like R4E4T2")) return -1;
-    if (Status s = PrecisionMap::parse(v, c.precision); !s.is_ok()) {
-      rc = usage_error(cmd, usage, "--precision: " + s.message());
-      return -1;
-    }
-  } else if (n == "--calibration") {
-    if (!need("a file")) return -1;
-    c.calibration = v;
-  } else {
-    return 0;
-  }
-  return 1;
-}
-
-/// Loads --calibration into a classifier (checked against the model). Prints and returns the
-/// exit status on error, 0 on success.
-int load_classifier(const char* cmd, const CacheFlags& c, const Model& m, ThoughtClassifier& out) {
-  if (c.calibration.empty()) return 0;
-  CalibrationFile f;
-  if (Status s = read_calibration_json(std::filesystem::path(c.calibration), f); !s.is_ok()) {
-    std::fprintf(stderr, "thinkv %s: %s\n", cmd, s.message().c_str());
-    return kExitData;
-  }
-  if (Status s = check_model(f, m.config.n_layers, m.name); !s.is_ok()) {
-    std::fprintf(stderr, "thinkv %s: %s\n", cmd, s.message().c_str());
-    return kExitData;
-  }
-  try {
-    std::vector<ThoughtType> bands(f.band_types.begin(), f.band_types.begin() + f.num_types);
-    out = ThoughtClassifier(f.thresholds, f.layers, f.tau, bands, f.num_layers);
-  } catch (const ConfigError& e) {
-    std::fprintf(stderr, "thinkv %s: %s: %s\n", cmd, c.calibration.c_str(), e.what());
-    return kExitData;
-  }
-  return 0;
-}
-
-CacheOptions cache_options(const CacheFlags& c, CacheMode mode, int max_tokens,
-                           const ThoughtClassifier& cl) {
-  CacheOptions o;
-  o.mode = mode;
-  o.max_tokens = max_tokens;
-  o.budget = c.budget;
-  o.group_size = c.group;
-  o.segment_len = c.segment;
-  o.tau = c.tau;
-  o.precision = c.precision;
-  o.classifier = cl;
-  return o;
-}
-
-std::string fmt(const char* f, double x) {
-  char b[64];
-  std::snprintf(b, sizeof b, f, x);
-  return b;
-}
-
-std::string human_bytes(std::int64_t n) {
-  if (n < 10 * 1024) return std::to_string(n) + " B";
-  if (n < 10 * 1024 * 1024) return fmt("%.1f KiB", static_cast<double>(n) / 1024.0);
-  if (n < std::int64_t{10} * 1024 * 1024 * 1024)
-    return fmt("%.1f MiB", static_cast<double>(n) / (1024.0 * 1024.0));
-  return fmt("%.2f GiB", static_cast<double>(n) / (1024.0 * 1024.0 * 1024.0));
-}
 
 std::string precision_text(const ThinKvConfig& k) {
   return quantizes(k.mode) ? k.precision.to_string() : std::string("BF16");
@@ -233,9 +129,10 @@ bool read_prompts(const std::string& path, std::vector<std::string>& out, std::s
 
 struct GenerateArgs {
   std::string model, tokenizer, prompt;
+  std::string problems, problem = "0", answer_pattern = "Answer: (\\d+)";
   bool have_prompt = false;
   int steps = -1;
-  CacheMode mode = CacheMode::kThinKv;
+  Method method = Method::kThinKv;
   CacheFlags cache;
   float temperature = 0.0f;
   std::uint64_t seed = 42;
@@ -279,12 +176,21 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
       }
     } else if (n == "--mode") {
       if (!need("a mode"))
-        return usage_error(cmd, kGenerateUsage, "--mode needs full, tbq, tbe or thinkv");
-      const auto m = parse_cache_mode(v);
+        return usage_error(cmd, kGenerateUsage, "--mode needs a method: " + method_names());
+      const auto m = parse_method(v);
       if (!m)
         return usage_error(cmd, kGenerateUsage,
-                           "--mode " + std::string(v) + ": must be full, tbq, tbe or thinkv");
-      a.mode = *m;
+                           "--mode " + std::string(v) + ": must be one of " + method_names());
+      a.method = *m;
+    } else if (n == "--problems") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--problems needs a JSONL file");
+      a.problems = v;
+    } else if (n == "--problem") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--problem needs an index or an id");
+      a.problem = v;
+    } else if (n == "--answer-pattern") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--answer-pattern needs a regular expression");
+      a.answer_pattern = v;
     } else if (n == "--temperature") {
       if (!need("a number") || !parse_float(v, a.temperature) || a.temperature < 0.0f) {
         return usage_error(cmd, kGenerateUsage,
@@ -324,8 +230,78 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
   }
   if (a.help) return 0;
   if (a.model.empty()) return usage_error(cmd, kGenerateUsage, "no model given (--model PATH)");
-  if (a.steps < 0) return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
+  if (!a.problems.empty() && a.have_prompt)
+    return usage_error(cmd, kGenerateUsage, "give --prompt or --problems, not both");
+  if (a.steps < 0 && a.problems.empty())
+    return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
   return 0;
+}
+
+/// The prompt, answer and id of problem `which` (a 0-based index or an id) of a JSONL file.
+bool read_problem(const std::string& path, const std::string& which, std::string& prompt, std::string& answer,
+                  std::string& id, std::string& err) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    err = path + ": cannot open the problems file";
+    return false;
+  }
+  int index = -1;
+  const bool numeric = parse_int(which, 0, 1 << 30, index);
+  std::string line;
+  int no = 0, k = 0;
+  while (std::getline(f, line)) {
+    ++no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    json::Value v;
+    if (Status s = json::parse(line, path, v); !s.is_ok()) {
+      err = path + ":" + std::to_string(no) + ": not a JSON object (" + s.message() + ")";
+      return false;
+    }
+    const json::Value* pid = v.find("id");
+    const std::string this_id =
+        pid == nullptr ? "" : pid->is_string() ? pid->as_string() : pid->is_number() ? json::write(*pid, 0) : "";
+    if ((numeric && k == index) || (!numeric && this_id == which)) {
+      const json::Value* p = v.find("prompt");
+      const json::Value* a = v.find("answer");
+      if (p == nullptr || !p->is_string() || p->as_string().empty()) {
+        err = path + ":" + std::to_string(no) + ": field 'prompt' is missing or not a non-empty string";
+        return false;
+      }
+      prompt = p->as_string();
+      answer = a == nullptr ? "" : a->is_string() ? a->as_string() : a->is_number() ? json::write(*a, 0) : "";
+      id = this_id;
+      return true;
+    }
+    ++k;
+  }
+  err = path + ": no problem " + (numeric ? "with index " + which + " (it has " + std::to_string(k) + ")"
+                                          : "with id '" + which + "'");
+  return false;
+}
+
+/// The answer `re` takes from text: its last match (the first capture group, if any).
+bool extract_last(const std::regex& re, const std::string& text, std::string& out) {
+  bool found = false;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it) {
+    out = it->size() > 1 ? (*it)[1].str() : (*it)[0].str();
+    found = true;
+  }
+  return found;
+}
+
+/// "prompt 0-133 | R 134-255 (kept 64) | T 256-383 (kept 32) | ...": the thought segments.
+std::string segments_text(const std::vector<SegmentState>& segs, int prompt_tokens) {
+  std::string s;
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    const SegmentState& g = segs[i];
+    const std::int32_t end = i + 1 < segs.size() ? segs[i + 1].start - 1 : g.start + g.size - 1;
+    s += (i ? " | " : "") + std::string(to_string(g.type)) + " " + std::to_string(g.start) + "-" +
+         std::to_string(std::max(g.start, end));
+    if (g.level > 0) s += " (kept " + std::to_string(g.size) + ")";
+  }
+  (void)prompt_tokens;
+  return s;
 }
 
 json::Value fidelity_json(const Fidelity& f) {
@@ -349,6 +325,21 @@ int run_generate(int argc, char** argv) {
     std::printf("%s%s", kGenerateUsage, kGenerateHelp);
     return 0;
   }
+  std::regex pattern;
+  try {
+    pattern = std::regex(a.answer_pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    return usage_error(cmd, kGenerateUsage, "--answer-pattern '" + a.answer_pattern + "' is not a valid regular expression: " + e.what());
+  }
+  // --problems FILE --problem N|ID: the prompt (and expected answer) of one problem.
+  std::string expected, problem_id;
+  if (!a.problems.empty()) {
+    std::string err;
+    if (!read_problem(a.problems, a.problem, a.prompt, expected, problem_id, err)) {
+      std::fprintf(stderr, "thinkv generate: %s\n", err.c_str());
+      return kExitData;
+    }
+  }
   Model model;
   Tokenizer tok;
   if (const int rc = load_model_and_tokenizer("thinkv generate", a.model, a.tokenizer, model, tok);
@@ -357,6 +348,7 @@ int run_generate(int argc, char** argv) {
   const ModelConfig& mc = model.config;
   const std::vector<int> prompt = tok.encode(a.prompt, true, false);
   const int P = static_cast<int>(prompt.size());
+  if (a.steps < 0) a.steps = std::max(1, mc.seq_len - P + 1);  // a problem: up to the context (or EOS)
   if (P + a.steps - 1 > mc.seq_len) {
     return usage_error(cmd, kGenerateUsage,
                        "the prompt (" + std::to_string(P) + " tokens with BOS) + " +
@@ -367,14 +359,20 @@ int run_generate(int argc, char** argv) {
   }
   ThoughtClassifier classifier;
   if (const int rc = load_classifier(cmd, a.cache, model, classifier); rc != 0) return rc;
-  ThinKvConfig cfg;
-  if (Status s =
-          make_cache_config(mc, cache_options(a.cache, a.mode, P + a.steps, classifier), cfg);
-      !s.is_ok()) {
+  auto spec_for = [&](Method m, CacheSpec& out) {
+    MethodOptions mo;
+    mo.method = m;
+    mo.cache = cache_options(a.cache, thinkv_mode(m), P + a.steps, classifier, P);
+    mo.selection = a.cache.selection;
+    return make_cache_spec(mc, mo, out);
+  };
+  CacheSpec spec;
+  if (Status s = spec_for(a.method, spec); !s.is_ok()) {
     return usage_error(
         cmd, kGenerateUsage,
         "cache configuration for " + model.name + " (" + mc.to_string() + "): " + s.message());
   }
+  const ThinKvConfig* cfg = std::get_if<ThinKvConfig>(&spec);
   const int threads = a.threads > 0 ? a.threads : default_threads();
 
   // The run: text to stdout as it is decoded.
@@ -387,6 +385,11 @@ int run_generate(int argc, char** argv) {
   ro.eos_id = tok.eos_id;
   ro.threads = threads;
   if (a.backend == "cuda") {
+    if (cfg == nullptr) {
+      return usage_error(cmd, kGenerateUsage,
+                         "--backend cuda serves ThinKV's cache (full-bf16, tbq, tbe, thinkv, nvfp4 and the "
+                         "-first ablations); " + std::string(to_string(a.method)) + " is a CPU baseline");
+    }
 #if defined(THINKV_HAVE_KERNELS)
     ro.backend = [] { return std::make_unique<BackendModel<CudaKvBackend>>(); };
 #else
@@ -398,13 +401,15 @@ int run_generate(int argc, char** argv) {
 #endif
   }
   const auto t_start = std::chrono::steady_clock::now();
+  std::string text;
   ro.on_token = [&](int prev, int t) {
     const std::string piece = tok.decode_piece(prev, t);
+    text += piece;
     progress.clear();
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
-  ro.after_step = [&](int step, const SessionCache&) {
+  ro.after_step = [&](int step, const thinkv::DecodeCache&) {
     if (progress.enabled()) {
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -414,7 +419,7 @@ int run_generate(int argc, char** argv) {
     return Status::ok();
   };
   RunStats st;
-  if (Status s = run_sequence(model, cfg, prompt, ro, st); !s.is_ok()) {
+  if (Status s = run_sequence(model, spec, prompt, ro, st); !s.is_ok()) {
     progress.clear();
     std::fprintf(stderr, "\nthinkv generate: %s\n", s.to_string().c_str());
     return kExitData;
@@ -424,18 +429,16 @@ int run_generate(int argc, char** argv) {
   std::fflush(stdout);
 
   Fidelity fid;
+  std::string full_text;
   if (a.compare) {
-    ThinKvConfig full_cfg;
-    if (Status s = make_cache_config(
-            mc, cache_options(a.cache, CacheMode::kFull, P + a.steps, ThoughtClassifier{}),
-            full_cfg);
-        !s.is_ok()) {
+    CacheSpec full_spec;
+    if (Status s = spec_for(Method::kFull, full_spec); !s.is_ok()) {
       std::fprintf(stderr, "thinkv generate: FullKV configuration: %s\n", s.to_string().c_str());
       return kExitData;
     }
-    RunOptions fo = ro;
-    fo.on_token = nullptr;
-    fo.after_step = nullptr;
+    RunOptions mo = ro;  // the backend serves the method's cache; FullKV FP16 runs on the CPU
+    mo.on_token = nullptr;
+    mo.after_step = nullptr;
     // The text is complete (and ended by its newline), so a status line cannot tear it: this
     // phase shows one whenever stderr is a terminal, even where the decode phase left the
     // terminal to the text (stdout and stderr on the same terminal).
@@ -444,7 +447,8 @@ int run_generate(int argc, char** argv) {
     compare_progress.update(
         "comparing with FullKV on the same prompt (" + std::to_string(a.steps) + " steps)...",
         true);
-    if (Status s = measure_fidelity(model, full_cfg, cfg, prompt, a.steps, fo,
+    // The FullKV run and the method teacher-forced on it; the method's own tokens are this run's.
+    if (Status s = measure_fidelity(model, full_spec, spec, prompt, a.steps, mo,
                                     greedy ? &st.tokens : nullptr, fid);
         !s.is_ok()) {
       compare_progress.clear();
@@ -452,89 +456,116 @@ int run_generate(int argc, char** argv) {
       return kExitData;
     }
     compare_progress.clear();
+    full_text = tok.decode(fid.full_tokens, prompt.back());
   }
 
   // Summary (stderr).
   const int gen = static_cast<int>(st.tokens.size());
   const double tps = st.seconds > 0 ? (st.forward_passes) / st.seconds : 0.0;
-  const MemoryUsage& mem = st.final_memory;
+  const CacheReport& rep = st.report;
   const std::int64_t positions = st.forward_passes;  // tokens the cache holds positions for
-  const double ratio = st.fullkv_fp16_bytes_all_positions > 0
-                           ? static_cast<double>(mem.physical_bytes()) /
-                                 static_cast<double>(st.fullkv_fp16_bytes_all_positions)
-                           : 0.0;
-  const int streams = cfg.streams_per_sequence();
-  const bool calibrated = cfg.classifier.needs_signal();
+  const double ratio = rep.held_ratio();
+  const int streams = mc.n_layers * mc.n_kv_heads;
+  const bool calibrated = cfg != nullptr && cfg->classifier.needs_signal() && cfg->mode != CacheMode::kFull;
   const ThoughtStats& ts = st.thought_stats;
   std::fprintf(stderr, "thinkv generate: %s (%s, %s weights, %s)\n", model.name.c_str(),
                model.format.c_str(), to_string(model.weight_type), mc.to_string().c_str());
-  std::fprintf(
-      stderr, "  cache: mode %s, precision %s, budget %s, group %d, segment %d, tau %d, block %d\n",
-      std::string(to_string(cfg.mode)).c_str(), precision_text(cfg).c_str(),
-      evicts(cfg.mode) ? std::to_string(cfg.token_budget).c_str() : "none (no eviction)",
-      cfg.group_size, cfg.segment_len, cfg.classifier.tau(), cfg.block_size);
-  if (cfg.mode == CacheMode::kFull) {
-    std::fprintf(stderr, "  classifier: not used in mode full\n");
-  } else if (calibrated) {
-    std::fprintf(stderr, "  classifier: %s from %s; refreshes %lld, tokens R/E/T %lld/%lld/%lld\n",
-                 cfg.classifier.to_string().c_str(), a.cache.calibration.c_str(),
-                 static_cast<long long>(ts.refreshes), static_cast<long long>(ts.tokens[0]),
-                 static_cast<long long>(ts.tokens[1]), static_cast<long long>(ts.tokens[2]));
+  if (cfg != nullptr) {
+    std::fprintf(
+        stderr, "  cache: mode %s (%s), precision %s, budget %s, group %d, segment %d, tau %d, block %d\n",
+        std::string(to_string(a.method)).c_str(), st.method.c_str(), precision_text(*cfg).c_str(),
+        evicts(cfg->mode) ? std::to_string(cfg->token_budget).c_str() : "none (no eviction)",
+        cfg->group_size, cfg->segment_len, cfg->classifier.tau(), cfg->block_size);
+    if (cfg->mode == CacheMode::kFull) {
+      std::fprintf(stderr, "  classifier: not used in mode full-bf16\n");
+    } else if (calibrated) {
+      std::fprintf(stderr, "  classifier: %s from %s; refreshes %lld, tokens R/E/T %lld/%lld/%lld\n",
+                   cfg->classifier.to_string().c_str(), a.cache.calibration.c_str(),
+                   static_cast<long long>(ts.refreshes), static_cast<long long>(ts.tokens[0]),
+                   static_cast<long long>(ts.tokens[1]), static_cast<long long>(ts.tokens[2]));
+    } else {
+      std::fprintf(stderr,
+                   "  classifier: uncalibrated (every token R); calibrate with `thinkv trace` + "
+                   "`thinkv calibrate` and pass --calibration\n");
+    }
+    if (calibrated && evicts(cfg->mode)) std::fprintf(stderr, "  thoughts: %s\n", segments_text(st.segments, P).c_str());
   } else {
-    std::fprintf(stderr,
-                 "  classifier: uncalibrated (every token R); calibrate with `thinkv trace` + "
-                 "`thinkv calibrate` and pass --calibration\n");
+    std::fprintf(stderr, "  cache: mode %s (%s; a CPU baseline, keys and values in FP16 unless quantized)\n",
+                 std::string(to_string(a.method)).c_str(), st.method.c_str());
   }
   std::fprintf(stderr,
                "  speed: %d tokens generated (prompt %d) in %.3f s: %.1f tokens/s (%d forward "
                "passes, %d threads, KV backend %s)\n",
-               gen, P, st.seconds, tps, st.forward_passes, threads, a.backend.c_str());
-  std::fprintf(
-      stderr,
-      "  KV memory: %s held (peak %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n"
-      "             live tokens %lld per stream (max %lld; %d streams), hole slots %lld\n",
-      human_bytes(mem.physical_bytes()).c_str(), human_bytes(st.peak_physical_bytes).c_str(),
-      human_bytes(st.fullkv_fp16_bytes_all_positions).c_str(), static_cast<long long>(positions),
-      100.0 * ratio, static_cast<long long>(mem.live_tokens / std::max(1, streams)),
-      static_cast<long long>(st.max_live_tokens), streams, static_cast<long long>(mem.hole_slots));
-  const double ev_per_step =
-      gen > 0 ? static_cast<double>(st.cache_stats.eviction_calls) / (st.forward_passes) : 0.0;
+               gen, P, st.seconds, tps, st.forward_passes, threads, cfg ? a.backend.c_str() : "cpu");
   std::fprintf(stderr,
-               "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means), "
-               "slots reused %lld, "
-               "gather bytes %lld, budget unreachable on %lld steps\n",
-               ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
-               static_cast<long long>(st.cache_stats.tokens_evicted),
-               static_cast<long long>(st.cache_stats.kmeans_calls),
-               static_cast<long long>(st.table_stats.slots_reused),
-               static_cast<long long>(st.table_stats.gather_bytes),
-               static_cast<long long>(st.cache_stats.budget_unreachable));
+               "  KV memory: %s held (peak %s, allocated %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n",
+               human_bytes(rep.held_bytes).c_str(), human_bytes(st.peak_physical_bytes).c_str(),
+               human_bytes(rep.allocated_bytes).c_str(), human_bytes(st.fullkv_fp16_bytes_all_positions).c_str(),
+               static_cast<long long>(positions), 100.0 * ratio);
+  std::fprintf(stderr, "             live tokens %lld per stream (max %lld; %d streams)",
+               static_cast<long long>(rep.live_tokens / std::max(1, streams)), static_cast<long long>(st.max_live_tokens),
+               streams);
+  if (cfg != nullptr) std::fprintf(stderr, ", hole slots %lld", static_cast<long long>(st.final_memory.hole_slots));
+  std::fprintf(stderr, "\n");
+  const double ev_per_step = positions > 0 ? static_cast<double>(rep.eviction_calls) / static_cast<double>(positions) : 0.0;
+  if (cfg != nullptr) {
+    std::fprintf(stderr,
+                 "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means, %lld case-1 "
+                 "step-downs), slots reused %lld, gather bytes %lld, budget unreachable on %lld steps\n",
+                 ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
+                 static_cast<long long>(st.cache_stats.tokens_evicted),
+                 static_cast<long long>(st.cache_stats.kmeans_calls),
+                 static_cast<long long>(st.cache_stats.case1_steps),
+                 static_cast<long long>(st.table_stats.slots_reused),
+                 static_cast<long long>(st.table_stats.gather_bytes),
+                 static_cast<long long>(st.cache_stats.budget_unreachable));
+  } else {
+    std::fprintf(stderr, "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted), gather bytes %lld\n",
+                 ev_per_step, static_cast<long long>(rep.eviction_calls), static_cast<long long>(rep.tokens_evicted),
+                 static_cast<long long>(rep.gather_bytes));
+  }
   if (a.compare) {
     const std::string divergence =
         fid.first_divergence < 0
             ? std::string("first divergence: none")
             : "first divergence at step " + std::to_string(fid.first_divergence);
     std::fprintf(stderr,
-                 "  fidelity vs full (greedy, %d steps): token agreement %.1f %%, mean KL(full || "
+                 "  fidelity vs full (FP16, greedy, %d steps): token agreement %.1f %%, mean KL(full || "
                  "%s) %.4g nats "
                  "(max %.3g), %s\n",
-                 fid.steps, 100.0 * fid.token_agreement, std::string(to_string(cfg.mode)).c_str(),
+                 fid.steps, 100.0 * fid.token_agreement, std::string(to_string(a.method)).c_str(),
                  fid.mean_kl, fid.max_kl, divergence.c_str());
+  }
+  std::string answer, full_answer;
+  const bool answered = extract_last(pattern, text, answer);
+  const bool full_answered = a.compare && extract_last(pattern, full_text, full_answer);
+  if (!a.problems.empty() || a.compare) {
+    std::string line = "  answer: " + (answered ? answer : std::string("none (the pattern ") + a.answer_pattern + " did not match)");
+    if (!expected.empty()) line += answered && answer == expected ? " (correct)" : " (expected " + expected + ")";
+    if (a.compare) {
+      line += "; FullKV's: " + (full_answered ? full_answer : std::string("none"));
+      line += answered == full_answered && answer == full_answer ? ", the same" : ", different";
+    }
+    if (answered || !a.problems.empty() || full_answered) std::fprintf(stderr, "%s\n", line.c_str());
   }
 
   if (a.json) {
+    const int budget = cfg != nullptr ? (evicts(cfg->mode) ? cfg->token_budget : 0)
+                       : std::holds_alternative<DenseKvConfig>(spec) ? std::get<DenseKvConfig>(spec).token_budget
+                                                                      : 0;
     json::Value::Object o{
         {"model", json::Value::string(model.name)},
         {"model_path", json::Value::string(model.path)},
         {"format", json::Value::string(model.format)},
         {"weights", json::Value::string(to_string(model.weight_type))},
-        {"mode", json::Value::string(std::string(to_string(cfg.mode)))},
-        {"precision", json::Value::string(precision_text(cfg))},
-        {"budget", json::Value::integer(evicts(cfg.mode) ? cfg.token_budget : 0)},
-        {"group_size", json::Value::integer(cfg.group_size)},
-        {"segment_len", json::Value::integer(cfg.segment_len)},
-        {"tau", json::Value::integer(cfg.classifier.tau())},
-        {"calibrated", json::Value::boolean(calibrated && cfg.mode != CacheMode::kFull)},
+        {"mode", json::Value::string(std::string(to_string(a.method)))},
+        {"cache", json::Value::string(st.method)},
+        {"precision", json::Value::string(cfg ? precision_text(*cfg) : std::string("fp16"))},
+        {"budget", json::Value::integer(budget)},
+        {"group_size", json::Value::integer(cfg ? cfg->group_size : 0)},
+        {"segment_len", json::Value::integer(cfg ? cfg->segment_len : 0)},
+        {"tau", json::Value::integer(cfg ? cfg->classifier.tau() : 0)},
+        {"calibrated", json::Value::boolean(calibrated)},
         {"temperature", json::Value::number(a.temperature)},
         {"seed", json::Value::integer(static_cast<long long>(a.seed))},
         {"prompt_tokens", json::Value::integer(P)},
@@ -544,24 +575,29 @@ int run_generate(int argc, char** argv) {
         {"seconds", json::Value::number(st.seconds)},
         {"tokens_per_s", json::Value::number(tps)},
         {"threads", json::Value::integer(threads)},
-        {"backend", json::Value::string(a.backend)},
-        {"kv_bytes", json::Value::integer(mem.physical_bytes())},
+        {"backend", json::Value::string(cfg ? a.backend : std::string("cpu"))},
+        {"kv_bytes", json::Value::integer(rep.held_bytes)},
         {"kv_bytes_peak", json::Value::integer(st.peak_physical_bytes)},
+        {"kv_bytes_allocated", json::Value::integer(rep.allocated_bytes)},
         {"fullkv_fp16_bytes", json::Value::integer(st.fullkv_fp16_bytes_all_positions)},
         {"kv_ratio", json::Value::number(ratio)},
-        {"live_tokens", json::Value::integer(mem.live_tokens / std::max(1, streams))},
+        {"live_tokens", json::Value::integer(rep.live_tokens / std::max(1, streams))},
         {"max_live_tokens", json::Value::integer(st.max_live_tokens)},
-        {"hole_slots", json::Value::integer(mem.hole_slots)},
-        {"eviction_calls", json::Value::integer(st.cache_stats.eviction_calls)},
+        {"hole_slots", json::Value::integer(st.final_memory.hole_slots)},
+        {"eviction_calls", json::Value::integer(rep.eviction_calls)},
         {"eviction_calls_per_step", json::Value::number(ev_per_step)},
-        {"tokens_evicted", json::Value::integer(st.cache_stats.tokens_evicted)},
+        {"tokens_evicted", json::Value::integer(rep.tokens_evicted)},
+        {"case1_steps", json::Value::integer(st.cache_stats.case1_steps)},
         {"slots_reused", json::Value::integer(st.table_stats.slots_reused)},
-        {"gather_bytes", json::Value::integer(st.table_stats.gather_bytes)},
+        {"gather_bytes", json::Value::integer(rep.gather_bytes)},
         {"budget_unreachable_steps", json::Value::integer(st.cache_stats.budget_unreachable)},
         {"refreshes", json::Value::integer(ts.refreshes)},
         {"thought_tokens", json::Value::object({{"R", json::Value::integer(ts.tokens[0])},
                                                 {"E", json::Value::integer(ts.tokens[1])},
                                                 {"T", json::Value::integer(ts.tokens[2])}})},
+        {"answer", answered ? json::Value::string(answer) : json::Value::null()},
+        {"expected_answer", expected.empty() ? json::Value::null() : json::Value::string(expected)},
+        {"full_answer", full_answered ? json::Value::string(full_answer) : json::Value::null()},
         {"fidelity", a.compare ? fidelity_json(fid) : json::Value::null()},
     };
     std::printf("%s\n", json::write(json::Value::object(std::move(o)), 0).c_str());
@@ -866,13 +902,16 @@ int run_sweep(int argc, char** argv) {
         }
         CacheFlags cf = a.cache;
         cf.budget = b;
-        ThinKvConfig cfg, full_cfg;
+        ThinKvConfig cfg;
+        CacheSpec full_cfg;  // the reference: FullKV in FP16
         Status s =
-            make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier), cfg);
-        if (s.is_ok())
-          s = make_cache_config(
-              model.config, cache_options(cf, CacheMode::kFull, P + a.steps, ThoughtClassifier{}),
-              full_cfg);
+            make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier, P), cfg);
+        if (s.is_ok()) {
+          MethodOptions fo;
+          fo.method = Method::kFull;
+          fo.cache.max_tokens = P + a.steps;
+          s = make_cache_spec(model.config, fo, full_cfg);
+        }
         if (!s.is_ok()) return usage_error(cmd, kSweepUsage, "cache configuration: " + s.message());
         progress.update(std::string(to_string(m)) +
                         (b ? " budget " + std::to_string(b) : std::string()) + ", prompt " +

@@ -6,7 +6,9 @@
 #include <string_view>
 
 #include "calibrate.hpp"
+#include "eval.hpp"
 #include "generate.hpp"
+#include "thoughts.hpp"
 #include "trace.hpp"
 
 namespace {
@@ -21,7 +23,9 @@ constexpr Subcommand kSubcommands[] = {
     {"generate", "decode on a Llama model (llama2.c .bin / GGUF) with the KV cache in full/tbq/tbe/thinkv mode", run_generate},
     {"trace", "record per-layer attention sparsity traces for `thinkv calibrate`", run_trace},
     {"calibrate", "calibrate the thought classifier from sparsity traces (writes calib.json)", run_calibrate},
-    {"sweep", "fidelity vs KV memory over cache modes and budgets (docs/results.md)", run_sweep},
+    {"thoughts", "does sparsity separate the thought types? a trace against ground-truth labels", run_thoughts},
+    {"eval", "accuracy vs KV memory on a JSONL problem set, every method and budget (docs/results.md)", run_eval},
+    {"sweep", "fidelity vs KV memory over cache modes and budgets on free text", run_sweep},
 };
 
 void print_help(std::FILE* out) {

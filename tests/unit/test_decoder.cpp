@@ -439,7 +439,8 @@ RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifi
   RunOptions ro;
   ro.steps = steps;
   ro.stop_at_bos_eos = false;
-  ro.after_step = [&](int step, const thinkv::decoder::SessionCache& c) {
+  ro.after_step = [&](int step, const thinkv::DecodeCache& dc_) {
+    const thinkv::decoder::SessionCache& c = *thinkv::decoder::thinkv_of(dc_);
     const std::int32_t pos = c.position(0) - 1;  // the token this step decoded
     const bool refresh = calibrated && pos > 0 && pos % tau == 0;
     if (refresh) ++refresh_steps;
@@ -631,7 +632,8 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
   ro.steps = steps;
   ro.stop_at_bos_eos = false;
   std::int64_t over = 0, unreachable_seen = 0, violations = 0;
-  ro.after_step = [&](int, const thinkv::decoder::SessionCache& c) {
+  ro.after_step = [&](int, const thinkv::DecodeCache& dc_) {
+    const thinkv::decoder::SessionCache& c = *thinkv::decoder::thinkv_of(dc_);
     const bool now_unreachable = c.stats().budget_unreachable > unreachable_seen;
     unreachable_seen = c.stats().budget_unreachable;
     if (c.live_tokens(0) > cfg.token_budget) {
