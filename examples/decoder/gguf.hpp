@@ -21,6 +21,7 @@
 /// bit-identical to the .bin's wq/wk, and both files decode to the same tokens (test_decoder).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -713,19 +714,37 @@ struct Loader {
     if (const GgufValue* ty = g.find("tokenizer.ggml.token_type")) {
       if (ty->type == GgufType::kArray && ty->array.size() == n) {
         t->types.resize(n);
-        for (std::size_t i = 0; i < n; ++i)
-          t->types[i] = static_cast<std::int32_t>(ty->array[i].number());
+        for (std::size_t i = 0; i < n; ++i) {
+          // A token type is a small integer (1 normal, 2 unknown, 3 control, 6 byte, ...): a
+          // float that is not one, or a value beyond int32, is a corrupt file (and casting it
+          // would be undefined behaviour).
+          const double x = ty->array[i].number();
+          if (!(x >= 0.0 && x <= 255.0) || x != std::floor(x)) {
+            return {StatusCode::kInvalidArgument,
+                    path + ": tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(x) +
+                        " is not a token type (an integer 0..255); the file is corrupt"};
+          }
+          t->types[i] = static_cast<std::int32_t>(x);
+        }
       }
     }
-    std::uint64_t id = 1;
-    THINKV_RETURN_IF_ERROR(get_uint("tokenizer.ggml.bos_token_id", false, id));
-    t->bos_id = static_cast<int>(id < n ? id : 1);
-    id = 2;
-    THINKV_RETURN_IF_ERROR(get_uint("tokenizer.ggml.eos_token_id", false, id));
-    t->eos_id = static_cast<int>(id < n ? id : 2);
-    id = 0;
-    THINKV_RETURN_IF_ERROR(get_uint("tokenizer.ggml.unknown_token_id", false, id));
-    t->unk_id = static_cast<int>(id < n ? id : 0);
+    // Special ids: absent means llama2.c's defaults (BOS 1, EOS 2, unknown 0); present must be
+    // inside the vocabulary (Tokenizer::finalize checks the defaults too).
+    auto special = [&](const char* key, std::uint64_t dflt, int& dst) -> Status {
+      std::uint64_t id = dflt;
+      const bool given = g.find(key) != nullptr;
+      THINKV_RETURN_IF_ERROR(get_uint(key, false, id));
+      if (given && id >= n) {
+        return {StatusCode::kInvalidArgument, path + ": " + key + " = " + std::to_string(id) +
+                                                  " is outside the vocabulary of " + std::to_string(n) +
+                                                  " tokens; the file is corrupt"};
+      }
+      dst = static_cast<int>(std::min<std::uint64_t>(id, std::uint64_t{1} << 30));
+      return Status::ok();
+    };
+    THINKV_RETURN_IF_ERROR(special("tokenizer.ggml.bos_token_id", 1, t->bos_id));
+    THINKV_RETURN_IF_ERROR(special("tokenizer.ggml.eos_token_id", 2, t->eos_id));
+    THINKV_RETURN_IF_ERROR(special("tokenizer.ggml.unknown_token_id", 0, t->unk_id));
     THINKV_RETURN_IF_ERROR(t->finalize());
     m.tokenizer = std::move(t);
     return Status::ok();

@@ -16,6 +16,7 @@
 /// is touched.
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -39,7 +40,11 @@ inline Status config_from_header(const std::int32_t h[7], const std::string& pat
   c.n_layers = h[2];
   c.n_heads = h[3];
   c.n_kv_heads = h[4];
-  c.vocab_size = h[5] < 0 ? -h[5] : h[5];
+  // -INT_MIN overflows: a vocabulary that large is refused by validate() anyway, so keep it at
+  // INT_MIN's magnitude minus one (still refused, with the header in the message).
+  c.vocab_size = h[5] == std::numeric_limits<std::int32_t>::min() ? std::numeric_limits<std::int32_t>::max()
+                 : h[5] < 0                                       ? -h[5]
+                                                                  : h[5];
   c.seq_len = h[6];
   const std::string hdr =
       " (header: dim=" + std::to_string(h[0]) + " hidden_dim=" + std::to_string(h[1]) +

@@ -66,6 +66,17 @@ struct Tokenizer {
                                                 " tokens but " + std::to_string(scores.size()) +
                                                 " scores"};
     }
+    // Every special id the encoder and decoder use must name a token (BOS and EOS default to
+    // llama2.c's 1 and 2, so a vocabulary needs at least 3 tokens unless the file names others).
+    for (const auto& [name, id] : {std::pair<const char*, int>{"BOS", bos_id}, {"EOS", eos_id}, {"unknown", unk_id}}) {
+      if (id < 0 || id >= size()) {
+        return {StatusCode::kInvalidArgument,
+                source + ": the " + name + " token id " + std::to_string(id) + " is outside the vocabulary of " +
+                    std::to_string(size()) + " token" + (size() == 1 ? "" : "s") +
+                    " (llama2.c tokenizers need at least 3: <unk>, BOS, EOS); the tokenizer file is corrupt or "
+                    "not for this model"};
+      }
+    }
     index_.clear();
     index_.reserve(vocab.size() * 2);
     for (std::size_t i = 0; i < vocab.size(); ++i) index_.emplace(vocab[i], static_cast<int>(i));

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -1251,4 +1252,79 @@ TEST_CASE("model search path and cache defaults follow the model", "[files][deco
   const Status s = make_cache_config(c, o, k);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK_THAT(s.message(), Catch::Matchers::Contains("token_budget 32 is below segment_len 64"));
+}
+
+// ---- regressions from fuzzing (issue 18): each input once crashed or hit undefined behaviour ----
+
+TEST_CASE("tokenizer: a vocabulary without BOS/EOS ids is refused, not read out of bounds",
+          "[tokenizer][files][regression]") {
+  TempDir dir;
+  // A llama2.c tokenizer.bin of one token: max_token_length 1, score 0, length 1, "a".
+  std::string one;
+  put<std::int32_t>(one, 1);
+  put<float>(one, 0.0f);
+  put<std::int32_t>(one, 1);
+  one += "a";
+  Tokenizer t;
+  const Status s = load_llama2c_tokenizer(dir.write("tok1.bin", one), 1, t);
+  expect_refused(s, {"BOS token id 1 is outside the vocabulary of 1 token", "tok1.bin"});
+  // Two tokens: EOS (2) is out of range.
+  std::string two;
+  put<std::int32_t>(two, 1);
+  for (const char* p : {"a", "b"}) {
+    put<float>(two, 0.0f);
+    put<std::int32_t>(two, 1);
+    two += p;
+  }
+  expect_refused(load_llama2c_tokenizer(dir.write("tok2.bin", two), 2, t), {"EOS token id 2 is outside"});
+  // A GGUF naming a BOS id beyond its vocabulary.
+  TinyLlama tl;
+  GgufBuilder g = tl.gguf();
+  g.kv_u32("tokenizer.ggml.bos_token_id", 1000);
+  Model m;
+  expect_refused(load_bytes(dir, "badbos.gguf", g.build(), m),
+                 {"tokenizer.ggml.bos_token_id = 1000 is outside the vocabulary of 40 tokens"});
+}
+
+TEST_CASE("llama2.c: a v0 header with vocab_size INT_MIN is refused without overflow",
+          "[files][regression]") {
+  TempDir dir;
+  std::string b;
+  for (std::int32_t v : {64, 172, 5, 8, 4, std::numeric_limits<std::int32_t>::min(), 512}) put<std::int32_t>(b, v);
+  b.append(1024, '\0');
+  Model m;
+  const Status s = load_bytes(dir, "intmin.bin", b, m);
+  INFO(s.to_string());
+  CHECK_FALSE(s.is_ok());
+  CHECK(s.message().find("vocab_size=-2147483648") != std::string::npos);  // the header, as read
+}
+
+TEST_CASE("GGUF: token types that are not small integers are refused, not cast", "[files][gguf][regression]") {
+  TempDir dir;
+  for (int which = 0; which < 3; ++which) {
+    TinyLlama tl;
+    GgufBuilder g = tl.gguf();
+    // Replace the token_type array: as F32 with a NaN, as F32 with 1.5, as UINT32 above INT32_MAX.
+    std::string p;
+    if (which < 2) {
+      put<std::uint32_t>(p, 6);  // F32
+      put<std::uint64_t>(p, static_cast<std::uint64_t>(tl.vocab));
+      for (int i = 0; i < tl.vocab; ++i) put<float>(p, i == 7 ? (which == 0 ? std::nanf("") : 1.5f) : 1.0f);
+    } else {
+      put<std::uint32_t>(p, 4);  // UINT32
+      put<std::uint64_t>(p, static_cast<std::uint64_t>(tl.vocab));
+      for (int i = 0; i < tl.vocab; ++i) put<std::uint32_t>(p, i == 7 ? 0x80000001u : 1u);
+    }
+    // The same file with the bad array in place of the good one (token_type is the last key
+    // TinyLlama writes: cut it off at its 8-byte length prefix and append the replacement).
+    GgufBuilder h;
+    h.kv = g.kv.substr(0, g.kv.find("tokenizer.ggml.token_type") - 8);  // up to the key's length prefix
+    h.n_kv = g.n_kv - 1;
+    h.tensors = g.tensors;
+    h.kv_raw("tokenizer.ggml.token_type", 9, p);
+    Model m;
+    INFO("case " << which);
+    expect_refused(load_bytes(dir, "types" + std::to_string(which) + ".gguf", h.build(), m),
+                   {"tokenizer.ggml.token_type[7]", "is not a token type"});
+  }
 }
