@@ -101,6 +101,10 @@ struct ThinKvConfig {
   /// ThinKvCache::pin_prefix. 0 = none (the default: every token is a thought).
   int pinned_prefix = 0;
 
+  static constexpr int kMaxKvHeads = 4096;
+  static constexpr int kMaxTokens = 1 << 30;
+
+  /// Streams of one sequence (valid once validate() passed: the product is then bounded).
   [[nodiscard]] int streams_per_sequence() const noexcept { return num_layers * num_kv_heads; }
 
   [[nodiscard]] Status validate() const {
@@ -110,12 +114,25 @@ struct ThinKvConfig {
       return bad("num_layers " + std::to_string(num_layers) + " is out of range; allowed: 1.." +
                  std::to_string(kMaxClassifierLayers));
     }
-    if (num_kv_heads < 1) return bad("num_kv_heads " + std::to_string(num_kv_heads) + " must be >= 1");
+    if (num_kv_heads < 1 || num_kv_heads > kMaxKvHeads) {
+      return bad("num_kv_heads " + std::to_string(num_kv_heads) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxKvHeads));
+    }
     if (num_q_heads < 1 || num_q_heads % num_kv_heads != 0) {
       return bad("num_q_heads " + std::to_string(num_q_heads) +
                  " must be a positive multiple of num_kv_heads " + std::to_string(num_kv_heads));
     }
-    if (max_tokens < 1) return bad("max_tokens " + std::to_string(max_tokens) + " must be >= 1");
+    // Products in 64 bits: the streams (sequences x layers x KV heads) must fit the paged cache.
+    const std::int64_t streams = std::int64_t{num_sequences} * num_layers * num_kv_heads;
+    if (streams > CacheConfig::kMaxStreams) {
+      return bad("num_sequences " + std::to_string(num_sequences) + " x num_layers " + std::to_string(num_layers) +
+                 " x num_kv_heads " + std::to_string(num_kv_heads) + " = " + std::to_string(streams) +
+                 " streams; allowed: at most " + std::to_string(CacheConfig::kMaxStreams));
+    }
+    if (max_tokens < 1 || max_tokens > kMaxTokens) {
+      return bad("max_tokens " + std::to_string(max_tokens) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxTokens));
+    }
     // group_size and block_size first: the checks below and paged_config() divide by them.
     THINKV_RETURN_IF_ERROR(CacheConfig::check_group_size(group_size));
     THINKV_RETURN_IF_ERROR(CacheConfig::check_block_size(block_size));
@@ -165,7 +182,7 @@ struct ThinKvConfig {
     c.retention = retention;
     // Worst case per stream: every position live (no eviction yet) plus one partly filled block
     // per thought type; holes never exceed what was once live, so this bound holds with eviction.
-    const std::int64_t per_stream = (max_tokens + block_size - 1) / block_size + kNumThoughtTypes;
+    const std::int64_t per_stream = (std::int64_t{max_tokens} + block_size - 1) / block_size + kNumThoughtTypes;
     const std::int64_t auto_blocks = per_stream * c.num_streams;
     const int blocks = pool_blocks > 0 ? pool_blocks
                                        : static_cast<int>(std::min<std::int64_t>(auto_blocks, (std::int64_t{1} << 31) / block_size));

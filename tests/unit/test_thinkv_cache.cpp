@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -617,4 +618,32 @@ TEST_CASE("ThinKV case 1: a new transition steps every earlier unpinned segment 
   CHECK(segs[0].size == 32);
   CHECK(segs[1].level == 0);
   CHECK(segs[1].type == ThoughtType::kTransition);
+}
+
+TEST_CASE("ThinKV config: products and sums that would overflow int are refused naming the values",
+          "[thinkv_cache][regression]") {
+  auto message = [](const thinkv::ThinKvConfig& c) { return c.validate().message(); };
+  auto c = small_config(CacheMode::kThinKv);
+  c.num_sequences = 1 << 20;
+  c.num_layers = 200;
+  c.num_kv_heads = 64;
+  c.num_q_heads = 64;
+  c.classifier = {};
+  std::string m = message(c);
+  INFO(m);
+  CHECK(m.find("num_sequences 1048576 x num_layers 200 x num_kv_heads 64 = 13421772800 streams") != std::string::npos);
+  CHECK(m.find("num_streams 0") == std::string::npos);
+  c = small_config(CacheMode::kThinKv);
+  c.max_tokens = std::numeric_limits<int>::max();
+  m = message(c);
+  CHECK(m.find("max_tokens 2147483647 is out of range") != std::string::npos);
+  c = small_config(CacheMode::kThinKv);
+  c.max_tokens = (1 << 30) - 1;  // accepted range, block rounding in 64 bits
+  c.block_size = 4096;
+  c.pool_blocks = 1;
+  CHECK(message(c).find("-") == std::string::npos);  // no wrapped negative value in any message
+  c = small_config(CacheMode::kThinKv);
+  c.num_kv_heads = 1 << 20;
+  c.num_q_heads = 1 << 20;
+  CHECK(message(c).find("num_kv_heads 1048576 is out of range") != std::string::npos);
 }
