@@ -3,6 +3,7 @@
 // SVG of the per-layer densities. See docs/calibration.md.
 
 #include "calibrate.hpp"
+#include "cache_flags.hpp"
 
 #include <unistd.h>
 
@@ -284,24 +285,24 @@ void print_layer_report(const thinkv::CalibrationResult& r) {
 /// Writes `content` through `write` to `path` ('-' = stdout). Returns 0 or kExitData.
 template <class Writer>
 int write_output(const std::string& path, const char* what, Writer&& write) {
+  std::ostringstream buf;
+  const thinkv::Status s = write(buf);
+  if (!s.is_ok()) {
+    std::fprintf(stderr, "thinkv calibrate: %s\n", s.message().c_str());
+    return kExitData;
+  }
   if (path == "-") {
-    const thinkv::Status s = write(std::cout);
-    if (!s.is_ok()) {
-      std::fprintf(stderr, "thinkv calibrate: %s\n", s.message().c_str());
+    std::cout << buf.str();
+    std::cout.flush();
+    if (!std::cout) {
+      std::fprintf(stderr, "thinkv calibrate: writing the %s to stdout failed\n", what);
       return kExitData;
     }
     return 0;
   }
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) {
-    std::fprintf(stderr, "thinkv calibrate: cannot write the %s %s: %s\n", what, path.c_str(), std::strerror(errno));
-    return kExitData;
-  }
-  const thinkv::Status s = write(f);
-  f.close();
-  if (!s.is_ok() || !f) {
-    std::fprintf(stderr, "thinkv calibrate: writing the %s %s failed: %s\n", what, path.c_str(),
-                 s.is_ok() ? "write error (disk full?)" : s.message().c_str());
+  // Through a temporary file and a rename: a failed write leaves no partial file.
+  if (const std::string e = thinkv::decoder::cli::write_file_atomic(path, buf.str()); !e.empty()) {
+    std::fprintf(stderr, "thinkv calibrate: the %s: %s\n", what, e.c_str());
     return kExitData;
   }
   return 0;

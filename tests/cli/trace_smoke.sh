@@ -33,7 +33,9 @@ grep -q "3 prompts x $steps steps, $layers layers" "$tmp/err.txt" ||
 # The documented format, line by line (awk prints the first violation and exits 1).
 awk -F, -v L=$layers -v N=$steps '
   function bad(msg) { print "line " NR ": " msg ": " $0; failed = 1; exit 1 }
-  NR == 1 { if ($0 != "# thinkv-sparsity-trace v1") bad("first line is not the v1 magic"); next }
+  NR == 1 { if ($0 != "# thinkv-sparsity-trace v2") bad("first line is not the v2 magic"); next }
+  /^# end: / { if (end) bad("a second end line"); end = $0; total = substr($0, 8) + 0; next }
+  end { bad("a line after the end line") }
   /^# model: / { model = substr($0, 10); next }
   /^# num_layers: / { nl = substr($0, 15) + 0; next }
   /^#/ { next }
@@ -60,6 +62,7 @@ awk -F, -v L=$layers -v N=$steps '
   END {
     if (failed) exit 1
     if (!header) { print "no column header line"; exit 1 }
+    if (end != "# end: " 3 * N " rows") { print "the last line is not \"# end: " 3 * N " rows\": " end; exit 1 }
     for (p = 0; p < 3; ++p) if (rows["p" p] != N) { print "prompt p" p " has " rows["p" p] + 0 " rows, expected " N; exit 1 }
     for (l = 0; l < L; ++l) if (!nonzero[l]) { print "layer " l " is 0 on every step: no sparsity recorded"; exit 1 }
   }' "$tmp/trace.csv" >"$tmp/awk.txt" || fail "trace.csv: $(cat "$tmp/awk.txt")"

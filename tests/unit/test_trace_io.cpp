@@ -62,7 +62,7 @@ std::string read_error(const std::string& text) {
   return s.message();
 }
 
-const std::string kHead = "# thinkv-sparsity-trace v1\n# model: m\n# num_layers: 3\nprompt,step,l0,l1,l2\n";
+const std::string kHead = "# thinkv-sparsity-trace v2\n# model: m\n# num_layers: 3\nprompt,step,l0,l1,l2\n";
 
 bool same_trace(const SparsityTrace& a, const SparsityTrace& b) {
   if (a.model != b.model || a.num_layers != b.num_layers || a.prompts.size() != b.prompts.size()) return false;
@@ -93,7 +93,7 @@ TEST_CASE("trace: write then read gives the same trace bit for bit", "[trace]") 
 
 TEST_CASE("trace: the reader accepts comments, blanks, CRLF, gaps and interleaved prompts", "[trace]") {
   const std::string text =
-      "\xEF\xBB\xBF# thinkv-sparsity-trace v1\r\n"
+      "\xEF\xBB\xBF# thinkv-sparsity-trace v2\r\n"
       "# recorded by: a test\r\n"
       "\r\n"
       "#   model:   my model 7B  \r\n"
@@ -105,7 +105,9 @@ TEST_CASE("trace: the reader accepts comments, blanks, CRLF, gaps and interleave
       "# a comment between rows\r\n"
       "\r\n"
       " a , 7 , 1e-3 , .5 \r\n"
-      "b,3,+0.75,1.0\r\n";
+      "b,3,+0.75,1.0\r\n"
+      "# end: 4 rows\r\n"
+      "\r\n";
   SparsityTrace t;
   const Status s = read_text(text, t);
   INFO(s);
@@ -121,9 +123,9 @@ TEST_CASE("trace: the reader accepts comments, blanks, CRLF, gaps and interleave
   CHECK(t.prompts[1].values == std::vector<float>{0.0f, 0.25f, 0.75f, 1.0f});
   CHECK(t.total_steps() == 4);
 
-  // Headers and a column line but no rows: a valid, empty trace.
+  // Headers, a column line and the end line but no rows: a valid, empty trace.
   SparsityTrace e;
-  REQUIRE(read_text(kHead, e).is_ok());
+  REQUIRE(read_text(kHead + "# end: 0 rows\n", e).is_ok());
   CHECK(e.prompts.empty());
   CHECK(e.num_layers == 3);
 }
@@ -133,15 +135,16 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
     std::string text;
     std::string expect;
   };
-  const std::string h2 = "# thinkv-sparsity-trace v1\n# model: m\n";
+  const std::string h2 = "# thinkv-sparsity-trace v2\n# model: m\n";
   const std::vector<Case> cases = {
       {"", "t.csv: the file is empty"},
       {"\n\n", "t.csv: the file is empty"},
-      {"prompt,step,l0\np,0,0.5\n", "t.csv:1: not a ThinKV sparsity trace: the first line must be '# thinkv-sparsity-trace v1', found 'prompt,step,l0'"},
+      {"prompt,step,l0\np,0,0.5\n", "t.csv:1: not a ThinKV sparsity trace: the first line must be '# thinkv-sparsity-trace v2', found 'prompt,step,l0'"},
       {"# model: m\n", "t.csv:1: not a ThinKV sparsity trace"},
-      {"# thinkv-sparsity-trace v2\n", "t.csv:1: unsupported trace version 'v2'"},
-      {"# thinkv-sparsity-trace v1\n# thinkv-sparsity-trace v1\n", "t.csv:2: the '# thinkv-sparsity-trace' line appears twice"},
-      {"# thinkv-sparsity-trace v1\n# num_layers: 3\nprompt,step,l0,l1,l2\n", "t.csv:3: missing '# model:' header"},
+      {"# thinkv-sparsity-trace v3\n", "t.csv:1: unsupported trace version 'v3'"},
+      {"# thinkv-sparsity-trace v1\n# model: m\n", "t.csv:1: trace version v1 has no end line"},
+      {"# thinkv-sparsity-trace v2\n# thinkv-sparsity-trace v2\n", "t.csv:2: the '# thinkv-sparsity-trace' line appears twice"},
+      {"# thinkv-sparsity-trace v2\n# num_layers: 3\nprompt,step,l0,l1,l2\n", "t.csv:3: missing '# model:' header"},
       {h2 + "prompt,step,l0\n", "t.csv:3: missing '# num_layers:' header"},
       {h2, "t.csv: missing '# num_layers:' header"},
       {h2 + "# num_layers: 3\n", "t.csv: no column header line 'prompt,step,l0,l1,l2'"},
@@ -149,7 +152,7 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
       {h2 + "# num_layers: 0\n", "t.csv:3: num_layers '0' is not an integer"},
       {h2 + "# num_layers: 99999999999999999999\n", "t.csv:3: num_layers '99999999999999999999' is not an integer"},
       {h2 + "# model: n\n", "t.csv:3: '# model:' is given twice"},
-      {"# thinkv-sparsity-trace v1\n# model:\n", "t.csv:2: '# model:' has no name"},
+      {"# thinkv-sparsity-trace v2\n# model:\n", "t.csv:2: '# model:' has no name"},
       {h2 + "# num_layers: 3\nprompt,step,l0,l1\n", "t.csv:4: the column header names 2 layers but '# num_layers:' says 3"},
       {h2 + "# num_layers: 3\nprompt,step,l0,l2,l1\n", "t.csv:4: column 4 of the header is 'l2', expected 'l1'"},
       {h2 + "# num_layers: 3\nid,step,l0,l1,l2\n", "t.csv:4: expected the column header line 'prompt,step,l0,l1,l2', found 'id,step,l0,l1,l2'"},
@@ -175,6 +178,16 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
       {kHead + "p,3,0.1,0.2,0.3\nq,1,0.1,0.2,0.3\np,3,0.1,0.2,0.3\n",
        "t.csv:7: prompt 'p' step 3 does not follow its previous step 3 (line 5); steps must increase within a prompt"},
       {kHead + "p,3,0.1,0.2,0.3\np,2,0.1,0.2,0.3\n", "t.csv:6: prompt 'p' step 2 does not follow its previous step 3 (line 5)"},
+      // The end line: a file cut at a row boundary, a wrong count, content after it, a bad form.
+      {kHead + "p,0,0.1,0.2,0.3\n", "t.csv: no '# end: N rows' line after 1 rows: the file was cut short"},
+      {kHead, "t.csv: no '# end: N rows' line after 0 rows"},
+      {kHead + "p,0,0.1,0.2,0.3\n# end: 2 rows\n", "t.csv:6: the end line says 2 rows, but the file holds 1"},
+      {kHead + "p,0,0.1,0.2,0.3\n# end: 1 rows\np,1,0.1,0.2,0.3\n", "t.csv:7: content after the '# end:' line (line 6)"},
+      {kHead + "p,0,0.1,0.2,0.3\n# end: one\n", "t.csv:6: the end line must read '# end: N rows'"},
+      {"# thinkv-sparsity-trace v2\n# model: m\n# end: 0 rows\n", "t.csv:3: the end line must read '# end: N rows' after the rows"},
+      // What the writer refuses, the reader refuses too, with the line.
+      {"# thinkv-sparsity-trace v2\n# model: a\rb\n# num_layers: 3\n", "t.csv:2: the model name contains a line break"},
+      {kHead + "a\rb,0,0.1,0.2,0.3\n", "t.csv:5: prompt id"},
   };
   for (const Case& c : cases) {
     const std::string msg = read_error(c.text);

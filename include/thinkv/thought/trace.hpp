@@ -4,20 +4,24 @@
 /// recorded from a model and read by the offline calibration (calibration.hpp). The format is a
 /// CSV text file, documented in docs/calibration.md:
 ///
-///     # thinkv-sparsity-trace v1
+///     # thinkv-sparsity-trace v2
 ///     # model: stories260K
 ///     # num_layers: 5
 ///     prompt,step,l0,l1,l2,l3,l4
 ///     p0,0,0.41,0.38,0.77,0.52,0.49
 ///     p0,1,0.44,0.36,0.81,0.50,0.47
 ///     ...
+///     # end: 600 rows
 ///
 /// Lines starting with '#' are headers or comments; the first line must be the magic line; the
 /// `model` and `num_layers` headers must come before the column header line; other `# key: value`
 /// lines are comments. Blank lines and CRLF line ends are accepted. A row is: prompt id (no comma,
 /// not empty, not starting with '#'), step (integer >= 0, strictly increasing within a prompt;
 /// gaps are allowed), then num_layers sparsity values in [0,1]. Rows of several prompts may be
-/// interleaved. Every reader error is "<source>:<line>: <what is wrong>; <what to do>".
+/// interleaved. The last line, `# end: N rows` with N the number of data rows, tells a whole file
+/// from one cut short (v1 had no such line and is no longer read). The reader applies exactly the
+/// writer's checks (validate_sparsity_trace). Every reader error is "<source>:<line>: <what is
+/// wrong>; <what to do>".
 
 #include <charconv>
 #include <cmath>
@@ -39,7 +43,7 @@
 namespace thinkv {
 
 inline constexpr std::string_view kSparsityTraceMagic = "thinkv-sparsity-trace";
-inline constexpr int kSparsityTraceVersion = 1;
+inline constexpr int kSparsityTraceVersion = 2;
 /// Largest layer count a trace may declare (guards against a corrupt header allocating wildly).
 inline constexpr int kMaxTraceLayers = 4096;
 
@@ -208,14 +212,14 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
   using trace_detail::quote;
   const std::string_view src = source_name;
   const std::string fix_header = "; a trace starts with '# " + std::string(kSparsityTraceMagic) +
-                                 " v1', '# model: <name>' and '# num_layers: <N>' lines";
+                                 " v2', '# model: <name>' and '# num_layers: <N>' lines";
   SparsityTrace t;
   bool have_magic = false, have_model = false, have_layers = false, have_columns = false;
   std::unordered_map<std::string, std::size_t> index;  // prompt id -> position in t.prompts
   std::vector<long> last_line;                          // per prompt: line of its last row
   std::vector<std::string_view> fields;
   std::string line_buf;
-  long line_no = 0;
+  long line_no = 0, end_line = 0, rows = 0;
   bool first_content = true;
   while (std::getline(in, line_buf)) {
     ++line_no;
@@ -226,6 +230,10 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     }
     line = trace_detail::trim(line);
     if (line.empty()) continue;
+    if (end_line > 0) {
+      return error(src, line_no, "content after the '# end:' line (line " + std::to_string(end_line) +
+                                     "); the end line must be the last; the file is corrupt");
+    }
 
     if (first_content) {
       first_content = false;
@@ -233,7 +241,7 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
                               trace_detail::trim(line.substr(1)).starts_with(kSparsityTraceMagic);
       if (!magic_line) {
         return error(src, line_no, "not a ThinKV sparsity trace: the first line must be '# " +
-                                       std::string(kSparsityTraceMagic) + " v1', found " +
+                                       std::string(kSparsityTraceMagic) + " v2', found " +
                                        quote(line) + "; record traces with `thinkv trace`");
       }
     }
@@ -243,9 +251,13 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
       if (body.starts_with(kSparsityTraceMagic)) {
         if (have_magic) return error(src, line_no, "the '# " + std::string(kSparsityTraceMagic) + "' line appears twice");
         const std::string_view ver = trace_detail::trim(body.substr(kSparsityTraceMagic.size()));
-        if (ver != "v1") {
+        if (ver == "v1") {
+          return error(src, line_no, "trace version v1 has no end line, so a file cut short cannot be told "
+                                     "from a whole one; re-record it with this thinkv (v2)");
+        }
+        if (ver != "v2") {
           return error(src, line_no, "unsupported trace version " + quote(ver) +
-                                         "; this reader knows v1 — use a thinkv that matches the "
+                                         "; this reader knows v2 — use a thinkv that matches the "
                                          "recorder, or re-record the trace");
         }
         have_magic = true;
@@ -255,10 +267,27 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
       if (colon == std::string_view::npos) continue;  // a comment
       const std::string_view key = trace_detail::trim(body.substr(0, colon));
       const std::string_view value = trace_detail::trim(body.substr(colon + 1));
+      if (key == "end") {
+        long long n = -1;
+        const std::string_view num = trace_detail::trim(value.substr(0, value.find(' ')));
+        if (!have_columns || !trace_detail::parse_int(num, n) || n < 0 ||
+            trace_detail::trim(value.substr(num.size())) != "rows") {
+          return error(src, line_no, "the end line must read '# end: N rows' after the rows, found " + quote(line));
+        }
+        if (n != rows) {
+          return error(src, line_no, "the end line says " + std::to_string(n) + " rows, but the file holds " +
+                                         std::to_string(rows) + "; the file is corrupt — re-record it");
+        }
+        end_line = line_no;
+        continue;
+      }
       if (key == "model") {
         if (have_columns) return error(src, line_no, "'# model:' must come before the column header line");
         if (have_model) return error(src, line_no, "'# model:' is given twice");
         if (value.empty()) return error(src, line_no, "'# model:' has no name" + fix_header);
+        if (value.find_first_of("\r\n") != std::string_view::npos) {
+          return error(src, line_no, "the model name contains a line break; the header is corrupt");
+        }
         t.model = std::string(value);
         have_model = true;
       } else if (key == "num_layers") {
@@ -314,6 +343,11 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
                                      " layers); the trace is corrupt or truncated — re-record it");
     }
     if (fields[0].empty()) return error(src, line_no, "empty prompt id; every row starts with a prompt id");
+    if (const std::string why = trace_detail::valid_id_problem(fields[0]); !why.empty()) {
+      return error(src, line_no, "prompt id " + quote(fields[0]) + " " + why +
+                                     "; prompt ids must be non-empty, without commas or line breaks, and not "
+                                     "start with '#' — the trace is corrupt");
+    }
     long long step = 0;
     if (!trace_detail::parse_int(fields[1], step) || step < 0 || step > 2147483647LL) {
       return error(src, line_no, "step " + quote(fields[1]) + " is not an integer >= 0; the trace is corrupt — re-record it");
@@ -345,6 +379,7 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     }
     pr.steps.push_back(static_cast<int>(step));
     last_line[it->second] = line_no;
+    ++rows;
   }
   if (in.bad()) return error(src, 0, "read error after line " + std::to_string(line_no));
   if (first_content) return error(src, 0, "the file is empty; expected a ThinKV sparsity trace" + fix_header);
@@ -355,6 +390,12 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     return error(src, 0, "no column header line '" + trace_detail::short_column_header(t.num_layers) +
                              "' (the file ends after its headers)");
   }
+  if (end_line == 0) {
+    return error(src, 0, "no '# end: N rows' line after " + std::to_string(rows) +
+                             " rows: the file was cut short (a trace ends with that line) — re-record it");
+  }
+  // The reader and the writer agree: whatever was read passes the writer's checks.
+  THINKV_RETURN_IF_ERROR(validate_sparsity_trace(t, src));
   out = std::move(t);
   return Status::ok();
 }
@@ -382,7 +423,7 @@ inline Status write_sparsity_trace(std::ostream& os, const SparsityTrace& t) {
   std::string buf;
   buf += "# ";
   buf += kSparsityTraceMagic;
-  buf += " v1\n# model: " + t.model + "\n# num_layers: " + std::to_string(t.num_layers) + "\n";
+  buf += " v2\n# model: " + t.model + "\n# num_layers: " + std::to_string(t.num_layers) + "\n";
   buf += trace_detail::column_header(t.num_layers) + "\n";
   os << buf;
   const auto L = static_cast<std::size_t>(t.num_layers);
@@ -402,6 +443,7 @@ inline Status write_sparsity_trace(std::ostream& os, const SparsityTrace& t) {
       os << buf;
     }
   }
+  os << "# end: " << t.total_steps() << " rows\n";
   os.flush();
   if (!os) return {StatusCode::kInvalidArgument, "write_sparsity_trace: the output stream failed (disk full?)"};
   return Status::ok();
