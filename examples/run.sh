@@ -6,12 +6,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source cmake/run_common.sh
 
-# The main job: the `thinkv` CLI decoding stories260K with its KV cache held by ThinKV (thinkv
-# mode: TBQ + TBE), compared against a FullKV run of the same model. Arguments given to this
-# script are appended to `thinkv generate` (later flags win, e.g. --budget 64 or --mode tbq).
+# The main job: the `thinkv` CLI decoding the first public problem of the reasoning testbed
+# (models/testbed.bin, a small Llama trained on checkable chains of thought) with its KV cache
+# held by ThinKV (thinkv mode: TBQ + TBE, the committed calibration, the prompt kept), compared
+# against FullKV FP16 on the same problem. Arguments given to this script are appended to
+# `thinkv generate` (later flags win, e.g. --problem 4, --budget 256 or --mode h2o).
 main_target=thinkv
 main_binary=build/examples/thinkv/thinkv
-main_args=(generate --model stories260K.bin --steps 256 --mode thinkv --compare full)
+main_args=(generate --model testbed.bin --problems models/eval_public.jsonl --problem 0 --mode thinkv
+           --calibration models/testbed-calib.json --compare full)
 
 thinkv_ensure_deps
 read -r -a cuda_args <<<"$(thinkv_default_cuda_args)"

@@ -290,17 +290,22 @@ bool extract_last(const std::regex& re, const std::string& text, std::string& ou
   return found;
 }
 
-/// "prompt 0-133 | R 134-255 (kept 64) | T 256-383 (kept 32) | ...": the thought segments.
-std::string segments_text(const std::vector<SegmentState>& segs, int prompt_tokens) {
+/// "prompt 0-133 | R 134-255 (kept 64) | T 256-383 (kept 32) | ...": the thought segments (the
+/// pinned prompt's segments as one), with what each keeps when it was shrunk.
+std::string segments_text(const std::vector<SegmentState>& segs) {
   std::string s;
   for (std::size_t i = 0; i < segs.size(); ++i) {
     const SegmentState& g = segs[i];
-    const std::int32_t end = i + 1 < segs.size() ? segs[i + 1].start - 1 : g.start + g.size - 1;
-    s += (i ? " | " : "") + std::string(to_string(g.type)) + " " + std::to_string(g.start) + "-" +
-         std::to_string(std::max(g.start, end));
-    if (g.level > 0) s += " (kept " + std::to_string(g.size) + ")";
+    std::size_t last = i;
+    if (g.pinned) {
+      while (last + 1 < segs.size() && segs[last + 1].pinned) ++last;
+    }
+    const std::int32_t end = last + 1 < segs.size() ? segs[last + 1].start - 1 : segs[last].start + segs[last].size - 1;
+    s += (i ? " | " : "") + (g.pinned ? std::string("prompt") : std::string(to_string(g.type))) + " " +
+         std::to_string(g.start) + "-" + std::to_string(std::max(g.start, end));
+    if (!g.pinned && g.level > 0) s += " (kept " + std::to_string(g.size) + ")";
+    i = last;
   }
-  (void)prompt_tokens;
   return s;
 }
 
@@ -488,7 +493,7 @@ int run_generate(int argc, char** argv) {
                    "  classifier: uncalibrated (every token R); calibrate with `thinkv trace` + "
                    "`thinkv calibrate` and pass --calibration\n");
     }
-    if (calibrated && evicts(cfg->mode)) std::fprintf(stderr, "  thoughts: %s\n", segments_text(st.segments, P).c_str());
+    if (calibrated && evicts(cfg->mode)) std::fprintf(stderr, "  thoughts: %s\n", segments_text(st.segments).c_str());
   } else {
     std::fprintf(stderr, "  cache: mode %s (%s; a CPU baseline, keys and values in FP16 unless quantized)\n",
                  std::string(to_string(a.method)).c_str(), st.method.c_str());
@@ -540,11 +545,11 @@ int run_generate(int argc, char** argv) {
   const bool answered = extract_last(pattern, text, answer);
   const bool full_answered = a.compare && extract_last(pattern, full_text, full_answer);
   if (!a.problems.empty() || a.compare) {
-    std::string line = "  answer: " + (answered ? answer : std::string("none (the pattern ") + a.answer_pattern + " did not match)");
-    if (!expected.empty()) line += answered && answer == expected ? " (correct)" : " (expected " + expected + ")";
+    std::string line = "  answer: " + (answered ? answer : std::string("none (no match for ") + a.answer_pattern + ")");
+    if (!expected.empty()) line += ", expected " + expected + (answered && answer == expected ? " (right)" : " (wrong)");
     if (a.compare) {
       line += "; FullKV's: " + (full_answered ? full_answer : std::string("none"));
-      line += answered == full_answered && answer == full_answer ? ", the same" : ", different";
+      line += answered == full_answered && answer == full_answer ? " (the same)" : " (differs)";
     }
     if (answered || !a.problems.empty() || full_answered) std::fprintf(stderr, "%s\n", line.c_str());
   }

@@ -105,7 +105,7 @@ grep -q "mean |difference| per layer" "$tmp/th2.txt" || fail "thoughts --compare
 # ---- generate --problems: the answer line -------------------------------------------------------
 "$thinkv" generate --model "$model" --problems "$problems" --problem 1001-000 --mode full --steps 1200 \
   >"$tmp/gen.txt" 2>"$tmp/err.txt" || fail "generate --problems exited $?: $(cat "$tmp/err.txt")"
-grep -q "answer: 73 (correct)" "$tmp/err.txt" || fail "generate --problems: no answer line: $(cat "$tmp/err.txt")"
+grep -q "answer: 73, expected 73 (right)" "$tmp/err.txt" || fail "generate --problems: no answer line: $(cat "$tmp/err.txt")"
 "$thinkv" generate --model "$model" --problems "$problems" --problem 999 >/dev/null 2>"$tmp/err.txt"
 [ $? -eq 1 ] || fail "generate --problem 999 did not exit 1"
 grep -q "no problem with index 999" "$tmp/err.txt" || fail "bad --problem message: $(cat "$tmp/err.txt")"
