@@ -469,6 +469,15 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
           }
           if (!thinkv::evicts(mode) && !victims.empty()) diff.fail("mode without eviction evicted");
           model.evict(st, victims);
+          // Every stream holds exactly what the plan says of every segment (a stream whose TBE
+          // was skipped would keep more than its segments' sizes).
+          std::map<std::uint32_t, int> held;
+          for (auto r : model.live_slots(st)) ++held[model.find(st, r)->seg];
+          for (int i = 0; i < table.staged_count(st); ++i) ++held[table.staged_segment(st, i)];
+          for (const auto& [id, sg] : after_by_id) {
+            const int n = held.count(id) ? held[id] : 0;
+            if (n != sg->size) diff.fail("stream ", st, " holds ", n, " tokens of segment ", id, "; the plan says ", sg->size);
+          }
         }
         diff.merge(tt::check_cache(cache.paged(), model));
         INFO(diff.msg);

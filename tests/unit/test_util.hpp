@@ -15,6 +15,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -92,6 +93,76 @@ inline std::vector<float> random_row(std::mt19937_64& rng, int d, double magnitu
   }
   if (!nonzero) x[0] = 1.0f;
   return x;
+}
+
+// ---- an independent group quantizer (docs/formats.md section 4) ------------------------------
+// The CT model below quantizes with this, not with the library's quantize_group /
+// choose_stream_scale / dequantize, so a change to the library's group rules (the scale bump, the
+// ternary threshold, the stream scale) makes the model disagree. Only the element codecs
+// (encode/decode of E4M3 and E2M1, checked bit for bit against NVIDIA's cuda_fp8.h/cuda_fp4.h in
+// tests/oracle/) are shared.
+
+/// Q_P: the largest element magnitude in units of the group scale.
+inline float model_qmax(Precision p) {
+  switch (p) {
+    case Precision::kFp8E4M3: return 448.0f;
+    case Precision::kNvfp4: return 6.0f;
+    case Precision::kTernary: return 1.0f;
+    default: return 0.0f;
+  }
+}
+
+/// The stream scale by exhaustive search: the power of two 2^e (e in -126..127) for which
+/// d = amax / (Q * 2^e), in float, lies in [8, 16); 1 for amax 0, subnormal, NaN or Inf.
+inline float model_stream_scale(Precision p, float amax) {
+  const float q = model_qmax(p);
+  if (!(amax >= std::ldexp(1.0f, -126)) || !std::isfinite(amax)) return 1.0f;
+  for (int e = -126; e <= 127; ++e) {
+    const float d = amax / (q * std::ldexp(1.0f, e));
+    if (d >= 8.0f && d < 16.0f) return std::ldexp(1.0f, e);
+  }
+  return std::ldexp(1.0f, std::clamp(static_cast<int>(std::floor(std::log2(amax / q))) - 3, -126, 127));
+}
+
+/// One group x[0..n) at stream scale s2: the dequantized values (decode(code) * (scale * s2)).
+inline std::vector<float> model_quantize_group(Precision p, const std::vector<float>& x, float s2) {
+  const std::size_t n = x.size();
+  std::vector<float> out(n, 0.0f);
+  float amax = 0.0f;
+  for (float v : x) amax = std::max(amax, std::fabs(v));
+  if (amax == 0.0f) return out;  // scale code 0, codes 0
+  if (p == Precision::kTernary) {
+    std::vector<float> mag(n);
+    for (std::size_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
+    std::sort(mag.begin(), mag.end(), std::greater<float>());
+    float run = 0.0f, best_sum = 0.0f, best_obj = -1.0f;
+    std::size_t best_k = 1;
+    for (std::size_t k = 1; k <= n; ++k) {
+      run += mag[k - 1];
+      const float obj = run * run / static_cast<float>(k);
+      if (obj > best_obj) {
+        best_obj = obj;
+        best_sum = run;
+        best_k = k;
+      }
+    }
+    const float alpha = best_sum / static_cast<float>(best_k);
+    const float a = decode_e4m3(encode_e4m3(alpha / s2)) * s2;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (a > 0.0f && std::fabs(x[i]) > 0.5f * a) out[i] = x[i] > 0.0f ? a : -a;
+    }
+    return out;
+  }
+  const float q = model_qmax(p);
+  std::uint8_t sc = encode_e4m3(amax / (q * s2));
+  if (decode_e4m3(sc) * s2 * q < amax && sc < 0x7E) ++sc;  // an E4M3 ceiling
+  const float scale = decode_e4m3(sc) * s2;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float e = p == Precision::kFp8E4M3 ? decode_e4m3(encode_e4m3(x[i] / scale))
+                                             : decode_e2m1(encode_e2m1(x[i] / scale));
+    out[i] = e * scale;
+  }
+  return out;
 }
 
 // ---- small independent helpers -------------------------------------------------------------
@@ -340,8 +411,8 @@ class CtModel {
         }
       // s2 is fixed by the stream's first nonzero group of the precision (an all-zero group
       // quantizes to zeros whatever s2 is, with s2 = 1 standing in).
-      if (m.s2k[pi] == 0.0f && ak > 0.0f) m.s2k[pi] = choose_stream_scale(p, ak);
-      if (m.s2v[pi] == 0.0f && av > 0.0f) m.s2v[pi] = choose_stream_scale(p, av);
+      if (m.s2k[pi] == 0.0f && ak > 0.0f) m.s2k[pi] = model_stream_scale(p, ak);
+      if (m.s2v[pi] == 0.0f && av > 0.0f) m.s2v[pi] = model_stream_scale(p, av);
     }
     const float s2k = m.s2k[pi] > 0.0f ? m.s2k[pi] : 1.0f, s2v = m.s2v[pi] > 0.0f ? m.s2v[pi] : 1.0f;
     for (int i = 0; i < g; ++i) {
@@ -349,16 +420,16 @@ class CtModel {
       vo[i].resize(static_cast<std::size_t>(D));
     }
     std::vector<float> col(static_cast<std::size_t>(g));
-    std::vector<std::uint8_t> codes(static_cast<std::size_t>(g));
     for (int c = 0; c < D; ++c) {  // keys: per channel over the g tokens
       for (int i = 0; i < g; ++i) col[i] = m.staged[i].k[c];
-      const std::uint8_t sc = quantize_group(p, col.data(), 1, g, s2k, codes.data(), 1);
-      for (int i = 0; i < g; ++i) ko[i][c] = dequantize(p, codes[i], sc, s2k);
+      const std::vector<float> q = model_quantize_group(p, col, s2k);
+      for (int i = 0; i < g; ++i) ko[i][c] = q[static_cast<std::size_t>(i)];
     }
     for (int i = 0; i < g; ++i) {  // values: per token, g consecutive channels
       for (int j = 0; j < D / g; ++j) {
-        const std::uint8_t sc = quantize_group(p, m.staged[i].v.data() + j * g, 1, g, s2v, codes.data(), 1);
-        for (int t = 0; t < g; ++t) vo[i][j * g + t] = dequantize(p, codes[t], sc, s2v);
+        const std::vector<float> grp(m.staged[i].v.begin() + j * g, m.staged[i].v.begin() + (j + 1) * g);
+        const std::vector<float> q = model_quantize_group(p, grp, s2v);
+        for (int t = 0; t < g; ++t) vo[i][j * g + t] = q[static_cast<std::size_t>(t)];
       }
     }
   }
