@@ -151,6 +151,14 @@ struct ThinKvConfig {
     }
     THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
+    if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale)) {
+      return bad("softmax_scale " + std::to_string(softmax_scale) +
+                 " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
+    }
+    if (kmeans.max_iterations < 0 || kmeans.max_iterations > 1000) {
+      return bad("kmeans.max_iterations " + std::to_string(kmeans.max_iterations) +
+                 " is out of range; allowed: 0..1000 (0 = k-means++ seeding only)");
+    }
     if (static_cast<int>(selection) > static_cast<int>(SegmentSelection::kLast)) {
       return bad("selection " + std::to_string(static_cast<int>(selection)) + " is unknown; allowed: kmeans, first, last");
     }
@@ -292,20 +300,63 @@ class ThinKvCache {
   /// Per-layer sparsity recorded for the current token ([num_layers]; NaN where not computed).
   [[nodiscard]] std::span<const float> layer_sparsity(int seq) const { return seq_(seq).layer_sparsity; }
 
-  /// Starts the next token of a sequence: fixes its thought type and segment.
+  /// Starts the next token of a sequence: fixes its thought type and segment, and reserves the
+  /// pool capacity every layer's commit of this token will need, so that once begin_token
+  /// succeeded no append of the token can fail on a full pool (a token is all-or-nothing across
+  /// its layers). Errors (nothing changes): sequence out of range, a token already open,
+  /// max_tokens reached, kPoolExhausted naming the pool.
   [[nodiscard]] Status begin_token(int seq) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     SeqState& s = seq_(seq);
     if (s.in_token) {
-      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) +
-                                                ") called twice without end_token"};
+      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) + ") at position " +
+                                                std::to_string(s.position) + " called twice without end_token"};
     }
     if (s.position >= config_.max_tokens) {
       return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
                                            std::to_string(config_.max_tokens)};
     }
     const bool pinned = s.position < s.pinned;
-    s.type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
+    const ThoughtType type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
+    // What this token's commits take from the shared pools: every stream of the sequence has the
+    // same staged count, so the token completes a group either in all of them or in none.
+    Reservation need;
+    const int first = stream_of(seq, 0, 0);
+    if (cache_.table().staged_count(first) + 1 == config_.group_size) {
+      for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+        if (!cache_.table().check_stage(st, type).is_ok()) continue;  // append will say why
+        CommitPlan plan;
+        if (!cache_.table().plan_commit(st, type, plan).is_ok()) continue;
+        need.blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
+        if (plan.record != kNoRecord) ++need.records;
+      }
+    }
+    for (Precision p : kAllPrecisions) {
+      const std::size_t have = available_blocks(p, s);
+      if (need.blocks[static_cast<int>(p)] > have) {
+        return {StatusCode::kPoolExhausted,
+                "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) + ": the " +
+                    std::string(to_string(p)) + " pool has " + std::to_string(have) +
+                    " free blocks (after other open tokens' reservations); this token's commits in all " +
+                    std::to_string(config_.streams_per_sequence()) + " streams of the sequence need " +
+                    std::to_string(need.blocks[static_cast<int>(p)]) +
+                    " (raise pool_blocks, lower the token budget, or end other sequences)"};
+      }
+    }
+    if (need.records > available_records(s)) {
+      return {StatusCode::kPoolExhausted,
+              "begin_token(" + std::to_string(seq) + "): the key-scale record pool has " +
+                  std::to_string(available_records(s)) + " free records; this token's commits need " +
+                  std::to_string(need.records)};
+    }
+    // Nothing can fail from here on.
+    for (Precision p : kAllPrecisions) {
+      s.reserved.blocks[static_cast<int>(p)] = need.blocks[static_cast<int>(p)];
+      reserved_.blocks[static_cast<int>(p)] += need.blocks[static_cast<int>(p)];
+    }
+    s.reserved.records = need.records;
+    reserved_.records += need.records;
+    s.type = type;
     // Segments start every segment_len positions and at refresh steps; the pinned prefix is
     // segmented the same way, and the first token after it starts a segment of its own.
     const bool boundary = s.position % config_.segment_len == 0 || s.position == s.pinned ||
@@ -321,6 +372,7 @@ class ThinKvCache {
     }
     ++s.segments.back().size;
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
     return Status::ok();
   }
@@ -337,6 +389,11 @@ class ThinKvCache {
   /// [num_kv_heads, head_dim]. All-or-nothing across the layer's KV heads.
   [[nodiscard]] Status append(int seq, int layer, std::span<const float> k, std::span<const float> v) {
     THINKV_RETURN_IF_ERROR(check_token(seq, layer));
+    if (seq_(seq).appended[static_cast<std::size_t>(layer)] != 0) {
+      return {StatusCode::kInvalidArgument, "append: layer " + std::to_string(layer) + " of sequence " +
+                                                std::to_string(seq) + " was already appended at position " +
+                                                std::to_string(seq_(seq).position) + " (each layer once per token)"};
+    }
     const std::size_t n = static_cast<std::size_t>(config_.num_kv_heads) * config_.head_dim;
     if (k.size() != n || v.size() != n) {
       return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
@@ -365,7 +422,7 @@ class ThinKvCache {
       }
     }
     for (Precision p : kAllPrecisions) {
-      const std::size_t have = cache_.table().free_blocks(p);
+      const std::size_t have = available_blocks(p, s);
       if (need_blocks[static_cast<int>(p)] > have) {
         return {StatusCode::kPoolExhausted,
                 "append layer " + std::to_string(layer) + ": the " + std::string(to_string(p)) +
@@ -375,16 +432,26 @@ class ThinKvCache {
                     " (raise pool_blocks, lower the token budget, or evict)"};
       }
     }
-    if (need_records > cache_.table().free_records()) {
+    if (need_records > available_records(s)) {
       return {StatusCode::kPoolExhausted,
               "append layer " + std::to_string(layer) + ": the key-scale record pool has " +
-                  std::to_string(cache_.table().free_records()) + " free records; the layer's KV heads need " +
+                  std::to_string(available_records(s)) + " free records; the layer's KV heads need " +
                   std::to_string(need_records)};
     }
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       THINKV_RETURN_IF_ERROR(cache_.append(stream_of(seq, layer, h), k.subspan(static_cast<std::size_t>(h) * d, d),
                                            v.subspan(static_cast<std::size_t>(h) * d, d), s.type, seg));
     }
+    // The layer's commits took what begin_token reserved for them.
+    for (Precision p : kAllPrecisions) {
+      const std::size_t used = std::min(need_blocks[static_cast<int>(p)], s.reserved.blocks[static_cast<int>(p)]);
+      s.reserved.blocks[static_cast<int>(p)] -= used;
+      reserved_.blocks[static_cast<int>(p)] -= used;
+    }
+    const std::size_t used_records = std::min(need_records, s.reserved.records);
+    s.reserved.records -= used_records;
+    reserved_.records -= used_records;
+    s.appended[static_cast<std::size_t>(layer)] = 1;
     return Status::ok();
   }
 
@@ -397,6 +464,18 @@ class ThinKvCache {
       return {StatusCode::kShapeMismatch, "attend layer " + std::to_string(layer) +
                                               ": q and out need num_q_heads * head_dim = " +
                                               std::to_string(n) + " floats"};
+    }
+    if (seq_(seq).appended[static_cast<std::size_t>(layer)] == 0) {
+      return {StatusCode::kInvalidArgument, "attend: layer " + std::to_string(layer) + " of sequence " +
+                                                std::to_string(seq) + " at position " +
+                                                std::to_string(seq_(seq).position) +
+                                                " before its append (append the token's K/V first)"};
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(q[i])) {
+        return {StatusCode::kNonFinite, "attend layer " + std::to_string(layer) + ": q[" + std::to_string(i) +
+                                            "] is not finite; nothing was computed"};
+      }
     }
     streams_.resize(static_cast<std::size_t>(config_.num_kv_heads));
     for (int h = 0; h < config_.num_kv_heads; ++h) streams_[static_cast<std::size_t>(h)] = stream_of(seq, layer, h);
@@ -424,7 +503,16 @@ class ThinKvCache {
   [[nodiscard]] Status end_token(int seq) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     SeqState& s = seq_(seq);
-    if (!s.in_token) return {StatusCode::kInvalidArgument, "end_token without begin_token"};
+    if (!s.in_token) {
+      return {StatusCode::kInvalidArgument, "end_token(" + std::to_string(seq) + ") without begin_token"};
+    }
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (s.appended[static_cast<std::size_t>(l)] == 0) {
+        return {StatusCode::kInvalidArgument, "end_token(" + std::to_string(seq) + ") at position " +
+                                                  std::to_string(s.position) + ": layer " + std::to_string(l) +
+                                                  " was never appended (append every layer once per token)"};
+      }
+    }
     bool new_transition = false;
     if (s.position >= s.pinned && s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
         config_.mode != CacheMode::kFull) {
@@ -446,6 +534,7 @@ class ThinKvCache {
     }
     ++s.position;
     s.in_token = false;
+    release_reservation(s);  // nothing left once every layer committed; kept for safety
     ++stats_.steps;
     if (evicts(config_.mode)) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
     return Status::ok();
@@ -457,6 +546,7 @@ class ThinKvCache {
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       THINKV_RETURN_IF_ERROR(cache_.reset_stream(st));
     }
+    release_reservation(seq_(seq));
     reset_state(seq_(seq));
     return Status::ok();
   }
@@ -479,8 +569,14 @@ class ThinKvCache {
   }
 
  private:
+  /// Pool capacity held for an open token's commits.
+  struct Reservation {
+    std::size_t blocks[kNumPrecisions] = {};
+    std::size_t records = 0;
+  };
   struct SeqState {
     ThoughtTracker tracker;
+    std::vector<std::uint8_t> appended;  ///< [num_layers] this token
     std::vector<SegmentState> segments;
     std::vector<float> layer_sparsity;
     std::int32_t position = 0;
@@ -490,7 +586,28 @@ class ThinKvCache {
     std::int32_t pinned = 0;          ///< pinned prefix (positions never evicted)
     std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
     std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
+    Reservation reserved;             ///< what the open token still holds of the pools
   };
+
+  /// Free blocks of a pool not reserved by another sequence's open token.
+  [[nodiscard]] std::size_t available_blocks(Precision p, const SeqState& s) const {
+    const std::size_t others = reserved_.blocks[static_cast<int>(p)] - s.reserved.blocks[static_cast<int>(p)];
+    const std::size_t free = cache_.table().free_blocks(p);
+    return free > others ? free - others : 0;
+  }
+  [[nodiscard]] std::size_t available_records(const SeqState& s) const {
+    const std::size_t others = reserved_.records - s.reserved.records;
+    const std::size_t free = cache_.table().free_records();
+    return free > others ? free - others : 0;
+  }
+  void release_reservation(SeqState& s) {
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      reserved_.blocks[p] -= s.reserved.blocks[p];
+      s.reserved.blocks[p] = 0;
+    }
+    reserved_.records -= s.reserved.records;
+    s.reserved.records = 0;
+  }
 
   static const ThinKvConfig& checked(const ThinKvConfig& c) {
     if (Status s = c.validate(); !s.is_ok()) throw ConfigError(s);
@@ -499,6 +616,7 @@ class ThinKvCache {
   void reset_state(SeqState& s) const {
     s = SeqState{};
     s.pinned = config_.pinned_prefix;
+    s.appended.assign(static_cast<std::size_t>(config_.num_layers), 0);
     s.tracker = ThoughtTracker(config_.mode == CacheMode::kFull ? ThoughtClassifier{} : config_.classifier);
     s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
   }
@@ -615,6 +733,7 @@ class ThinKvCache {
   PagedKvCache<B> cache_;
   std::vector<SeqState> seqs_;
   ThinKvStats stats_;
+  Reservation reserved_;  ///< sum over sequences of their open tokens' reservations
   std::vector<std::int32_t> streams_;
   std::vector<float> sparsity_;
 };

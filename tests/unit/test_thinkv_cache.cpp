@@ -263,7 +263,21 @@ TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thi
   const auto stats = cache.paged().table().stats();
   REQUIRE(cache.begin_token(0).is_ok());
   const auto before = tt::snapshot_cache(cache.paged());
+  // ThinKV-level state too: segments, position, the tracker, the counters.
+  const auto segs = cache.segments(0);
+  const auto pos = cache.position(0);
+  const auto tstats = cache.tracker(0).stats();
+  const auto cstats = cache.stats();
+  auto same_thinkv_state = [&] {
+    CHECK(cache.segments(0) == segs);
+    CHECK(cache.position(0) == pos);
+    CHECK(cache.tracker(0).stats().refreshes == tstats.refreshes);
+    CHECK(cache.tracker(0).current() == cache.tracker(0).current());
+    CHECK(cache.stats().steps == cstats.steps);
+    CHECK(cache.stats().eviction_calls == cstats.eviction_calls);
+  };
   CHECK(cache.begin_token(0).code() == thinkv::StatusCode::kInvalidArgument);
+  same_thinkv_state();
   std::normal_distribution<float> normal;
   std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
   for (auto& x : k) x = normal(rng);
@@ -284,42 +298,120 @@ TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thi
   CHECK(cache.memory() == mem);
   CHECK(cache.paged().table().stats().commits == stats.commits);
   TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+  same_thinkv_state();
   std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim)), out(q.size());
   CHECK(cache.attend(1, 0, q, out).code() == thinkv::StatusCode::kInvalidArgument);  // no begin_token
   CHECK(cache.end_token(1).code() == thinkv::StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("ThinKV append on a pool too small for all KV heads fails and changes nothing",
+TEST_CASE("ThinKV: a token whose commits do not fit the pools is refused at begin_token, changing nothing",
           "[thinkv_cache][bad_input]") {
-  // Each head of a layer commits its group on the same token; the pool has room for fewer fresh
-  // blocks than the heads need. The append must fail before any head commits.
+  // Every stream of a sequence commits its group on the same token. With 2 layers x 4 KV heads
+  // and pools of 1..7 fresh blocks, the token's 8 commits do not fit: begin_token must refuse it
+  // before any layer appends (before, layer 0 committed and layer 1 then failed, leaving half a
+  // token). Nothing changes: not the paged cache, not the ThinKV state (segments, position, the
+  // tracker), and after a reset the cache decodes again.
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
-  for (int pool : {1, 2, 3}) {
+  for (int pool : {1, 4, 7}) {
     INFO("pool_blocks " << pool);
     auto cfg = small_config(CacheMode::kTbq);
     cfg.num_sequences = 1;
-    cfg.num_layers = 1;
+    cfg.num_layers = 2;
     cfg.num_kv_heads = 4;
     cfg.num_q_heads = 4;
     cfg.classifier = {};  // every token R: one pool in play
     cfg.pool_blocks = pool;
     thinkv::ThinKvCache<> cache(cfg);
     std::mt19937 rng(seed + static_cast<unsigned>(pool));
-    // group 8, block 16: the first commit of each head takes a fresh block; `pool` heads fit.
+    // group 8, block 16: the first commit of each of the 8 streams takes a fresh block.
     for (int t = 0; t < cfg.group_size - 1; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
-    REQUIRE(cache.begin_token(0).is_ok());
     const auto before = tt::snapshot_cache(cache.paged());
-    std::normal_distribution<float> normal;
-    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
-    for (auto& x : k) x = normal(rng);
-    for (auto& x : v) x = normal(rng);
-    const auto s = cache.append(0, 0, k, v);
+    const auto segs = cache.segments(0);
+    const auto pos = cache.position(0);
+    const auto tracker = cache.tracker(0).stats();
+    const auto s = cache.begin_token(0);
     INFO(s);
     CHECK(s.code() == thinkv::StatusCode::kPoolExhausted);
-    CHECK_THAT(s.message(), Catch::Matchers::Contains("KV heads need 4"));
+    CHECK_THAT(s.message(), Catch::Matchers::Contains("need 8"));
     TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+    CHECK(cache.segments(0) == segs);
+    CHECK(cache.position(0) == pos);
+    CHECK(cache.tracker(0).stats().refreshes == tracker.refreshes);
+    // Not open: an append is refused as outside a token.
+    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim), 1.0f), v(k);
+    CHECK(cache.append(0, 0, k, v).code() == thinkv::StatusCode::kInvalidArgument);
+    REQUIRE(cache.reset_sequence(0).is_ok());
+    REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
   }
+}
+
+TEST_CASE("ThinKV: two open tokens cannot both count on the same free blocks", "[thinkv_cache][bad_input]") {
+  // Two sequences, each about to commit 2 streams' groups, and 3 free blocks: the first
+  // begin_token reserves 2, the second must be refused (it would find only 1), and after the
+  // first token ends the second still cannot start while its blocks are in use.
+  auto cfg = small_config(CacheMode::kTbq);
+  cfg.num_sequences = 2;
+  cfg.num_layers = 1;
+  cfg.num_kv_heads = 2;
+  cfg.num_q_heads = 2;
+  cfg.classifier = {};
+  cfg.pool_blocks = 3;
+  thinkv::ThinKvCache<> cache(cfg);
+  std::mt19937 rng(11);
+  for (int t = 0; t < cfg.group_size - 1; ++t) {
+    for (int seq = 0; seq < 2; ++seq) REQUIRE(step(cache, seq, 1.0f, rng).is_ok());
+  }
+  REQUIRE(cache.begin_token(0).is_ok());
+  const auto s = cache.begin_token(1);
+  INFO(s);
+  CHECK(s.code() == thinkv::StatusCode::kPoolExhausted);
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("after other open tokens' reservations"));
+}
+
+TEST_CASE("ThinKV enforces the decode protocol and names the layer and position", "[thinkv_cache][bad_input]") {
+  auto cfg = small_config(CacheMode::kThinKv);
+  cfg.num_sequences = 1;
+  thinkv::ThinKvCache<> cache(cfg);
+  std::mt19937 rng(5);
+  for (int t = 0; t < 20; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
+  const auto snap = tt::snapshot_cache(cache.paged());
+  std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim), 0.5f), v(k);
+  std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim), 0.5f), out(q.size());
+  REQUIRE(cache.begin_token(0).is_ok());
+  auto code_and = [](const thinkv::Status& s, const char* text) {
+    INFO(s);
+    CHECK(s.code() != thinkv::StatusCode::kOk);
+    CHECK_THAT(s.message(), Catch::Matchers::Contains(text));
+  };
+  code_and(cache.begin_token(0), "called twice without end_token");
+  code_and(cache.attend(0, 0, q, out), "attend: layer 0 of sequence 0 at position 20 before its append");
+  code_and(cache.end_token(0), "layer 0 was never appended");
+  REQUIRE(cache.append(0, 0, k, v).is_ok());
+  code_and(cache.append(0, 0, k, v), "layer 0 of sequence 0 was already appended at position 20");
+  code_and(cache.end_token(0), "layer 1 was never appended");
+  std::vector<float> nan_q = q;
+  nan_q[3] = std::nanf("");
+  std::fill(out.begin(), out.end(), 7.0f);
+  code_and(cache.attend(0, 0, nan_q, out), "q[3] is not finite");
+  CHECK(out[0] == 7.0f);  // nothing written
+  REQUIRE(cache.attend(0, 0, q, out).is_ok());
+  REQUIRE(cache.append(0, 1, k, v).is_ok());
+  REQUIRE(cache.attend(0, 1, q, out).is_ok());
+  REQUIRE(cache.end_token(0).is_ok());
+  CHECK(cache.position(0) == 21);
+  (void)snap;
+  // Configuration values that used to pass construction.
+  auto bad = small_config(CacheMode::kThinKv);
+  bad.softmax_scale = std::nanf("");
+  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad), thinkv::ConfigError);
+  bad.softmax_scale = -1.0f;
+  CHECK_THAT(bad.validate().message(), Catch::Matchers::Contains("softmax_scale"));
+  bad.softmax_scale = INFINITY;
+  CHECK_FALSE(bad.validate().is_ok());
+  bad = small_config(CacheMode::kThinKv);
+  bad.kmeans.max_iterations = -1;
+  CHECK_THAT(bad.validate().message(), Catch::Matchers::Contains("kmeans.max_iterations -1"));
 }
 
 TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
