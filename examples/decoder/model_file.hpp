@@ -21,6 +21,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "thinkv/status.hpp"
 
@@ -33,7 +34,18 @@ class MappedFile {
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile() {
-    if (data_ != nullptr && size_ > 0) ::munmap(const_cast<std::uint8_t*>(data_), size_);
+    if (data_ != nullptr && size_ > 0 && owned_.empty()) ::munmap(const_cast<std::uint8_t*>(data_), size_);
+  }
+
+  /// An in-memory "file" holding a copy of `bytes`, named `name` in messages (fuzzers, tests).
+  static std::shared_ptr<const MappedFile> from_bytes(std::string name, std::span<const std::uint8_t> bytes) {
+    auto f = std::shared_ptr<MappedFile>(new MappedFile());
+    f->path_ = std::move(name);
+    f->owned_.assign(bytes.begin(), bytes.end());
+    if (f->owned_.empty()) f->owned_.push_back(0);  // a valid pointer; size_ stays 0
+    f->data_ = f->owned_.data();
+    f->size_ = bytes.size();
+    return f;
   }
 
   /// Maps `path`. Errors name the path and the reason (missing, a directory, unreadable, empty).
@@ -78,6 +90,7 @@ class MappedFile {
 
  private:
   std::string path_;
+  std::vector<std::uint8_t> owned_;  ///< the bytes of an in-memory file (empty: a mapping)
   const std::uint8_t* data_ = nullptr;
   std::size_t size_ = 0;
 };

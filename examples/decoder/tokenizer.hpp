@@ -482,9 +482,12 @@ struct Tokenizer {
 /// Reads a llama2.c tokenizer.bin: int32 max_token_length, then per token float score, int32
 /// length, bytes. `vocab_size` comes from the model (the file does not store it); a file with
 /// fewer tokens is refused, extra bytes after the last token are refused too.
-inline Status load_llama2c_tokenizer(const std::string& path, int vocab_size, Tokenizer& out) {
-  std::shared_ptr<const MappedFile> f;
-  THINKV_RETURN_IF_ERROR(MappedFile::open(path, f));
+inline Status load_llama2c_tokenizer(std::shared_ptr<const MappedFile> f, int vocab_size, Tokenizer& out) {
+  const std::string& path = f->path();
+  if (vocab_size < 1 || vocab_size > (1 << 24)) {
+    return {StatusCode::kInvalidArgument, path + ": vocabulary size " + std::to_string(vocab_size) +
+                                              " is out of range; allowed: 1..16777216"};
+  }
   ByteReader r(f->bytes(), path);
   std::int32_t max_len = 0;
   THINKV_RETURN_IF_ERROR(r.read(max_len, "int32 max_token_length"));
@@ -494,8 +497,10 @@ inline Status load_llama2c_tokenizer(const std::string& path, int vocab_size, To
   }
   Tokenizer t;
   t.source = path;
-  t.vocab.reserve(static_cast<std::size_t>(vocab_size));
-  t.scores.reserve(static_cast<std::size_t>(vocab_size));
+  // Each token takes at least 8 bytes (score, length): reserve no more than the file can hold.
+  const std::size_t fit = std::min(static_cast<std::size_t>(vocab_size), f->size() / 8 + 1);
+  t.vocab.reserve(fit);
+  t.scores.reserve(fit);
   for (int i = 0; i < vocab_size; ++i) {
     float score = 0.0f;
     std::int32_t len = 0;
@@ -521,6 +526,13 @@ inline Status load_llama2c_tokenizer(const std::string& path, int vocab_size, To
   THINKV_RETURN_IF_ERROR(t.finalize());
   out = std::move(t);
   return Status::ok();
+}
+
+/// The same, from a file.
+inline Status load_llama2c_tokenizer(const std::string& path, int vocab_size, Tokenizer& out) {
+  std::shared_ptr<const MappedFile> f;
+  THINKV_RETURN_IF_ERROR(MappedFile::open(path, f));
+  return load_llama2c_tokenizer(std::move(f), vocab_size, out);
 }
 
 }  // namespace thinkv::decoder
