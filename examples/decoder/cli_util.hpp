@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -122,6 +123,19 @@ inline int load_model_and_tokenizer(const char* cmd, const std::string& model_ar
                                     std::string* resolved = nullptr) {
   std::string path;
   std::vector<std::string> looked;
+  {
+    std::error_code ec;
+    if (std::filesystem::is_directory(model_arg, ec)) {
+      std::string inside;
+      for (const auto& e : std::filesystem::directory_iterator(model_arg, ec)) {
+        const std::string ext = e.path().extension().string();
+        if (e.is_regular_file(ec) && (ext == ".bin" || ext == ".gguf")) inside += "\n  " + e.path().string();
+      }
+      std::fprintf(stderr, "%s: --model %s is a directory; give the model file%s%s\n", cmd, model_arg.c_str(),
+                   inside.empty() ? " (it holds no .bin or .gguf file)" : " in it:", inside.c_str());
+      return kExitData;
+    }
+  }
   if (!find_model_file(model_arg, path, looked)) {
     std::string where;
     for (const auto& l : looked) where += "\n  " + l;

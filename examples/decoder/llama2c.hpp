@@ -227,6 +227,15 @@ inline Status load_llama2c_v2(std::shared_ptr<const MappedFile> file, Model& out
   const ModelConfig& c = m.config;
   const std::int64_t L = c.n_layers, D = c.dim, H = c.hidden_dim, V = c.vocab_size, Q = c.q_dim(),
                      K = c.kv_dim();
+  // runq.c quantizes every matrix row by row in groups: a group size that does not divide the
+  // rows (dim, and hidden_dim for w2) is a corrupt header, whatever the file's size.
+  for (const auto& [what, n] : {std::pair<const char*, std::int64_t>{"dim", D}, {"hidden_dim", H}}) {
+    if (n % group != 0) {
+      return r.corrupt_at(37, "group_size " + std::to_string(group) + " does not divide " + what + " " +
+                                  std::to_string(n) + " (runq.c quantizes rows in whole groups): the header is "
+                                  "corrupt");
+    }
+  }
   // Exact size: header, norms, then per matrix n codes + n/group scales.
   auto qbytes = [&](std::int64_t n) { return n + 4 * (n / group); };
   const std::int64_t expect =
@@ -237,7 +246,8 @@ inline Status load_llama2c_v2(std::shared_ptr<const MappedFile> file, Model& out
     return {
         StatusCode::kInvalidArgument,
         path + ": " +
-            (static_cast<std::int64_t>(file->size()) < expect ? "truncated" : "unexpected size") +
+            (static_cast<std::int64_t>(file->size()) < expect ? "truncated, or its header is corrupt"
+                                                               : "longer than its header says (corrupt header?)") +
             ": a llama2.c v2 (Q8_0, group_size " + std::to_string(group) + ") export with " +
             c.to_string() + " has " + std::to_string(expect) + " bytes, the file has " +
             std::to_string(file->size())};

@@ -115,6 +115,11 @@ inline Status make_cache_spec(const ModelConfig& c, const MethodOptions& o, Cach
   const CacheShape shape{1, c.n_layers, c.n_kv_heads, c.n_heads, c.head_dim};
   if (o.cache.max_tokens < 1) return {StatusCode::kInvalidArgument, "max_tokens must be >= 1"};
   const int budget = o.cache.budget > 0 ? o.cache.budget : default_budget(c);
+  if (o.cache.no_budget && has_budget(o.method) && !on_thinkv_cache(o.method)) {
+    return {StatusCode::kInvalidArgument, std::string(to_string(o.method)) +
+                                              " keeps a fixed number of tokens: it needs a budget >= 1 (budget 0, "
+                                              "no budget, is ThinKV's tbe/thinkv only)"};
+  }
   switch (o.method) {
     case Method::kFull: {
       DenseKvConfig d;

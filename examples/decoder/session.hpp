@@ -98,6 +98,7 @@ struct RunStats {
   int prompt_tokens = 0;
   int forward_passes = 0;
   double seconds = 0.0;  ///< wall time of all forward passes
+  double prompt_seconds = 0.0;  ///< of which the prompt's passes (up to the first generated token's logits)
   std::string method;    ///< the cache's method_name()
   CacheReport report;    ///< the cache's report at the end (every method)
   std::int64_t peak_physical_bytes = 0;  ///< largest report().held_bytes after a step
@@ -160,6 +161,7 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec,
       continue;
     }
     const int step = pos - (P - 1);
+    if (step == 0) st.prompt_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (opt.on_logits) opt.on_logits(step, logits);
     st.peak_physical_bytes = std::max(st.peak_physical_bytes, cache->report(0).held_bytes);
     const std::int64_t live = stream_live_tokens(*cache);

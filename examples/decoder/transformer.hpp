@@ -107,8 +107,8 @@ class Transformer {
       rope(q_.data(), c.n_heads, pos);
       rope(k_.data(), c.n_kv_heads, pos);
       if (hook_) hook_(l, pos, k_, v_);
-      THINKV_RETURN_IF_ERROR(cache.append(seq, l, k_, v_));
-      THINKV_RETURN_IF_ERROR(cache.attend(seq, l, q_, att_));
+      if (Status s = cache.append(seq, l, k_, v_); !s.is_ok()) return bad_numbers(s, l, pos);
+      if (Status s = cache.attend(seq, l, q_, att_); !s.is_ok()) return bad_numbers(s, l, pos);
       w.wo.matvec(att_.data(), xb2_.data(), threads_);
       for (int i = 0; i < c.dim; ++i)
         x_[static_cast<std::size_t>(i)] += xb2_[static_cast<std::size_t>(i)];
@@ -127,6 +127,13 @@ class Transformer {
     THINKV_RETURN_IF_ERROR(cache.end_token(seq));
     rmsnorm(x_.data(), x_.data(), m_.final_norm, c.dim, c.rms_eps);
     m_.output.matvec(x_.data(), logits.data(), threads_);
+    for (float x : logits) {
+      if (!std::isfinite(x)) {
+        return {StatusCode::kNonFinite, m_.name + ": the forward pass at position " + std::to_string(pos) +
+                                            " produced non-finite logits: the model file holds NaN or Inf "
+                                            "weights (or values that overflow); it is corrupt"};
+      }
+    }
     return Status::ok();
   }
 
@@ -139,6 +146,16 @@ class Transformer {
     ss += eps;
     ss = 1.0f / std::sqrt(ss);
     for (int j = 0; j < n; ++j) o[j] = w[j] * (ss * x[j]);
+  }
+
+  /// A cache refusal of the model's own keys, values or queries (NaN, Inf, beyond the format)
+  /// means the model computed them: say so, naming the layer and position.
+  Status bad_numbers(const Status& s, int layer, std::int32_t pos) const {
+    if (s.code() != StatusCode::kNonFinite) return s;
+    return {StatusCode::kNonFinite, m_.name + ": the forward pass at position " + std::to_string(pos) + ", layer " +
+                                        std::to_string(layer) + " produced a non-finite key, value or query (" +
+                                        s.message() + "): the model file holds NaN or Inf weights, or values "
+                                        "that overflow; it is corrupt"};
   }
 
   void rope(float* vec, int heads, std::int32_t pos) const noexcept {
@@ -177,6 +194,7 @@ struct CacheOptions {
   bool trace_all_layers = false;
   std::uint64_t kmeans_seed = 0;  ///< 0 = the library default
   int pinned_prefix = 0;  ///< positions never evicted (the prompt); ThinKvConfig::pinned_prefix
+  bool no_budget = false;  ///< token_budget 0 (ThinKvConfig's "no budget"), whatever `budget` says
 };
 
 /// The defaults that scale with the model (documented in examples/thinkv/README.md).
@@ -203,11 +221,15 @@ inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, Thi
   k.group_size = o.group_size > 0 ? o.group_size : default_group_size(c);
   k.block_size = 16;
   k.precision = o.precision;
-  k.token_budget = o.budget > 0 ? o.budget : default_budget(c, k.retention);
   k.segment_len = o.segment_len > 0 ? o.segment_len : default_segment_len(c, k.group_size);
+  // The default budget is never below the default segment (a short context's quarter can be),
+  // so defaults a user never gave cannot make an impossible configuration.
+  k.token_budget = o.no_budget    ? 0
+                   : o.budget > 0 ? o.budget
+                                  : std::max(default_budget(c, k.retention), k.segment_len);
   // The open segment is never evicted, so a budget below the segment could never be met: by
   // default the segment shrinks to fit the budget (an explicit --segment is kept and checked).
-  if (o.segment_len <= 0 && evicts(k.mode) && k.token_budget < k.segment_len) {
+  if (o.segment_len <= 0 && evicts(k.mode) && k.token_budget > 0 && k.token_budget < k.segment_len) {
     k.segment_len = std::max(k.group_size, k.token_budget / k.group_size * k.group_size);
   }
   // Short contexts (segments under 64 tokens): keep the retention levels that fit a segment.

@@ -26,7 +26,7 @@ inline int usage_error(const char* cmd, const char* usage, const std::string& ms
 
 /// Cache flags shared by generate and sweep.
 struct CacheFlags {
-  int budget = 0;
+  int budget = -1;  ///< -1: the default; 0: no budget
   int group = 0;
   int segment = 0;
   int tau = 0;
@@ -50,8 +50,9 @@ inline int parse_cache_flag(Options& o, CacheFlags& c, const char* cmd, const ch
   };
   if (n == "--budget") {
     if (!need("a token count")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.budget)) {
-      rc = usage_error(cmd, usage, "--budget " + std::string(v) + ": must be an integer >= 1");
+    // 0 = no budget, as ThinKvConfig::token_budget = 0 (TBE then evicts on transitions only).
+    if (!parse_int(v, 0, 1 << 30, c.budget)) {
+      rc = usage_error(cmd, usage, "--budget " + std::string(v) + ": must be an integer >= 0 (0: no budget)");
       return -1;
     }
   } else if (n == "--group") {
@@ -131,7 +132,8 @@ inline CacheOptions cache_options(const CacheFlags& c, CacheMode mode, int max_t
   o.pinned_prefix = c.keep_prompt ? prompt_tokens : 0;
   o.mode = mode;
   o.max_tokens = max_tokens;
-  o.budget = c.budget;
+  o.budget = c.budget > 0 ? c.budget : 0;  // 0 = the default
+  o.no_budget = c.budget == 0;
   o.group_size = c.group;
   o.segment_len = c.segment;
   o.tau = c.tau;

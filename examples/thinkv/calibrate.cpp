@@ -37,7 +37,7 @@ constexpr int kExitUsage = 2;
 constexpr const char* kUsage =
     "usage: thinkv calibrate TRACE... -o CALIB.json [--plot DENSITIES.svg] [--types 3|2]\n"
     "                        [--max-layers N] [--tau N] [--thresholds a[,b]] [--min-prompts N]\n"
-    "                        [--layers a[,b...]] [--band-types X,Y[,Z]]\n"
+    "                        [--layers a[,b...]] [--band-types X,Y[,Z]] [--group G]\n"
     "                        [--bandwidth-scale X] [--progress] [--quiet] [--verbose]\n";
 
 constexpr const char* kHelp =
@@ -54,7 +54,9 @@ constexpr const char* kHelp =
     "  --types 3|2            thought types: 3 = E, R, T (default); 2 = E, T (a fallback when\n"
     "                         no layer shows three modes)\n"
     "  --max-layers N         at most N layers in L* (default 4)\n"
-    "  --tau N                classifier refresh interval written to the file (default 128)\n"
+    "  --tau N                classifier refresh interval written to the file (default 128); a\n"
+    "                         multiple of the cache's quantization group, as `thinkv generate` needs\n"
+    "  --group G              that group: 8, 16 (default) or 32\n"
     "  --thresholds a[,b]     use these thresholds (ascending, in (0,1); types-1 values) instead\n"
     "                         of estimating them; layers are still chosen by the mode rule when\n"
     "                         possible, else all layers are used\n"
@@ -84,6 +86,7 @@ struct Args {
   int types = 3;
   int max_layers = 4;
   int tau = 128;
+  int group = 16;  ///< the cache's quantization group the file will be used with
   int min_prompts = thinkv::kDefaultMinPrompts;
   std::vector<float> thresholds;
   std::vector<int> layers;
@@ -181,6 +184,10 @@ int parse_args(int argc, char** argv, Args& a) {
       if (!value(v) || !parse_int(v, 1, 1 << 30, a.tau)) {
         return usage_error("--tau " + std::string(v) + ": must be an integer >= 1");
       }
+    } else if (name == "--group") {
+      if (!value(v) || !parse_int(v, 1, 64, a.group) || (a.group != 8 && a.group != 16 && a.group != 32)) {
+        return usage_error("--group " + std::string(v) + ": must be 8, 16 or 32");
+      }
     } else if (name == "--min-prompts") {
       if (!value(v) || !parse_int(v, 1, 1 << 30, a.min_prompts)) {
         return usage_error("--min-prompts " + std::string(v) + ": must be an integer >= 1");
@@ -224,6 +231,12 @@ int parse_args(int argc, char** argv, Args& a) {
     }
   }
   if (a.help) return 0;
+  if (a.tau % a.group != 0) {
+    return usage_error("--tau " + std::to_string(a.tau) + " is not a multiple of the quantization group " +
+                       std::to_string(a.group) + "; `thinkv generate` would refuse the file (a thought changes "
+                       "type only at a group boundary): use a multiple of " + std::to_string(a.group) +
+                       ", or --group for the cache it will be used with");
+  }
   if (!thresholds_text.empty()) {
     std::string_view rest = thresholds_text;
     for (;;) {

@@ -33,7 +33,8 @@ using namespace thinkv::decoder;
 using namespace thinkv::decoder::cli;
 
 constexpr const char* kGenerateUsage =
-    "usage: thinkv generate --model PATH [--steps N] [--prompt TEXT | --problems FILE --problem N|ID]\n"
+    "usage: thinkv generate -m PATH [-n STEPS] [-p TEXT | -f FILE | --problems FILE --problem N|ID]\n"
+    "                       [-c CTX] [-t THREADS] [-s SEED] [-r REPEAT]\n"
     "                       [--mode METHOD] [--budget K] [--tokenizer PATH] [--temperature T]\n"
     "                       [--seed S] [--compare full] [--calibration calib.json] [--group G]\n"
     "                       [--segment L] [--tau T] [--precision R4E4T2] [--select kmeans|first]\n"
@@ -47,16 +48,20 @@ constexpr const char* kGenerateHelp =
     "from BOS as llama2.c does. The generated text goes to stdout as it is decoded; the summary\n"
     "(speed, KV memory vs FullKV FP16, eviction and reuse counters, fidelity) goes to stderr.\n"
     "\n"
-    "  --model PATH         model file; a bare file name is also looked up in $THINKV_MODELS,\n"
+    "  -m, --model PATH     model file; a bare file name is also looked up in $THINKV_MODELS,\n"
     "                       ./models and ../shared/models\n"
     "  --tokenizer PATH     llama2.c tokenizer.bin (default: the GGUF's own, or tok<vocab>.bin /\n"
     "                       tokenizer.bin next to a .bin model)\n"
-    "  --prompt TEXT        prompt (default: none, start from BOS)\n"
+    "  -p, --prompt TEXT    prompt (default: none, start from BOS)\n"
+    "  -f, --file FILE      the prompt is the file's content\n"
+    "  -c, --ctx-size N     positions at most (prompt + generated; default: the model's context)\n"
+    "  -r, --repeat N       time N runs (the text is printed once): prompt processing and generation\n"
+    "                       speed as mean +- standard deviation\n"
     "  --problems FILE      a JSONL problem set (as `thinkv eval` reads); --problem N or ID picks\n"
     "                       one (default 0): its prompt is decoded and its answer checked\n"
     "  --answer-pattern R   how the answer is found in the output (default: Answer: (\\d+)); with\n"
     "                       --problems or --compare the summary shows it and FullKV's\n"
-    "  --steps N            tokens to generate (prompt + steps must fit the model's context; with\n"
+    "  -n, --steps N        tokens to generate (prompt + steps must fit the model's context; with\n"
     "                       --problems the default is up to the context, ending at EOS)\n"
     "  --mode M             the KV-cache method: thinkv (TBQ + TBE, default), tbq (thought-based\n"
     "                       quantization), tbe (thought-based eviction), full (FullKV in FP16),\n"
@@ -78,11 +83,11 @@ constexpr const char* kGenerateHelp =
     "  --calibration FILE   thought classifier from `thinkv calibrate` (default: uncalibrated,\n"
     "                       every token R)\n"
     "  --temperature T      0 = greedy (default); > 0 samples softmax(logits / T)\n"
-    "  --seed S             sampling seed (default 42)\n"
+    "  -s, --seed S         sampling seed (default 42)\n"
     "  --compare full       also run FullKV (FP16) on the same prompt and report fidelity: share of\n"
     "                       identical greedy tokens, mean KL(full || mode) teacher-forced on the\n"
     "                       FullKV tokens, first divergent step\n"
-    "  --threads N          threads for the matrix products (default: all cores, or "
+    "  -t, --threads N      threads for the matrix products (default: all cores, or "
     "$THINKV_THREADS)\n"
     "  --backend B          where the KV cache lives and attention runs: cpu (default, the\n"
     "                       reference) or cuda (CudaKvBackend on the current GPU: pages in device\n"
@@ -132,6 +137,8 @@ struct GenerateArgs {
   std::string problems, problem = "0", answer_pattern = "Answer: (\\d+)";
   bool have_prompt = false;
   int steps = -1;
+  int ctx = 0;     ///< -c: positions at most (prompt + generated); 0 = the model's context
+  int repeat = 1;  ///< -r: timed runs (the first prints the text)
   Method method = Method::kThinKv;
   CacheFlags cache;
   float temperature = 0.0f;
@@ -159,20 +166,36 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
     };
     if (n == "-h" || n == "--help") {
       a.help = true;
-    } else if (n == "--model") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--model needs a file");
+    } else if (n == "--model" || n == "-m") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs a file");
       a.model = v;
     } else if (n == "--tokenizer") {
       if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--tokenizer needs a file");
       a.tokenizer = v;
-    } else if (n == "--prompt") {
-      if (!need("text")) return usage_error(cmd, kGenerateUsage, "--prompt needs text");
+    } else if (n == "--prompt" || n == "-p") {
+      if (!need("text")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs text");
       a.prompt = v;
       a.have_prompt = true;
-    } else if (n == "--steps") {
+    } else if (n == "--file" || n == "-f") {
+      if (!need("a file")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs a prompt file");
+      std::ifstream f{std::string(v), std::ios::binary};
+      if (!f) return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": cannot open the prompt file");
+      std::ostringstream all;
+      all << f.rdbuf();
+      a.prompt = all.str();
+      a.have_prompt = true;
+    } else if (n == "--ctx-size" || n == "-c") {
+      if (!need("a count") || !parse_int(v, 1, 1 << 30, a.ctx)) {
+        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
+      }
+    } else if (n == "--repeat" || n == "-r") {
+      if (!need("a count") || !parse_int(v, 1, 1000, a.repeat)) {
+        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer in 1..1000");
+      }
+    } else if (n == "--steps" || n == "-n") {
       if (!need("a count") || !parse_int(v, 1, 1 << 30, a.steps)) {
         return usage_error(cmd, kGenerateUsage,
-                           "--steps " + std::string(v) + ": must be an integer >= 1");
+                           std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
       }
     } else if (n == "--mode") {
       if (!need("a mode"))
@@ -196,10 +219,10 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
         return usage_error(cmd, kGenerateUsage,
                            "--temperature " + std::string(v) + ": must be a number >= 0");
       }
-    } else if (n == "--seed") {
+    } else if (n == "--seed" || n == "-s") {
       if (!need("a number") || !parse_u64(v, a.seed)) {
         return usage_error(cmd, kGenerateUsage,
-                           "--seed " + std::string(v) + ": must be an unsigned integer");
+                           std::string(n) + " " + std::string(v) + ": must be an unsigned integer");
       }
     } else if (n == "--compare") {
       if (!need("full") || v != "full") {
@@ -207,10 +230,10 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
                            "--compare " + std::string(v) + ": only `--compare full` is supported");
       }
       a.compare = true;
-    } else if (n == "--threads") {
+    } else if (n == "--threads" || n == "-t") {
       if (!need("a count") || !parse_int(v, 1, 1024, a.threads)) {
         return usage_error(cmd, kGenerateUsage,
-                           "--threads " + std::string(v) + ": must be an integer in 1..1024");
+                           std::string(n) + " " + std::string(v) + ": must be an integer in 1..1024");
       }
     } else if (n == "--backend") {
       if (!need("a backend") || (v != "cpu" && v != "cuda")) {
@@ -353,14 +376,19 @@ int run_generate(int argc, char** argv) {
   const ModelConfig& mc = model.config;
   const std::vector<int> prompt = tok.encode(a.prompt, true, false);
   const int P = static_cast<int>(prompt.size());
-  if (a.steps < 0) a.steps = std::max(1, mc.seq_len - P + 1);  // a problem: up to the context (or EOS)
-  if (P + a.steps - 1 > mc.seq_len) {
+  if (a.ctx > mc.seq_len) {
+    return usage_error(cmd, kGenerateUsage, "-c " + std::to_string(a.ctx) + " exceeds " + model.name +
+                                                "'s context of " + std::to_string(mc.seq_len));
+  }
+  const int ctx = a.ctx > 0 ? a.ctx : mc.seq_len;
+  if (a.steps < 0) a.steps = std::max(1, ctx - P + 1);  // a problem: up to the context (or EOS)
+  if (P + a.steps - 1 > ctx) {
     return usage_error(cmd, kGenerateUsage,
                        "the prompt (" + std::to_string(P) + " tokens with BOS) + " +
                            std::to_string(a.steps) + " steps need " +
-                           std::to_string(P + a.steps - 1) + " positions; " + model.name +
-                           " has a context of " + std::to_string(mc.seq_len) + " (use --steps " +
-                           std::to_string(std::max(1, mc.seq_len - P + 1)) + " or fewer)");
+                           std::to_string(P + a.steps - 1) + " positions; " +
+                           (a.ctx > 0 ? "-c allows " : model.name + " has a context of ") + std::to_string(ctx) +
+                           " (use --steps " + std::to_string(std::max(1, ctx - P + 1)) + " or fewer)");
   }
   ThoughtClassifier classifier;
   if (const int rc = load_classifier(cmd, a.cache, model, classifier); rc != 0) return rc;
@@ -407,15 +435,21 @@ int run_generate(int argc, char** argv) {
   }
   const auto t_start = std::chrono::steady_clock::now();
   std::string text;
+  // When stdout is the terminal the status line is drawn on (forced with --progress), the line
+  // may only be drawn where the text has just ended a line: erasing it then erases nothing of the
+  // text. In the middle of a text line the text itself shows the progress.
+  const bool shared_terminal = ::isatty(1) != 0 && ::isatty(2) != 0;
+  bool at_line_start = true;
   ro.on_token = [&](int prev, int t) {
     const std::string piece = tok.decode_piece(prev, t);
     text += piece;
     progress.clear();
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
+    if (!piece.empty()) at_line_start = piece.back() == '\n';
   };
   ro.after_step = [&](int step, const thinkv::DecodeCache&) {
-    if (progress.enabled()) {
+    if (progress.enabled() && (!shared_terminal || at_line_start)) {
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       progress.update("step " + std::to_string(step + 1) + "/" + std::to_string(a.steps) + ", " +
@@ -432,6 +466,34 @@ int run_generate(int argc, char** argv) {
   progress.clear();
   std::printf("\n");
   std::fflush(stdout);
+  // Prompt processing and generation speed, over --repeat runs (the first is the one above).
+  std::vector<double> pp_speed, tg_speed;
+  auto add_speed = [&](const RunStats& r) {
+    const int gen_passes = r.forward_passes - P;
+    if (r.prompt_seconds > 0) pp_speed.push_back(P / r.prompt_seconds);
+    if (gen_passes > 0 && r.seconds > r.prompt_seconds) tg_speed.push_back(gen_passes / (r.seconds - r.prompt_seconds));
+  };
+  add_speed(st);
+  for (int r = 1; r < a.repeat; ++r) {
+    RunOptions rr = ro;
+    rr.on_token = nullptr;
+    rr.after_step = nullptr;
+    RunStats again;
+    if (Status s = run_sequence(model, spec, prompt, rr, again); !s.is_ok()) {
+      std::fprintf(stderr, "thinkv generate: repeat %d: %s\n", r + 1, s.to_string().c_str());
+      return kExitData;
+    }
+    add_speed(again);
+  }
+  auto mean_sd = [](const std::vector<double>& x) {
+    if (x.empty()) return std::string("-");
+    double m = 0, v = 0;
+    for (double y : x) m += y;
+    m /= static_cast<double>(x.size());
+    for (double y : x) v += (y - m) * (y - m);
+    const double sd = x.size() > 1 ? std::sqrt(v / static_cast<double>(x.size() - 1)) : 0.0;
+    return fmt("%.1f", m) + (x.size() > 1 ? " +- " + fmt("%.1f", sd) : std::string());
+  };
 
   Fidelity fid;
   std::string full_text;
@@ -500,8 +562,11 @@ int run_generate(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "  speed: %d tokens generated (prompt %d) in %.3f s: %.1f tokens/s (%d forward "
-               "passes, %d threads, KV backend %s)\n",
-               gen, P, st.seconds, tps, st.forward_passes, threads, cfg ? a.backend.c_str() : "cpu");
+               "passes, %d threads, KV backend %s)\n"
+               "         prompt processing %s tokens/s, generation %s tokens/s%s\n",
+               gen, P, st.seconds, tps, st.forward_passes, threads, cfg ? a.backend.c_str() : "cpu",
+               mean_sd(pp_speed).c_str(), mean_sd(tg_speed).c_str(),
+               a.repeat > 1 ? (" (mean +- sd of " + std::to_string(a.repeat) + " runs)").c_str() : "");
   std::fprintf(stderr,
                "  KV memory: %s held (peak %s, allocated %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n",
                human_bytes(rep.held_bytes).c_str(), human_bytes(st.peak_physical_bytes).c_str(),
@@ -579,6 +644,10 @@ int run_generate(int argc, char** argv) {
         {"forward_passes", json::Value::integer(st.forward_passes)},
         {"seconds", json::Value::number(st.seconds)},
         {"tokens_per_s", json::Value::number(tps)},
+        {"prompt_seconds", json::Value::number(st.prompt_seconds)},
+        {"prompt_tokens_per_s", json::Value::number(pp_speed.empty() ? 0.0 : pp_speed.front())},
+        {"generation_tokens_per_s", json::Value::number(tg_speed.empty() ? 0.0 : tg_speed.front())},
+        {"repeat", json::Value::integer(a.repeat)},
         {"threads", json::Value::integer(threads)},
         {"backend", json::Value::string(cfg ? a.backend : std::string("cpu"))},
         {"kv_bytes", json::Value::integer(rep.held_bytes)},
@@ -619,7 +688,8 @@ constexpr const char* kSweepUsage =
     "usage: thinkv sweep --model PATH [--tokenizer PATH] [--prompts FILE] [--steps N]\n"
     "                    [--modes full,tbq,tbe,thinkv] [--budgets 32,64,128,256] [--group G]\n"
     "                    [--segment L] [--tau T] [--precision MAP] [--calibration FILE]\n"
-    "                    [--md TABLE.md] [--svg PLOT.svg] [--threads N] [--progress]\n";
+    "                    [--md TABLE.md] [--svg PLOT.svg] [--json FILE] [--csv FILE] [--threads N]\n"
+    "                    [--progress]\n";
 
 constexpr const char* kSweepHelp =
     "\n"
@@ -645,7 +715,7 @@ const std::vector<std::string> kDefaultPrompts = {
 };
 
 struct SweepArgs {
-  std::string model, tokenizer, prompts_file, md, svg;
+  std::string model, tokenizer, prompts_file, md, svg, json, csv;
   int steps = 300;
   std::vector<CacheMode> modes{CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe,
                                CacheMode::kThinKv};
@@ -688,6 +758,12 @@ int parse_sweep(int argc, char** argv, SweepArgs& a) {
     } else if (n == "--svg") {
       if (!need()) return usage_error(cmd, kSweepUsage, "--svg needs a file");
       a.svg = v;
+    } else if (n == "--json") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--json needs a file");
+      a.json = v;
+    } else if (n == "--csv") {
+      if (!need()) return usage_error(cmd, kSweepUsage, "--csv needs a file");
+      a.csv = v;
     } else if (n == "--steps") {
       if (!need() || !parse_int(v, 1, 1 << 30, a.steps))
         return usage_error(cmd, kSweepUsage, "--steps must be an integer >= 1");
@@ -994,17 +1070,49 @@ int run_sweep(int argc, char** argv) {
                           : std::to_string(med))
        << " | " << fmt("%.3f", c.ev_per_step) << " | " << fmt("%.0f", c.unreachable) << " |\n";
   }
-  if (a.md.empty()) {
-    std::printf("%s", md.str().c_str());
-  } else {
-    std::ofstream f(a.md);
-    f << md.str();
-    if (!f) {
-      std::fprintf(stderr, "thinkv sweep: cannot write %s\n", a.md.c_str());
+  // The same rows as JSON and CSV.
+  std::ostringstream csv;
+  csv << "mode,budget,prompts,kv_held_ratio,kv_peak_ratio,token_agreement,token_agreement_min,"
+         "token_agreement_max,mean_kl,first_divergence_median,eviction_calls_per_step,budget_unreachable_steps\n";
+  json::Value::Array rows;
+  for (const Cell& c : cells) {
+    std::vector<int> d = c.divergences;
+    for (int& x : d) x = x < 0 ? a.steps : x;
+    std::sort(d.begin(), d.end());
+    const int med = d.empty() ? -1 : d[d.size() / 2];
+    csv << to_string(c.mode) << "," << c.budget << "," << c.prompts << "," << c.memory << "," << c.memory_peak << ","
+        << c.agreement << "," << c.agreement_min << "," << c.agreement_max << "," << c.kl << "," << med << ","
+        << c.ev_per_step << "," << c.unreachable << "\n";
+    rows.push_back(json::Value::object({{"mode", json::Value::string(std::string(to_string(c.mode)))},
+                                        {"budget", json::Value::integer(c.budget)},
+                                        {"prompts", json::Value::integer(c.prompts)},
+                                        {"kv_held_ratio", json::Value::number(c.memory)},
+                                        {"kv_peak_ratio", json::Value::number(c.memory_peak)},
+                                        {"token_agreement", json::Value::number(c.agreement)},
+                                        {"token_agreement_min", json::Value::number(c.agreement_min)},
+                                        {"token_agreement_max", json::Value::number(c.agreement_max)},
+                                        {"mean_kl", json::Value::number(c.kl)},
+                                        {"first_divergence_median", json::Value::integer(med)},
+                                        {"eviction_calls_per_step", json::Value::number(c.ev_per_step)},
+                                        {"budget_unreachable_steps", json::Value::number(c.unreachable)}}));
+  }
+  const std::string json_text =
+      json::write(json::Value::object({{"model", json::Value::string(model.name)},
+                                       {"steps", json::Value::integer(a.steps)},
+                                       {"reference", json::Value::string("full (FP16)")},
+                                       {"cells", json::Value::array(std::move(rows))}}),
+                  1) +
+      "\n";
+  for (const auto& [path, content] : {std::pair<std::string, std::string>{a.md, md.str()}, {a.json, json_text},
+                                      {a.csv, csv.str()}}) {
+    if (path.empty()) continue;
+    if (const std::string e = write_file_atomic(path, content); !e.empty()) {
+      std::fprintf(stderr, "thinkv sweep: %s\n", e.c_str());
       return kExitData;
     }
-    std::fprintf(stderr, "thinkv sweep: wrote %s\n", a.md.c_str());
+    std::fprintf(stderr, "thinkv sweep: wrote %s\n", path.c_str());
   }
+  if (a.md.empty()) std::printf("%s", md.str().c_str());
   if (!a.svg.empty()) {
     const std::string title = model.name + ": fidelity vs KV memory, " +
                               std::to_string(prompts.size()) + " prompts x " +

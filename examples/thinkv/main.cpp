@@ -38,7 +38,7 @@ void print_help(std::FILE* out) {
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-12s %s\n", s.name, s.summary);
   std::fprintf(out,
                "\n"
-               "`thinkv <subcommand> --help` describes a subcommand.\n");
+               "`thinkv <subcommand> --help` describes a subcommand; `thinkv --version` prints the version.\n");
 }
 
 }  // namespace
@@ -49,6 +49,14 @@ int main(int argc, char** argv) {
     return 0;
   }
   const std::string_view cmd = argv[1];
+  if (cmd == "--version" || cmd == "-V" || cmd == "version") {
+#if defined(THINKV_VERSION)
+    std::printf("thinkv %s\n", THINKV_VERSION);
+#else
+    std::printf("thinkv (version unknown)\n");
+#endif
+    return 0;
+  }
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
     if (cmd == "help" && argc >= 3) {  // `thinkv help calibrate`
       for (const Subcommand& s : kSubcommands) {

@@ -50,4 +50,11 @@ rc=$?
 rc=$?
 [ $rc -eq 2 ] || fail "--min-prompts 0 exited $rc, expected 2"
 grep -q -- "--min-prompts 0: must be an integer >= 1" bad.err || fail "--min-prompts 0 message: $(cat bad.err)"
+# A tau `thinkv generate` would refuse (not a multiple of the quantization group) is refused here.
+"$thinkv" calibrate --tau 24 tri.csv -o tau.json 2> tau.err
+rc=$?
+[ $rc -eq 2 ] || fail "--tau 24 exited $rc, expected 2"
+grep -q "is not a multiple of the quantization group 16" tau.err || fail "--tau 24 message: $(cat tau.err)"
+[ ! -e tau.json ] || fail "a refused --tau wrote tau.json"
+"$thinkv" calibrate --tau 24 --group 8 tri.csv -o tau8.json 2> tau8.err || fail "--tau 24 --group 8 exited $?: $(cat tau8.err)"
 echo "1 passed, 0 failed"

@@ -109,4 +109,21 @@ grep -q "answer: 73, expected 73 (right)" "$tmp/err.txt" || fail "generate --pro
 "$thinkv" generate --model "$model" --problems "$problems" --problem 999 >/dev/null 2>"$tmp/err.txt"
 [ $? -eq 1 ] || fail "generate --problem 999 did not exit 1"
 grep -q "no problem with index 999" "$tmp/err.txt" || fail "bad --problem message: $(cat "$tmp/err.txt")"
+# ---- a model with a NaN weight: refused as a corrupt model before any token is printed ----------
+cp "$model" "$tmp/nan.bin"
+# testbed.bin: 28-byte header, the 128 x 192 token embedding, then layer 0's attention RMSNorm.
+printf '\x00\x00\xc0\x7f' | dd of="$tmp/nan.bin" bs=1 seek=$((28 + 4 * 128 * 192 + 12)) conv=notrunc 2>/dev/null
+"$thinkv" generate --model "$tmp/nan.bin" --tokenizer "$models/tok128.bin" -n 20 -p "Values: a=1." \
+  >"$tmp/nan_out.txt" 2>"$tmp/nan_err.txt"
+rc=$?
+[ $rc -eq 1 ] || fail "a NaN weight: exit $rc, expected 1: $(cat "$tmp/nan_err.txt")"
+grep -q "NaN or Inf weights" "$tmp/nan_err.txt" || fail "a NaN weight: the message does not blame the model: $(cat "$tmp/nan_err.txt")"
+[ ! -s "$tmp/nan_out.txt" ] || fail "a NaN weight: tokens were printed before the error: $(head -c 100 "$tmp/nan_out.txt")"
+# ---- short flags, --version, a directory as --model ---------------------------------------------
+"$thinkv" --version | grep -q '^thinkv [0-9]' || fail "--version does not print the version"
+"$thinkv" generate -m "$model" -p "Values: a=12, b=7." -n 8 -t 1 -s 3 -c 64 >/dev/null 2>"$tmp/err.txt" ||
+  fail "short flags: exit $?: $(cat "$tmp/err.txt")"
+"$thinkv" generate -m "$models" -n 4 >/dev/null 2>"$tmp/err.txt"
+[ $? -eq 1 ] || fail "a directory as --model did not exit 1"
+grep -q "is a directory" "$tmp/err.txt" || fail "a directory as --model: $(cat "$tmp/err.txt")"
 echo "eval smoke: ok"

@@ -1147,6 +1147,13 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   expect_refused(load_bytes(dir, "v2.bin", header(2), m), {"v2.bin", "truncated"});
   expect_refused(load_bytes(dir, "v2short.bin", header(2).substr(0, 30), m),
                  {"v2short.bin", "offset"});
+  // A corrupt header field is reported as such, not as a cut-short file.
+  std::string odd = header(2);
+  const std::int32_t seven = 7;
+  std::memcpy(odd.data() + 37, &seven, 4);  // group_size 7 divides neither dim 16 nor hidden 32
+  const Status gs = load_bytes(dir, "group7.bin", odd, m);
+  expect_refused(gs, {"group7.bin", "group_size 7 does not divide dim 16", "the header is corrupt"});
+  CHECK(gs.message().find("truncated") == std::string::npos);
 }
 
 TEST_CASE("a llama2.c model without its tokenizer: the message says where to get tok512.bin",
@@ -1327,4 +1334,64 @@ TEST_CASE("GGUF: token types that are not small integers are refused, not cast",
     expect_refused(load_bytes(dir, "types" + std::to_string(which) + ".gguf", h.build(), m),
                    {"tokenizer.ggml.token_type[7]", "is not a token type"});
   }
+}
+
+TEST_CASE("cache defaults fit short contexts in every method", "[files][decoder][regression]") {
+  // A model with a 16- or 24-token context: the defaults (budget = context / 4, segment =
+  // context / 4 rounded to the group) used to give a budget below the segment in tbe/thinkv,
+  // an error about settings the user never gave. Every method must build with no option given.
+  for (int seq_len : {8, 16, 24, 31, 32, 64}) {
+    for (int head_dim : {8, 16}) {
+      ModelConfig c;
+      c.dim = 2 * head_dim;
+      c.hidden_dim = 4 * head_dim;
+      c.n_layers = 2;
+      c.n_heads = 2;
+      c.n_kv_heads = 1;
+      c.head_dim = head_dim;
+      c.rope_dim = head_dim;
+      c.vocab_size = 32;
+      c.seq_len = seq_len;
+      for (const MethodInfo& mi : kMethods) {
+        INFO("seq_len " << seq_len << " head_dim " << head_dim << " method " << mi.name);
+        MethodOptions o;
+        o.method = mi.method;
+        o.cache.max_tokens = seq_len;
+        CacheSpec spec;
+        const Status s = make_cache_spec(c, o, spec);
+        INFO(s.to_string());
+        CHECK(s.is_ok());
+        std::unique_ptr<DecodeCache> cache;
+        if (s.is_ok()) CHECK(make_session_cache(spec, {}, cache).is_ok());
+      }
+    }
+  }
+}
+
+TEST_CASE("budget 0 means no budget in the library and in the cache options alike", "[files][decoder]") {
+  ModelConfig c;
+  c.dim = 32;
+  c.hidden_dim = 64;
+  c.n_layers = 2;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.head_dim = 16;
+  c.rope_dim = 16;
+  c.vocab_size = 32;
+  c.seq_len = 512;
+  CacheOptions o;
+  o.mode = CacheMode::kThinKv;
+  o.max_tokens = 300;
+  o.no_budget = true;
+  ThinKvConfig k;
+  REQUIRE(make_cache_config(c, o, k).is_ok());
+  CHECK(k.token_budget == 0);  // ThinKvConfig: 0 = no budget
+  CHECK_NOTHROW(ThinKvCache<>(k));
+  MethodOptions mo;
+  mo.method = Method::kH2o;
+  mo.cache = o;
+  CacheSpec spec;
+  const Status s = make_cache_spec(c, mo, spec);
+  CHECK_FALSE(s.is_ok());
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("needs a budget >= 1"));
 }
