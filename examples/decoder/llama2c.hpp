@@ -227,13 +227,13 @@ inline Status load_llama2c_v2(std::shared_ptr<const MappedFile> file, Model& out
   const ModelConfig& c = m.config;
   const std::int64_t L = c.n_layers, D = c.dim, H = c.hidden_dim, V = c.vocab_size, Q = c.q_dim(),
                      K = c.kv_dim();
-  // runq.c quantizes every matrix row by row in groups: a group size that does not divide the
-  // rows (dim, and hidden_dim for w2) is a corrupt header, whatever the file's size.
-  for (const auto& [what, n] : {std::pair<const char*, std::int64_t>{"dim", D}, {"hidden_dim", H}}) {
+  // export.py quantizes every matrix, flattened, in whole groups (it asserts numel % group_size
+  // == 0): a group size that does not divide a matrix is a corrupt header, whatever the size.
+  for (const auto& [what, n] : {std::pair<const char*, std::int64_t>{"the token embedding", V * D},
+                                {"wq", Q * D}, {"wk", K * D}, {"w1", H * D}}) {
     if (n % group != 0) {
-      return r.corrupt_at(37, "group_size " + std::to_string(group) + " does not divide " + what + " " +
-                                  std::to_string(n) + " (runq.c quantizes rows in whole groups): the header is "
-                                  "corrupt");
+      return r.corrupt_at(37, "group_size " + std::to_string(group) + " does not divide the " + std::to_string(n) +
+                                  " weights of " + what + " (export.py quantizes whole groups): the header is corrupt");
     }
   }
   // Exact size: header, norms, then per matrix n codes + n/group scales.

@@ -1150,9 +1150,10 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   // A corrupt header field is reported as such, not as a cut-short file.
   std::string odd = header(2);
   const std::int32_t seven = 7;
-  std::memcpy(odd.data() + 37, &seven, 4);  // group_size 7 divides neither dim 16 nor hidden 32
+  std::memcpy(odd.data() + 37, &seven, 4);  // group_size 7 divides no matrix of dim 16, vocab 12
   const Status gs = load_bytes(dir, "group7.bin", odd, m);
-  expect_refused(gs, {"group7.bin", "group_size 7 does not divide dim 16", "the header is corrupt"});
+  expect_refused(gs, {"group7.bin", "group_size 7 does not divide the 192 weights of the token embedding",
+                      "the header is corrupt"});
   CHECK(gs.message().find("truncated") == std::string::npos);
 }
 
