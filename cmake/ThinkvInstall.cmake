@@ -1,5 +1,6 @@
-# Install and export rules: headers, thinkv::core, thinkv::kernels (when built), and a CMake package
-# supporting `find_package(thinkv CONFIG REQUIRED COMPONENTS core kernels)`.
+# Install and export rules: headers, thinkv::core, thinkv::calibration, thinkv::kernels (when
+# built), and a CMake package supporting
+# `find_package(thinkv CONFIG REQUIRED COMPONENTS core calibration kernels)`.
 # Included from the top-level CMakeLists.txt after the library targets exist.
 include_guard(GLOBAL)
 include(CMakePackageConfigHelpers)
@@ -23,6 +24,9 @@ endif()
 # CUDAToolkit only when kernels is).
 install(TARGETS thinkv_core EXPORT thinkvCoreTargets)
 install(EXPORT thinkvCoreTargets NAMESPACE thinkv:: FILE thinkvCoreTargets.cmake
+        DESTINATION "${THINKV_INSTALL_CMAKEDIR}" COMPONENT thinkv_development)
+install(TARGETS thinkv_calibration EXPORT thinkvCalibrationTargets)
+install(EXPORT thinkvCalibrationTargets NAMESPACE thinkv:: FILE thinkvCalibrationTargets.cmake
         DESTINATION "${THINKV_INSTALL_CMAKEDIR}" COMPONENT thinkv_development)
 if(THINKV_HAS_KERNELS)
   install(TARGETS thinkv_kernels EXPORT thinkvKernelsTargets

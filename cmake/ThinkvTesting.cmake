@@ -15,7 +15,7 @@ include_guard(GLOBAL)
 function(thinkv_add_test_executable target)
   cmake_parse_arguments(ARG "GPU" "LABEL" "SOURCES;LIBRARIES" ${ARGN})
   add_executable(${target} ${ARG_SOURCES})
-  target_link_libraries(${target} PRIVATE thinkv::core ${ARG_LIBRARIES})
+  target_link_libraries(${target} PRIVATE thinkv::core thinkv::calibration ${ARG_LIBRARIES})
   thinkv_target_warnings(${target})
 
   set(_uses_catch FALSE)

@@ -1,6 +1,8 @@
 #pragma once
 /// \file thinkv.hpp
-/// Umbrella header of the CUDA-free core.
+/// Umbrella header of the runtime: the CUDA-free core a decoder needs (`thinkv::core`). The
+/// offline tooling (sparsity traces, KDE calibration, the calibration file, plots) is the
+/// calibration component: `<thinkv/calibration.hpp>`, `thinkv::calibration`.
 
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
@@ -16,8 +18,5 @@
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/tbe/kmeans.hpp"
 #include "thinkv/thinkv_cache.hpp"
-#include "thinkv/thought/calibration.hpp"
-#include "thinkv/thought/calibration_file.hpp"
 #include "thinkv/thought/classifier.hpp"
-#include "thinkv/thought/trace.hpp"
 #include "thinkv/types.hpp"

@@ -2,6 +2,8 @@
 #   STEP=install   cmake --install THINKV_BUILD_DIR --prefix THINKV_PREFIX (fresh prefix)
 #   STEP=consumer  configure + build + run CONSUMER_SOURCE_DIR against THINKV_PREFIX in WORK_DIR;
 #                  with EXPECT_FAILURE, the configure step must fail with thinkv's message instead.
+#   STEP=subdirectory  configure + build CONSUMER_SOURCE_DIR, which add_subdirectory()s
+#                  THINKV_SOURCE_DIR, in WORK_DIR; thinkv's part of it must hold no install rule.
 cmake_minimum_required(VERSION 3.25)
 
 function(run_step what)
@@ -20,6 +22,22 @@ if(STEP STREQUAL "install")
   endif()
   run_step("install" "${CMAKE_COMMAND}" --install "${THINKV_BUILD_DIR}" --prefix "${THINKV_PREFIX}"
            ${_config})
+  return()
+endif()
+
+if(STEP STREQUAL "subdirectory")
+  file(REMOVE_RECURSE "${WORK_DIR}")
+  set(_configure "${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}" -G "${GENERATOR}"
+      "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DTHINKV_SOURCE_DIR=${THINKV_SOURCE_DIR}")
+  if(CONFIG)
+    list(APPEND _configure "-DCMAKE_BUILD_TYPE=${CONFIG}")
+  endif()
+  run_step("subdirectory consumer configure" ${_configure})
+  file(READ "${WORK_DIR}/thinkv/cmake_install.cmake" _install)
+  if(_install MATCHES "file\\(INSTALL")
+    message(FATAL_ERROR "packaging test: thinkv under add_subdirectory() generated install rules")
+  endif()
+  run_step("subdirectory consumer build (the README quick start)" "${CMAKE_COMMAND}" --build "${WORK_DIR}")
   return()
 endif()
 

@@ -51,8 +51,13 @@ class RetentionSchedule {
   [[nodiscard]] int min_retention() const noexcept { return sizes_.back(); }
   [[nodiscard]] std::string to_string() const {
     std::string s = "{";
-    for (std::size_t i = 0; i < sizes_.size(); ++i) s += (i ? "," : "") + std::to_string(sizes_[i]);
-    return s + "}";
+    for (std::size_t i = 0; i < sizes_.size(); ++i) {
+      // Appended piece by piece: `const char* + std::string&&` trips GCC 12's -Wrestrict at -O3.
+      if (i != 0) s += ',';
+      s += std::to_string(sizes_[i]);
+    }
+    s += '}';
+    return s;
   }
   friend bool operator==(const RetentionSchedule&, const RetentionSchedule&) = default;
   friend std::ostream& operator<<(std::ostream& os, const RetentionSchedule& r) {

@@ -2,6 +2,7 @@
 #if __has_include(<thinkv/thinkv.hpp>)
 #include <thinkv/thinkv.hpp>
 #endif
+#include <thinkv/calibration.hpp>  // the calibration component
 #include <thinkv/status.hpp>
 #include <thinkv/types.hpp>
 
@@ -22,6 +23,8 @@ int main() {
   if (cudaRuntimeGetVersion(&runtime_version) != cudaSuccess) return 1;
   std::cout << "linked thinkv::kernels, CUDA runtime " << runtime_version << "\n";
 #endif
+  const thinkv::CalibrationFile calib;  // from thinkv::calibration
+  std::cout << "calibration component: " << calib.thresholds.size() << " thresholds by default\n";
   std::cout << "thinkv consumer: ok\n";
   return 0;
 }
