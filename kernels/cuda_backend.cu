@@ -300,6 +300,10 @@ Status CudaKvBackend::commit(const CommitPlan& plan) {
   }
   m.stats.scale_saturations += static_cast<std::int64_t>(sat);
   ++m.stats.groups_quantized;
+  // What the quantize-append kernel stores for this job: g slots (K row, V row, value scales) and,
+  // quantized, the record's head_dim key scales.
+  m.stats.page_bytes_written += static_cast<std::int64_t>(g) * m.layout.slot_data_bytes(plan.precision) +
+                                (plan.precision == Precision::kBf16 ? 0 : m.config.head_dim);
   return Status::ok();
 }
 

@@ -587,7 +587,7 @@ int run_generate(int argc, char** argv) {
                  static_cast<long long>(st.cache_stats.kmeans_calls),
                  static_cast<long long>(st.cache_stats.case1_steps),
                  static_cast<long long>(st.table_stats.slots_reused),
-                 static_cast<long long>(st.table_stats.gather_bytes),
+                 static_cast<long long>(rep.gather_bytes),
                  static_cast<long long>(st.cache_stats.budget_unreachable));
   } else {
     std::fprintf(stderr, "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted), gather bytes %lld\n",

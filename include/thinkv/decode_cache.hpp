@@ -94,7 +94,10 @@ struct CacheReport {
   std::int64_t fullkv_fp16_bytes = 0;  ///< FullKV FP16 of `positions` tokens (the baseline)
   std::int64_t eviction_calls = 0;   ///< steps at which the method evicted or compressed
   std::int64_t tokens_evicted = 0;   ///< tokens dropped, summed over streams
-  std::int64_t gather_bytes = 0;     ///< bytes moved to compact the cache (0: slots reused in place)
+  /// Bytes moved to gather or compact the cache, counted where they are written. ThinKvCache: the
+  /// bytes its backend wrote beyond what new tokens account for, cache-wide (0: CT reuses slots
+  /// in place); the dense baselines: bytes copied to close the holes eviction leaves.
+  std::int64_t gather_bytes = 0;
 
   [[nodiscard]] double held_ratio() const noexcept {
     return fullkv_fp16_bytes > 0 ? static_cast<double>(held_bytes) / static_cast<double>(fullkv_fp16_bytes) : 0.0;

@@ -269,7 +269,7 @@ class ThinKvCache {
     r.fullkv_fp16_bytes = shape().fullkv_fp16_bytes(s.position);
     r.eviction_calls = s.eviction_calls;
     r.tokens_evicted = s.tokens_evicted;
-    r.gather_bytes = cache_.table().stats().gather_bytes;
+    r.gather_bytes = cache_.moved_bytes();  // cache-wide: the backend's writes beyond new tokens
     return r;
   }
   /// The thought tracker of a sequence (current type, refresh statistics).

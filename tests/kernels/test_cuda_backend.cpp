@@ -120,6 +120,8 @@ void compare_storage(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<C
   CHECK(gb.stats().groups_quantized == cb.stats().groups_quantized);
   CHECK(gb.stats().scale_saturations == cb.stats().scale_saturations);
   CHECK(gb.stats().bytes_allocated == cb.stats().bytes_allocated);
+  CHECK(gb.stats().page_bytes_written == cb.stats().page_bytes_written);  // both count every stored byte
+  CHECK(cb.stats().page_bytes_written > 0);
 }
 
 void compare_tokens(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<CudaKvBackend>& gpu) {

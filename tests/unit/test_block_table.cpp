@@ -306,7 +306,6 @@ TEST_CASE("BlockTable: a block whose live count reaches 0 returns to its pool", 
   CHECK(t.free_blocks(Precision::kNvfp4) == free_before + 1);
   CHECK(std::find(t.blocks(0).begin(), t.blocks(0).end(), b0) == t.blocks(0).end());
   CHECK(t.stats().blocks_freed == 1);
-  CHECK(t.stats().gather_bytes == 0);
 }
 
 TEST_CASE("BlockTable: key-scale records are refcounted and freed with their last live slot", "[block_table]") {
@@ -581,7 +580,6 @@ TEST_CASE("BlockTable: randomized invariants against an independent model", "[bl
     CAPTURE(commits, exhausted, evictions, errors, resets);
     CHECK(commits > 10);
     CHECK(evictions > 10);
-    CHECK(t.stats().gather_bytes == 0);
   }
 }
 

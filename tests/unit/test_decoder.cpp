@@ -648,7 +648,7 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
   CHECK(st.tokens.size() == static_cast<std::size_t>(steps));
   CHECK(violations == 0);
   CHECK(st.cache_stats.eviction_calls > 0);
-  CHECK(st.table_stats.gather_bytes == 0);
+  CHECK(st.report.gather_bytes == 0);
   CHECK(st.table_stats.slots_reused > 0);
   CHECK(st.final_memory.physical_bytes() < st.fullkv_fp16_bytes_all_positions);
   CHECK(st.max_live_tokens <= cfg.token_budget + cfg.segment_len);

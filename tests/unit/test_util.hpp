@@ -655,7 +655,6 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
            "/", ms.slots_evicted, "/", ms.blocks_allocated, "/", ms.blocks_freed, "/",
            ms.records_allocated, "/", ms.records_freed);
   }
-  if (ts.gather_bytes != 0) d.fail("gather_bytes = ", ts.gather_bytes, ", expected 0");
   // pools: free + held = capacity
   for (Precision p : kAllPrecisions) {
     const std::size_t want = m.pool_count(p) - static_cast<std::uint32_t>(m.held_blocks(p));
@@ -835,8 +834,7 @@ inline std::vector<std::string> snapshot_table(const BlockTable& t) {
   };
   const auto& s = t.stats();
   line("stats ", s.commits, " ", s.slots_written, " ", s.slots_reused, " ", s.slots_evicted, " ",
-       s.blocks_allocated, " ", s.blocks_freed, " ", s.records_allocated, " ", s.records_freed, " ",
-       s.gather_bytes);
+       s.blocks_allocated, " ", s.blocks_freed, " ", s.records_allocated, " ", s.records_freed);
   for (Precision p : kAllPrecisions) line("free_blocks ", to_string(p), " ", t.free_blocks(p));
   line("free_records ", t.free_records());
   for (int st = 0; st < t.num_streams(); ++st) {

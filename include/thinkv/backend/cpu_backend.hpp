@@ -89,6 +89,7 @@ class CpuKvBackend {
             dst[2 * c] = static_cast<std::uint8_t>(src[c] & 0xFF);
             dst[2 * c + 1] = static_cast<std::uint8_t>(src[c] >> 8);
           }
+          stats_.page_bytes_written += 2 * d;
         }
       }
       ++stats_.groups_quantized;
@@ -116,9 +117,12 @@ class CpuKvBackend {
       if (group_scale_saturates(p, group_amax(kf.data() + c, d, g), s2k_use)) ++stats_.scale_saturations;
       rec[c] = quantize_group(p, kf.data() + c, d, g, s2k_use, codes.data() + c, d);
     }
+    stats_.page_bytes_written += d;  // the record's key scales
+    const int row_bytes = (d * bits_of(p) + 7) / 8;
     for (int i = 0; i < g; ++i) {
       std::uint8_t* dst = row_ptr(plan.slots[static_cast<std::size_t>(i)], 0);
       for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(i * d + c)]);
+      stats_.page_bytes_written += row_bytes;
     }
     // Values: per token, a group = g consecutive channels of one token.
     for (int i = 0; i < g; ++i) {
@@ -131,6 +135,7 @@ class CpuKvBackend {
         vs[j] = quantize_group(p, x, 1, g, s2v_use, codes.data() + j * g, 1);
       }
       for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(c)]);
+      stats_.page_bytes_written += row_bytes + d / g;
     }
     ++stats_.groups_quantized;
     return Status::ok();

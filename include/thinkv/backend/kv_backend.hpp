@@ -29,6 +29,11 @@ struct BackendStats {
   std::int64_t groups_quantized = 0;   ///< staged groups committed (quantized or copied)
   std::int64_t scale_saturations = 0;  ///< groups whose E4M3 scale saturated (values clipped)
   std::int64_t bytes_allocated = 0;    ///< pages + records + staging + scales, at init
+  /// Bytes commits stored into pages and key-scale records (K/V codes, value scales, key
+  /// scales), counted where they are written. PagedKvCache compares it with what its commit
+  /// plans of new tokens account for: any other write (a compaction) shows as moved bytes. A
+  /// backend must count it (both in-tree backends do; tests check it against the formats).
+  std::int64_t page_bytes_written = 0;
 };
 
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's

@@ -89,9 +89,6 @@ struct BlockTableStats {
   std::int64_t blocks_freed = 0;
   std::int64_t records_allocated = 0;
   std::int64_t records_freed = 0;
-  /// Bytes copied to compact or gather the cache. CT never moves data: this stays 0, and the
-  /// counter exists so that a test (and a benchmark against gather-based eviction) can say so.
-  std::int64_t gather_bytes = 0;
 };
 
 /// Host metadata of the CT cache. Single-threaded; not copyable by accident (use copy()).

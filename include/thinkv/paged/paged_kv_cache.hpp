@@ -117,8 +117,21 @@ class PagedKvCache {
         return s;
       }
       table_.apply_commit(plan);
+      const CacheLayout& lay = layout();
+      planned_bytes_ += std::int64_t{config().group_size} * lay.slot_data_bytes(plan.precision) +
+                        (plan.precision == Precision::kBf16 ? 0 : lay.head_dim);
     }
     return Status::ok();
+  }
+
+  /// Bytes the commit plans of new tokens account for: g slots' K/V rows and value scales, plus
+  /// the record's key scales when quantized. Every byte the cache stores is one of these.
+  [[nodiscard]] std::int64_t planned_bytes() const noexcept { return planned_bytes_; }
+  /// Bytes the backend wrote beyond what new tokens account for: data moved to gather or compact
+  /// (the backend counts where it writes). Continuous Thinking evicts by marking and refills
+  /// slots in place, so this is 0; a test fails if anything else is ever written.
+  [[nodiscard]] std::int64_t moved_bytes() const {
+    return backend_.stats().page_bytes_written - planned_bytes_;
   }
 
   /// Gives the stream's staging group (tokens not yet quantized) thought type `t`. On a thought
@@ -194,6 +207,7 @@ class PagedKvCache {
  private:
   BlockTable table_;
   B backend_;
+  std::int64_t planned_bytes_ = 0;
 };
 
 }  // namespace thinkv
