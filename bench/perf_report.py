@@ -2,8 +2,8 @@
 """Tables (Markdown, stdout) and a plot (SVG) for docs/perf.md from the JSON the GPU round writes.
 
     python3 bench/perf_report.py \
-        --attention docs/perf-data/2026-11-29/bench_paged_attention.json \
-        --sdpa docs/perf-data/2026-11-29/torch_sdpa_decode.json \
+        --attention docs/perf-data/2026-11-30-final/bench_paged_attention.json \
+        --sdpa docs/perf-data/2026-11-30-final/torch_sdpa_decode.json \
         --svg docs/perf_decode_attention.svg
 
 --attention: Google Benchmark JSON of bench/bench_paged_attention.cu (the *_median rows are used).

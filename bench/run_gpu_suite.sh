@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# One whole GPU round on a GPU machine (the lent H200): configure + build the CUDA targets
+# One whole GPU round on a machine with an NVIDIA GPU: configure + build the CUDA targets
 # (thinkv_kernels, the GPU tests, the oracle tests) for sm_90a, run the GPU and oracle tests, then
-# every GPU test executable under compute-sanitizer memcheck and racecheck. Logs go to $OUT when
-# set (the device tool brings them back), else to build-gpu-suite/logs. Exit status: 0 when all
-# passed, 1 otherwise.
+# every GPU test executable under compute-sanitizer memcheck and racecheck. Logs go to
+# $THINKV_GPU_SUITE_LOGS when set, else to build-gpu-suite/logs. Exit status: 0 when all passed,
+# 1 otherwise.
 #
 # Catch2 (needed to configure the tests) is not installed on the H200. On a machine that has it,
 #   bash bench/run_gpu_suite.sh --prepare
 # copies Debian's Catch2 v2 (header + relocatable CMake package) into .gpu-deps/ (ignored through
-# .git/info/exclude); carry ".gpu-deps" with the run. Then on the GPU machine, from the repo root:
+# .git/info/exclude); copy the checkout with .gpu-deps/ to the GPU machine. There, from the repo root:
 #   bash bench/run_gpu_suite.sh
 # Environment: THINKV_CUDA_ARCHITECTURES (default 90a), THINKV_GPU_BUILD_DIR (build-gpu-suite),
 # THINKV_TEST_SEED (pins the random tests' seed), THINKV_COMMIT (the commit to print when the copy
-# has no or stale git metadata, as the device tool's copies do: pass $(git rev-parse --short HEAD)),
-# THINKV_GPU_TAR=1 (pack every log and JSON into one $LOGS/gpu-suite.tgz at the end: the device
-# tool brings back at most 8 files).
+# has no or stale git metadata, as a copied work tree may: pass $(git rev-parse --short HEAD)),
+# THINKV_GPU_TAR=1 (pack every log and JSON into one $LOGS/gpu-suite.tgz at the end, for
+# copying the results back in one file).
 #
 # The full round ends with the GPU benchmarks (every bench/bench_*.cu, Google Benchmark; JSON in
 # $LOGS/<name>.json) and PyTorch SDPA's numbers on the same BF16 decode shapes
@@ -80,7 +80,7 @@ if [[ ${1:-} == --bench ]]; then
   BENCH_ARGS=("$@")
 fi
 
-LOGS=${OUT:-$ROOT/build-gpu-suite/logs}
+LOGS=${THINKV_GPU_SUITE_LOGS:-$ROOT/build-gpu-suite/logs}
 BUILD=${THINKV_GPU_BUILD_DIR:-$ROOT/build-gpu-suite}
 ARCH=${THINKV_CUDA_ARCHITECTURES:-90a}
 mkdir -p "$LOGS"

@@ -10,7 +10,7 @@ times belong to the same loop level (once per window, once per tile, once per wa
 is how docs/perf.md splits a kernel's instruction budget. --opcodes COUNT lists the opcode mix of
 the lines executed COUNT times.
 
-  python3 bench/tools/sass_profile.py docs/perf-data/2026-11-30-qa/ncu/paged_attention_nvfp4_32k_b32_8ab7c89.csv.gz \
+  python3 bench/tools/sass_profile.py docs/perf-data/profiles/paged_attention_nvfp4_32k_b32_8ab7c89.csv.gz \
       --units 8388608 --opcodes 524288
 """
 import argparse
