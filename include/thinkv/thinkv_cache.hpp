@@ -404,23 +404,26 @@ class ThinKvCache {
     }
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer)));
     SeqState& s = seq_(seq);
-    // Pre-check every head's commit so the layer is all-or-nothing. A head's append only fails on
-    // a full pool; plan_commit sees each head alone, against the same free lists, so the fresh
-    // blocks and key-scale records all heads need are summed and checked against the pools.
+    // One commit plan per KV head whose token completes a group, made once for the whole layer
+    // (PlanClaims gives the heads distinct fresh blocks and records) and applied as made: the
+    // pools are checked against the plans' total first, so the layer is all-or-nothing.
     const std::uint32_t seg = s.segments.back().id;
     const int d = config_.head_dim;
-    std::size_t need_blocks[kNumPrecisions] = {};
-    std::size_t need_records = 0;
+    PlanClaims claims;
+    plans_.assign(static_cast<std::size_t>(config_.num_kv_heads), CommitPlan{});
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       const int st = stream_of(seq, layer, h);
       THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
       if (cache_.table().staged_count(st) + 1 == config_.group_size) {
-        CommitPlan plan;
-        THINKV_RETURN_IF_ERROR(cache_.table().plan_commit(st, s.type, plan));
-        need_blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
-        if (plan.record != kNoRecord) ++need_records;
+        if (Status e = cache_.table().plan_commit(st, s.type, plans_[static_cast<std::size_t>(h)], &claims);
+            !e.is_ok()) {
+          return {e.code(), "append layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+                                ", KV head " + std::to_string(h) + ": " + e.message()};
+        }
       }
     }
+    const std::size_t* need_blocks = claims.blocks;
+    const std::size_t need_records = claims.records;
     for (Precision p : kAllPrecisions) {
       const std::size_t have = available_blocks(p, s);
       if (need_blocks[static_cast<int>(p)] > have) {
@@ -439,8 +442,12 @@ class ThinKvCache {
                   std::to_string(need_records)};
     }
     for (int h = 0; h < config_.num_kv_heads; ++h) {
-      THINKV_RETURN_IF_ERROR(cache_.append(stream_of(seq, layer, h), k.subspan(static_cast<std::size_t>(h) * d, d),
-                                           v.subspan(static_cast<std::size_t>(h) * d, d), s.type, seg));
+      const auto hd = static_cast<std::size_t>(h) * d;
+      const CommitPlan& plan = plans_[static_cast<std::size_t>(h)];
+      const int st = stream_of(seq, layer, h);
+      THINKV_RETURN_IF_ERROR(plan.slots.empty()
+                                 ? cache_.append(st, k.subspan(hd, d), v.subspan(hd, d), s.type, seg)
+                                 : cache_.append(st, k.subspan(hd, d), v.subspan(hd, d), s.type, seg, plan));
     }
     // The layer's commits took what begin_token reserved for them.
     for (Precision p : kAllPrecisions) {
@@ -736,6 +743,7 @@ class ThinKvCache {
   Reservation reserved_;  ///< sum over sequences of their open tokens' reservations
   std::vector<std::int32_t> streams_;
   std::vector<float> sparsity_;
+  std::vector<CommitPlan> plans_;  // one layer's commit plans, per KV head (scratch)
 };
 static_assert(decode_cache<ThinKvCache<>>);
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <set>
 #include <vector>
 
 #include "test_util.hpp"
@@ -754,4 +755,54 @@ TEST_CASE("PagedKvCache: every byte the backend writes is a new token's, none is
     CHECK(c.moved_bytes() == 0);
     TT_REQUIRE_OK_DIFF(tt::check_cache(c, m));
   }
+}
+
+// One plan per stream for a batch (a layer's KV heads), made once with PlanClaims and applied as
+// made: the plans take distinct fresh blocks and records, the batch ends where planning each
+// stream alone and appending would, and a stale or foreign plan is refused, changing nothing.
+TEST_CASE("PagedKvCache: a batch of streams planned once with PlanClaims, applied as planned", "[paged]") {
+  TT_SEEDED_RNG();
+  const int g = 8, d = 32, streams = 4;
+  PagedKvCache<> c(cache_config(kR4E4T2, d, g, 8, streams, 64));
+  CtModel m(c.config());
+  for (int round = 0; round < 12; ++round) {
+    const ThoughtType th = round % 3 == 0 ? ThoughtType::kTransition : ThoughtType::kReasoning;
+    for (int s = 0; s < streams; ++s) append_tokens(c, m, rng, s, th, g - 1);
+    PlanClaims claims;
+    std::vector<CommitPlan> plans(streams);
+    std::set<std::uint32_t> fresh;
+    std::set<std::uint32_t> records;
+    for (int s = 0; s < streams; ++s) {
+      REQUIRE(c.table().plan_commit(s, th, plans[static_cast<std::size_t>(s)], &claims).is_ok());
+      for (std::uint32_t b : plans[static_cast<std::size_t>(s)].new_blocks) CHECK(fresh.insert(b).second);
+      CHECK(records.insert(plans[static_cast<std::size_t>(s)].record).second);
+    }
+    CHECK(claims.records == static_cast<std::size_t>(streams));
+    CHECK(claims.blocks[static_cast<int>(c.config().precision.precision_of(th))] == fresh.size());
+    // A plan for another stream, or another thought, is refused and changes nothing.
+    const auto before = tt::snapshot_cache(c);
+    const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+    CHECK(c.append(0, k, v, th, 0, plans[1]).code() == StatusCode::kInvalidArgument);
+    const ThoughtType other = th == ThoughtType::kTransition ? ThoughtType::kReasoning : ThoughtType::kTransition;
+    CommitPlan wrong = plans[0];
+    wrong.thought = other;
+    CHECK(c.append(0, k, v, th, 0, wrong).code() == StatusCode::kInvalidArgument);
+    CHECK(tt::snapshot_cache(c) == before);
+    for (int s = 0; s < streams; ++s) {
+      const auto ks = tt::random_row(rng, d), vs = tt::random_row(rng, d);
+      REQUIRE(c.append(s, ks, vs, th, 0, plans[static_cast<std::size_t>(s)]).is_ok());
+      Diff diff;
+      tt::mirror_append(c.table(), m, s, ks, vs, th, 0, diff);
+      TT_REQUIRE_OK_DIFF(diff);
+    }
+    TT_REQUIRE_OK_DIFF(tt::check_cache(c, m));
+    if (round % 4 == 3) {
+      for (int s = 0; s < streams; ++s) evict_both(c, m, s, tt::random_live_subset(rng, m, s, 2 * g));
+    }
+  }
+  // A plan given for a token that does not complete a group is refused.
+  CommitPlan any;
+  REQUIRE(c.table().plan_commit(0, ThoughtType::kReasoning, any).is_ok());
+  const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+  CHECK(c.append(0, k, v, ThoughtType::kReasoning, 0, any).code() == StatusCode::kInvalidArgument);
 }

@@ -80,6 +80,15 @@ struct CommitPlan {
 };
 
 /// Counters of the block table (never reset).
+/// Fresh blocks (per precision) and key-scale records that earlier plans of one batch will take.
+/// plan_commit given claims plans as if those plans were already applied, so the plans of a
+/// batch of streams (one layer's KV heads) get distinct blocks and records and can be applied one
+/// after the other, in the order they were made, without planning again.
+struct PlanClaims {
+  std::size_t blocks[kNumPrecisions] = {};
+  std::size_t records = 0;
+};
+
 struct BlockTableStats {
   std::int64_t commits = 0;          ///< staged groups written into pages
   std::int64_t slots_written = 0;    ///< slots written by commits (fresh + reused)
@@ -293,8 +302,11 @@ class BlockTable {
   /// Plans where a full staging group of `thought` goes: evicted slots of the stream's blocks of
   /// the same thought type first (oldest block first, lowest slot first), then unwritten slots of
   /// those blocks, then fresh blocks from the precision's pool. Fails with kPoolExhausted (and
-  /// changes nothing) when the pool or the record pool cannot supply enough.
-  [[nodiscard]] Status plan_commit(int stream, ThoughtType thought, CommitPlan& plan) const {
+  /// changes nothing) when the pool or the record pool cannot supply enough. With `claims`, the
+  /// fresh blocks and records earlier plans of the batch claimed are skipped, and on success this
+  /// plan's are added to them.
+  [[nodiscard]] Status plan_commit(int stream, ThoughtType thought, CommitPlan& plan,
+                                   PlanClaims* claims = nullptr) const {
     THINKV_RETURN_IF_ERROR(check_stream(stream));
     const int g = config_.group_size;
     const int bs = config_.block_size;
@@ -331,7 +343,8 @@ class BlockTable {
     }
     // 3. fresh blocks
     const auto& fl = free_blocks_[static_cast<int>(p)];
-    auto next_free = fl.begin();
+    const std::size_t skip = claims != nullptr ? claims->blocks[static_cast<int>(p)] : 0;
+    auto next_free = skip < fl.size() ? std::next(fl.begin(), static_cast<std::ptrdiff_t>(skip)) : fl.end();
     while (!plan_full(plan, g)) {
       if (next_free == fl.end()) {
         return {StatusCode::kPoolExhausted,
@@ -347,12 +360,17 @@ class BlockTable {
       }
     }
     if (has_group_scale(p)) {
-      if (free_records_.empty()) {
+      const std::size_t taken = claims != nullptr ? claims->records : 0;
+      if (free_records_.size() <= taken) {
         return {StatusCode::kPoolExhausted,
                 "the key-scale record pool is exhausted (" + std::to_string(record_capacity()) +
                     " records, all held); raise record_capacity or set it to 0 (worst case)"};
       }
-      plan.record = free_records_.back();
+      plan.record = free_records_[free_records_.size() - 1 - taken];
+    }
+    if (claims != nullptr) {
+      claims->blocks[static_cast<int>(p)] += plan.new_blocks.size();
+      if (plan.record != kNoRecord) ++claims->records;
     }
     return Status::ok();
   }
@@ -373,7 +391,11 @@ class BlockTable {
       ++stats_.blocks_allocated;
     }
     if (plan.record != kNoRecord) {
-      free_records_.pop_back();
+      if (free_records_.back() == plan.record) {
+        free_records_.pop_back();
+      } else {  // a batch's plans applied out of order
+        free_records_.erase(std::find(free_records_.begin(), free_records_.end(), plan.record));
+      }
       record_refs_[plan.record] = static_cast<int>(plan.slots.size());
       record_owner_[plan.record] = plan.stream;
       ++s.records;

@@ -95,6 +95,22 @@ class PagedKvCache {
   /// Inf in k/v), kInvalidArgument (thought type changes inside a group), kPoolExhausted.
   [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v,
                               ThoughtType thought, std::uint32_t segment = 0) {
+    return append_impl(stream, k, v, thought, segment, nullptr);
+  }
+  /// The same with the commit already planned by the caller: `plan` comes from
+  /// table().plan_commit(stream, thought, plan, &claims) for a token that completes the stream's
+  /// staging group, made against the table as it is now (a batch of streams planned together with
+  /// PlanClaims is applied in the order it was planned). It is applied as given, not planned
+  /// again. A plan for another stream or thought, or one given for a token that does not complete
+  /// a group, is a kInvalidArgument error (nothing changes).
+  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v,
+                              ThoughtType thought, std::uint32_t segment, const CommitPlan& plan) {
+    return append_impl(stream, k, v, thought, segment, &plan);
+  }
+
+ private:
+  [[nodiscard]] Status append_impl(int stream, std::span<const float> k, std::span<const float> v,
+                                   ThoughtType thought, std::uint32_t segment, const CommitPlan* given) {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     const int d = config().head_dim;
     if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
@@ -106,8 +122,23 @@ class PagedKvCache {
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
     THINKV_RETURN_IF_ERROR(table_.check_stage(stream, thought));
     const bool fills_group = table_.staged_count(stream) + 1 == config().group_size;
+    if (given != nullptr && (!fills_group || given->stream != stream || given->thought != thought ||
+                             static_cast<int>(given->slots.size()) != config().group_size)) {
+      return {StatusCode::kInvalidArgument,
+              "append to stream " + std::to_string(stream) + " with a commit plan " +
+                  (!fills_group ? std::string("although the token does not complete a group")
+                                : "for stream " + std::to_string(given->stream) + ", thought " +
+                                      std::string(to_string(given->thought)) + ", " +
+                                      std::to_string(given->slots.size()) + " slots")};
+    }
     CommitPlan plan;
-    if (fills_group) THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, plan));
+    if (fills_group) {
+      if (given != nullptr) {
+        plan = *given;
+      } else {
+        THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, plan));
+      }
+    }
     // From here on nothing can fail but the backend; undo the staging record if it does.
     THINKV_RETURN_IF_ERROR(backend_.stage(stream, table_.staged_count(stream), k.data(), v.data()));
     table_.push_staged(stream, thought, segment);
@@ -124,6 +155,7 @@ class PagedKvCache {
     return Status::ok();
   }
 
+ public:
   /// Bytes the commit plans of new tokens account for: g slots' K/V rows and value scales, plus
   /// the record's key scales when quantized. Every byte the cache stores is one of these.
   [[nodiscard]] std::int64_t planned_bytes() const noexcept { return planned_bytes_; }
