@@ -37,8 +37,7 @@ void BM_QuantizeGroups(benchmark::State& state) {
   std::uint8_t codes[thinkv::kMaxGroupSize];
   for (auto _ : state) {
     for (int b = 0; b < groups; ++b) {
-      scales[static_cast<std::size_t>(b)] =
-          thinkv::quantize_group(P, x.data() + b * g, 1, g, s2, codes, 1);
+      scales[static_cast<std::size_t>(b)] = thinkv::quantize_group(P, x.data() + b * g, 1, g, s2, codes, 1);
       for (int i = 0; i < g; ++i) thinkv::store_code(P, packed.data(), b * g + i, codes[i]);
     }
     benchmark::DoNotOptimize(packed.data());
@@ -60,8 +59,7 @@ void BM_DequantizeGroups(benchmark::State& state) {
   std::vector<std::uint8_t> scales(static_cast<std::size_t>(groups));
   std::uint8_t codes[thinkv::kMaxGroupSize];
   for (int b = 0; b < groups; ++b) {
-    scales[static_cast<std::size_t>(b)] =
-        thinkv::quantize_group(P, x.data() + b * g, 1, g, s2, codes, 1);
+    scales[static_cast<std::size_t>(b)] = thinkv::quantize_group(P, x.data() + b * g, 1, g, s2, codes, 1);
     for (int i = 0; i < g; ++i) thinkv::store_code(P, packed.data(), b * g + i, codes[i]);
   }
   std::vector<float> out(static_cast<std::size_t>(kElements));
@@ -70,8 +68,7 @@ void BM_DequantizeGroups(benchmark::State& state) {
       const std::uint8_t sc = scales[static_cast<std::size_t>(b)];
       for (int i = 0; i < g; ++i) {
         const int e = b * g + i;
-        out[static_cast<std::size_t>(e)] =
-            thinkv::dequantize(P, thinkv::load_code(P, packed.data(), e), sc, s2);
+        out[static_cast<std::size_t>(e)] = thinkv::dequantize(P, thinkv::load_code(P, packed.data(), e), sc, s2);
       }
     }
     benchmark::DoNotOptimize(out.data());

@@ -54,11 +54,10 @@ using thinkv::bench::splitmix;
 const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_gather_compaction"};
 
 constexpr int kD = 128;
-constexpr int kG = 16;   // group size
-constexpr int kB = 16;   // block size
+constexpr int kG = 16;  // group size
+constexpr int kB = 16;  // block size
 constexpr int kKvPerSeq = 8;
 constexpr double kMaxPageBytes = 64.0 * 1024 * 1024 * 1024;  // skip configurations above this
-
 
 enum Mode : int { kModeBf16 = 0, kModeNvfp4, kModeR4E4T2, kNumModes };
 const char* const kModeName[kNumModes] = {"BF16", "R4E4T4", "R4E4T2"};
@@ -77,7 +76,6 @@ int stream_precision(int mode, long s) {
   }
 }
 
-
 __global__ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
   // 8 bytes per thread step; the tail byte by byte. Contents do not matter to a copy.
   const std::size_t words = n / 8;
@@ -94,7 +92,6 @@ __global__ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) 
     for (std::size_t i = words * 8; i < n; ++i) p[i] = static_cast<std::uint8_t>(i);
   }
 }
-
 
 struct Setup : thinkv::bench::DeviceAllocs {
   long tokens = 0, batch = 0, mode = 0, layers = 0;
@@ -142,7 +139,8 @@ struct Setup : thinkv::bench::DeviceAllocs {
     for (int p = 0; p < kNumPrecisions; ++p) {
       free_ids[p].resize(count[p]);
       std::iota(free_ids[p].begin(), free_ids[p].end(), view.pool_base[p]);
-      for (std::size_t i = free_ids[p].size(); i > 1; --i) std::swap(free_ids[p][i - 1], free_ids[p][splitmix(rng) % i]);
+      for (std::size_t i = free_ids[p].size(); i > 1; --i)
+        std::swap(free_ids[p][i - 1], free_ids[p][splitmix(rng) % i]);
     }
     std::vector<std::int32_t> indptr(static_cast<std::size_t>(S) + 1, 0), dindptr(indptr.size(), 0);
     std::vector<std::uint32_t> indices, dindices;
@@ -166,7 +164,8 @@ struct Setup : thinkv::bench::DeviceAllocs {
         for (int i = 0; i < kB / 2; ++i) m |= 1ull << slots[i];
         mask[b] = m;
         if (p != 0) {  // one key-scale record per group of 16 written slots
-          for (int i = 0; i < kB; ++i) slot_rec[static_cast<std::size_t>(b) * kB + i] = records + static_cast<std::uint32_t>(k * kB / kG);
+          for (int i = 0; i < kB; ++i)
+            slot_rec[static_cast<std::size_t>(b) * kB + i] = records + static_cast<std::uint32_t>(k * kB / kG);
         }
       }
       if (p != 0) records += static_cast<std::uint32_t>(src_per_stream * kB / kG);

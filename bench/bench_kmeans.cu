@@ -39,8 +39,6 @@ const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_kmeans"};
 constexpr int kD = 128;
 constexpr int kN = 128;
 
-
-
 /// Key-like points: ~N(0, 1/3) per channel, every 32nd channel x20 + 5.
 __global__ void fill_points(float* x, std::size_t count, int d, std::uint64_t seed) {
   for (std::size_t e = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; e < count;
@@ -55,7 +53,6 @@ __global__ void fill_points(float* x, std::size_t count, int d, std::uint64_t se
     x[e] = v;
   }
 }
-
 
 struct Setup : thinkv::bench::DeviceAllocs {
   long segments = 0, k = 0;

@@ -50,8 +50,8 @@ using thinkv::Precision;
 namespace tk = thinkv::kernels;
 
 constexpr int kD = 128;
-constexpr int kG = 16;   // group size
-constexpr int kB = 16;   // block size
+constexpr int kG = 16;  // group size
+constexpr int kB = 16;  // block size
 constexpr int kQPerSeq = 32;
 constexpr int kKvPerSeq = 8;
 using thinkv::bench::hash32;
@@ -60,7 +60,6 @@ using thinkv::bench::kL2FlushBytes;
 using thinkv::bench::splitmix;
 
 const thinkv::bench::NoGpuSkip g_no_gpu_skip{"bench_paged_attention"};
-
 
 // Precision modes of the benchmark (argument 2).
 enum Mode : int { kModeBf16 = 0, kModeFp8, kModeNvfp4, kModeTernary, kModeR4E4T2, kNumModes };
@@ -89,11 +88,9 @@ int block_precision(int mode, std::size_t k) {
   }
 }
 
-
-
 /// Random page bytes that decode to finite values; E4M3 scale bytes in [0.5, 1).
-__global__ void fill_pages(std::uint8_t* pages, std::size_t n, std::size_t pb, std::size_t data_bytes,
-                           int precision, std::uint64_t seed) {
+__global__ void fill_pages(std::uint8_t* pages, std::size_t n, std::size_t pb, std::size_t data_bytes, int precision,
+                           std::uint64_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const std::uint32_t r = hash32(seed ^ (i * 0x9E3779B97F4A7C15ull));
@@ -119,7 +116,6 @@ __global__ void fill_bytes_sane_e4m3(std::uint8_t* p, std::size_t n, std::uint64
     p[i] = static_cast<std::uint8_t>(0x30 | (hash32(seed ^ (i * 0x9E3779B97F4A7C15ull)) & 0x07));
   }
 }
-
 
 /// The synthetic cache, the launch parameters and the byte count of one configuration.
 struct Setup : thinkv::bench::DeviceAllocs {
@@ -201,8 +197,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
         mask[b] = m;
         for (int i = 0; i < kB; ++i, ++slot_in_stream) {
           if (p != 0) {
-            slot_rec[static_cast<std::size_t>(b) * kB + i] =
-                rec_base + static_cast<std::uint32_t>(slot_in_stream / kG);
+            slot_rec[static_cast<std::size_t>(b) * kB + i] = rec_base + static_cast<std::uint32_t>(slot_in_stream / kG);
             quant_stream = true;
           }
         }
@@ -259,8 +254,8 @@ struct Setup : thinkv::bench::DeviceAllocs {
     BENCH_CUDA(put(prm.streams, streams));
     BENCH_CUDA(put(prm.q, q));
     prm.out = out;
-    bytes_read += static_cast<double>(Hq) * kD * 4;      // q
-    bytes_written = static_cast<double>(Hq) * kD * 4;   // out
+    bytes_read += static_cast<double>(Hq) * kD * 4;    // q
+    bytes_written = static_cast<double>(Hq) * kD * 4;  // out
     // The split plan's hint (the longest stream's slot positions), as CudaKvBackend passes it;
     // THINKV_BENCH_SPLIT_HINT=0 plans without it (waves only), for comparison.
     const char* hint = std::getenv("THINKV_BENCH_SPLIT_HINT");

@@ -55,12 +55,9 @@ constexpr int kB = 16;  // block size
 constexpr int kLayers = 32;
 constexpr int kKvHeads = 8;
 
-
 int bits_of(int p) { return p == 0 ? 16 : p == 1 ? 8 : p == 2 ? 4 : 2; }
 std::size_t row_bytes(int p) { return static_cast<std::size_t>(kD * bits_of(p) / 8); }
 std::size_t page_bytes(int p) { return kB * (2 * row_bytes(p) + (p == 0 ? 0 : kD / kG)); }
-
-
 
 /// Random BF16 values with exponent 125..128 (|x| in [2^-2, 2^2)), random sign and mantissa.
 __global__ void fill_staging(std::uint16_t* x, std::size_t n, std::uint64_t seed) {
@@ -71,7 +68,6 @@ __global__ void fill_staging(std::uint16_t* x, std::size_t n, std::uint64_t seed
     x[i] = static_cast<std::uint16_t>(((r >> 2) & 0x8000u) | (exponent << 7) | ((r >> 8) & 0x7Fu));
   }
 }
-
 
 struct Setup : thinkv::bench::DeviceAllocs {
   long batch = 0, scatter = 0, fresh_s2 = 0;
@@ -116,7 +112,8 @@ struct Setup : thinkv::bench::DeviceAllocs {
     for (int p = 0; p < kNumPrecisions; ++p) {
       free_ids[p].resize(v.pool_count[p]);
       std::iota(free_ids[p].begin(), free_ids[p].end(), v.pool_base[p]);
-      for (std::size_t i = free_ids[p].size(); i > 1; --i) std::swap(free_ids[p][i - 1], free_ids[p][splitmix(rng) % i]);
+      for (std::size_t i = free_ids[p].size(); i > 1; --i)
+        std::swap(free_ids[p][i - 1], free_ids[p][splitmix(rng) % i]);
     }
     std::size_t next[kNumPrecisions] = {};
     // Scatter: the j-th job of a pool owns blocks free_ids[p][4j .. 4j+3]; token i goes to block
@@ -206,7 +203,8 @@ void BM_QuantizeAppend(benchmark::State& state) {
   if (setup == nullptr) return;
   Setup& su = *setup;
   const double med_s = thinkv::bench::time_launches(
-      state, [&] { return tk::launch_quantize_append(su.prm, nullptr); }, su.flush, nullptr, [&] {
+      state, [&] { return tk::launch_quantize_append(su.prm, nullptr); }, su.flush, nullptr,
+      [&] {
         if (su.fresh_s2) (void)cudaMemsetAsync(su.prm.cache.s2, 0, su.s2_bytes, nullptr);  // untimed
       });
   if (med_s == 0.0) return;

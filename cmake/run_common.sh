@@ -3,8 +3,10 @@
 
 # Debian packages the build needs (Debian 12 versions: CMake 3.25, g++ 12, Catch2 2.13, benchmark 1.7,
 # nlohmann-json 3.11).
-# clang and libclang-rt-14-dev (libFuzzer, sanitizer runtimes) build the fuzz targets.
-THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev nlohmann-json3-dev clang libclang-rt-14-dev)
+# clang and libclang-rt-14-dev (libFuzzer, sanitizer runtimes) build the fuzz targets;
+# clang-format-14 checks the formatting (tests/lint/).
+THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev nlohmann-json3-dev clang libclang-rt-14-dev
+                     clang-format-14)
 
 thinkv_log() { printf '\n==== %s\n' "$*" >&2; }
 

@@ -30,12 +30,12 @@ Status cuda_status(cudaError_t e, const char* what) {
 #define THINKV_CUDA_TRY(call) THINKV_RETURN_IF_ERROR(cuda_status((call), #call))
 
 // Inside CudaKvBackend members: refuse calls before init() (or on a moved-from backend).
-#define THINKV_BACKEND_READY()                                                                \
-  do {                                                                                        \
-    if (!impl_ || !impl_->ready) {                                                            \
-      return Status{StatusCode::kInvalidArgument,                                             \
+#define THINKV_BACKEND_READY()                                                                    \
+  do {                                                                                            \
+    if (!impl_ || !impl_->ready) {                                                                \
+      return Status{StatusCode::kInvalidArgument,                                                 \
                     "CudaKvBackend used before a successful init() (or after being moved from)"}; \
-    }                                                                                         \
+    }                                                                                             \
   } while (0)
 
 template <class T>
@@ -90,8 +90,8 @@ struct CudaKvBackend::Impl {
     const cudaError_t e = cudaMalloc(p, bytes == 0 ? 1 : bytes);
     if (e == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
-      return {StatusCode::kPoolExhausted, std::string("cudaMalloc of ") + std::to_string(bytes) +
-                                              " bytes for " + what + " failed: out of device memory "
+      return {StatusCode::kPoolExhausted, std::string("cudaMalloc of ") + std::to_string(bytes) + " bytes for " + what +
+                                              " failed: out of device memory "
                                               "(reduce pool_blocks or num_streams)"};
     }
     THINKV_RETURN_IF_ERROR(cuda_status(e, "cudaMalloc"));
@@ -158,9 +158,10 @@ Status CudaKvBackend::init(const CacheConfig& config) {
   int devices = 0;
   if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
     (void)cudaGetLastError();
-    return {StatusCode::kCudaError, std::string("CudaKvBackend: no usable CUDA device (") +
-                                        (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") +
-                                        "); use the CPU backend on this machine (CpuKvBackend; `thinkv generate --backend cpu`)"};
+    return {StatusCode::kCudaError,
+            std::string("CudaKvBackend: no usable CUDA device (") +
+                (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") +
+                "); use the CPU backend on this machine (CpuKvBackend; `thinkv generate --backend cpu`)"};
   }
   m.config = config;
   m.layout = CacheLayout::from(config);
@@ -174,8 +175,8 @@ Status CudaKvBackend::init(const CacheConfig& config) {
   void* p = nullptr;
   for (Precision pr : kAllPrecisions) {
     const int i = static_cast<int>(pr);
-    const std::size_t n = static_cast<std::size_t>(config.pool_blocks[i]) *
-                          static_cast<std::size_t>(m.layout.page_bytes(pr));
+    const std::size_t n =
+        static_cast<std::size_t>(config.pool_blocks[i]) * static_cast<std::size_t>(m.layout.page_bytes(pr));
     if (n == 0) continue;
     THINKV_RETURN_IF_ERROR(m.alloc(&p, n, "pages"));
     m.pages[i] = typed<std::uint8_t>(p);
@@ -236,10 +237,10 @@ Status CudaKvBackend::stage(int stream, int row, const float* k, const float* v)
     kb[static_cast<std::size_t>(c)] = encode_bf16(k[c]);
     vb[static_cast<std::size_t>(c)] = encode_bf16(v[c]);
   }
-  THINKV_CUDA_TRY(cudaMemcpy(m.staging + m.staging_offset(stream, row, 0), kb.data(), kb.size() * 2,
-                             cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.staging + m.staging_offset(stream, row, 1), vb.data(), vb.size() * 2,
-                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.staging + m.staging_offset(stream, row, 0), kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.staging + m.staging_offset(stream, row, 1), vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
   return Status::ok();
 }
 
@@ -248,10 +249,10 @@ Status CudaKvBackend::read_staged(int stream, int row, float* k, float* v) const
   const Impl& m = *impl_;
   const int d = m.config.head_dim;
   std::vector<std::uint16_t> kb(static_cast<std::size_t>(d)), vb(kb.size());
-  THINKV_CUDA_TRY(cudaMemcpy(kb.data(), m.staging + m.staging_offset(stream, row, 0), kb.size() * 2,
-                             cudaMemcpyDeviceToHost));
-  THINKV_CUDA_TRY(cudaMemcpy(vb.data(), m.staging + m.staging_offset(stream, row, 1), vb.size() * 2,
-                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(kb.data(), m.staging + m.staging_offset(stream, row, 0), kb.size() * 2, cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(vb.data(), m.staging + m.staging_offset(stream, row, 1), vb.size() * 2, cudaMemcpyDeviceToHost));
   for (int c = 0; c < d; ++c) {
     k[c] = decode_bf16(kb[static_cast<std::size_t>(c)]);
     v[c] = decode_bf16(vb[static_cast<std::size_t>(c)]);
@@ -310,8 +311,8 @@ Status CudaKvBackend::commit(const CommitPlan& plan) {
 Status CudaKvBackend::reset_stream(int stream) {
   THINKV_BACKEND_READY();
   const Impl& m = *impl_;
-  THINKV_CUDA_TRY(cudaMemset(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, 0,
-                             2 * kNumPrecisions * sizeof(float)));
+  THINKV_CUDA_TRY(
+      cudaMemset(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, 0, 2 * kNumPrecisions * sizeof(float)));
   return Status::ok();
 }
 
@@ -319,8 +320,8 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   THINKV_BACKEND_READY();
   const Impl& m = *impl_;
   if (slot.block >= m.pools.total || slot.slot >= static_cast<std::uint32_t>(m.config.block_size)) {
-    return {StatusCode::kOutOfRange, "slot {block " + std::to_string(slot.block) + ", slot " +
-                                         std::to_string(slot.slot) + "} does not exist"};
+    return {StatusCode::kOutOfRange,
+            "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} does not exist"};
   }
   const int d = m.config.head_dim;
   const int g = m.config.group_size;
@@ -330,8 +331,8 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   const std::uint8_t* page = m.pages[static_cast<int>(p)] + m.page_offset(slot.block);
   std::vector<std::uint8_t> kr(rb), vr(rb);
   THINKV_CUDA_TRY(cudaMemcpy(kr.data(), page + slot.slot * rb, rb, cudaMemcpyDeviceToHost));
-  THINKV_CUDA_TRY(cudaMemcpy(vr.data(), page + (static_cast<std::size_t>(bs) + slot.slot) * rb, rb,
-                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(vr.data(), page + (static_cast<std::size_t>(bs) + slot.slot) * rb, rb, cudaMemcpyDeviceToHost));
   if (p == Precision::kBf16) {
     CpuKvBackend::dequantize_token(p, kr.data(), vr.data(), nullptr, nullptr, 0.0f, 0.0f, d, g, k, v);
     return Status::ok();
@@ -339,19 +340,19 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   const std::int32_t owner = table.block_owner(slot.block);
   const std::uint32_t r = table.slot_record(slot);
   if (owner == kNoStream || r == kNoRecord) {
-    return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(slot.block) + ", slot " +
-                                              std::to_string(slot.slot) + "} holds no token"};
+    return {StatusCode::kInvalidArgument,
+            "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
   }
   std::vector<std::uint8_t> rec(static_cast<std::size_t>(d)), vs(static_cast<std::size_t>(d / g));
   float s2[2 * kNumPrecisions];
-  THINKV_CUDA_TRY(cudaMemcpy(rec.data(), m.records + static_cast<std::size_t>(r) * d, rec.size(),
-                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(rec.data(), m.records + static_cast<std::size_t>(r) * d, rec.size(), cudaMemcpyDeviceToHost));
   THINKV_CUDA_TRY(cudaMemcpy(vs.data(),
                              page + 2 * static_cast<std::size_t>(bs) * rb +
                                  static_cast<std::size_t>(slot.slot) * m.layout.value_scale_bytes(p),
                              vs.size(), cudaMemcpyDeviceToHost));
-  THINKV_CUDA_TRY(cudaMemcpy(s2, m.s2 + static_cast<std::size_t>(owner) * 2 * kNumPrecisions, sizeof(s2),
-                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(s2, m.s2 + static_cast<std::size_t>(owner) * 2 * kNumPrecisions, sizeof(s2), cudaMemcpyDeviceToHost));
   CpuKvBackend::dequantize_token(p, kr.data(), vr.data(), vs.data(), rec.data(), s2[static_cast<int>(p)],
                                  s2[kNumPrecisions + static_cast<int>(p)], d, g, k, v);
   return Status::ok();
@@ -369,26 +370,27 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   }
   const int d = m.config.head_dim;
   if (d != 8 && d != 64 && d != 128 && d != 256) {
-    return {StatusCode::kUnsupported, "head_dim " + std::to_string(d) +
-                                          ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
+    return {StatusCode::kUnsupported,
+            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
   }
   if (args.num_q_heads / args.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
-    return {StatusCode::kUnsupported,
-            std::to_string(args.num_q_heads / args.num_kv_heads) + " query heads per KV head: the CUDA attention "
-            "kernel serves at most " + std::to_string(kernels::kMaxQueryHeadsPerKv)};
+    return {StatusCode::kUnsupported, std::to_string(args.num_q_heads / args.num_kv_heads) +
+                                          " query heads per KV head: the CUDA attention "
+                                          "kernel serves at most " +
+                                          std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
   // Mirror the block table (whole metadata: version 1).
   flatten_block_table(table, m.flat);
   THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4,
-                             cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.indptr, m.flat.block_indptr.data(), m.flat.block_indptr.size() * 4,
-                             cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.indices, m.flat.block_indices.data(), m.flat.block_indices.size() * 4,
-                             cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.staged, m.flat.staged_count.data(), m.flat.staged_count.size() * 4,
-                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.indptr, m.flat.block_indptr.data(), m.flat.block_indptr.size() * 4, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.indices, m.flat.block_indices.data(), m.flat.block_indices.size() * 4, cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.staged, m.flat.staged_count.data(), m.flat.staged_count.size() * 4, cudaMemcpyHostToDevice));
   // Scratch: q, out, sparsity, streams, workspace (16-byte aligned pieces of one buffer).
   kernels::DecodeAttentionParams prm;
   prm.num_q_heads = args.num_q_heads;
@@ -400,8 +402,9 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   // The split plan's hint: the longest stream of this launch, in slot positions.
   for (int h = 0; h < args.num_kv_heads; ++h) {
     const auto st = static_cast<std::size_t>(args.kv_streams[h]);
-    const long long pos = static_cast<long long>(m.flat.block_indptr[st + 1] - m.flat.block_indptr[st]) *
-                              m.config.block_size + m.flat.staged_count[st];
+    const long long pos =
+        static_cast<long long>(m.flat.block_indptr[st + 1] - m.flat.block_indptr[st]) * m.config.block_size +
+        m.flat.staged_count[st];
     if (pos > prm.max_positions) prm.max_positions = pos;
   }
   const auto align = [](std::size_t x) { return (x + 255) & ~std::size_t{255}; };
@@ -429,8 +432,8 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   auto* dstreams = reinterpret_cast<std::int32_t*>(base + 2 * q_bytes + sp_bytes);
   void* dws = base + 2 * q_bytes + sp_bytes + st_bytes;
   THINKV_CUDA_TRY(cudaMemcpy(dq, args.q, static_cast<std::size_t>(args.num_q_heads) * d * 4, cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(dstreams, args.kv_streams, static_cast<std::size_t>(args.num_kv_heads) * 4,
-                             cudaMemcpyHostToDevice));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(dstreams, args.kv_streams, static_cast<std::size_t>(args.num_kv_heads) * 4, cudaMemcpyHostToDevice));
   prm.streams = dstreams;
   prm.q = dq;
   prm.out = dout;
@@ -444,10 +447,11 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
   }
   THINKV_CUDA_TRY(kernels::launch_paged_decode_attention(view, prm, nullptr));
   THINKV_CUDA_TRY(cudaDeviceSynchronize());
-  THINKV_CUDA_TRY(cudaMemcpy(args.out, dout, static_cast<std::size_t>(args.num_q_heads) * d * 4, cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(args.out, dout, static_cast<std::size_t>(args.num_q_heads) * d * 4, cudaMemcpyDeviceToHost));
   if (args.sparsity != nullptr) {
-    THINKV_CUDA_TRY(cudaMemcpy(args.sparsity, dsp, static_cast<std::size_t>(args.num_q_heads) * 4,
-                               cudaMemcpyDeviceToHost));
+    THINKV_CUDA_TRY(
+        cudaMemcpy(args.sparsity, dsp, static_cast<std::size_t>(args.num_q_heads) * 4, cudaMemcpyDeviceToHost));
   }
   return Status::ok();
 }
@@ -462,8 +466,8 @@ Status CudaKvBackend::copy_page(std::uint32_t block, std::vector<std::uint8_t>& 
   }
   const Precision p = m.pools.precision_of(block);
   out.resize(static_cast<std::size_t>(m.layout.page_bytes(p)));
-  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.pages[static_cast<int>(p)] + m.page_offset(block), out.size(),
-                             cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(
+      cudaMemcpy(out.data(), m.pages[static_cast<int>(p)] + m.page_offset(block), out.size(), cudaMemcpyDeviceToHost));
   return Status::ok();
 }
 
@@ -474,8 +478,8 @@ Status CudaKvBackend::copy_record(std::uint32_t record, std::vector<std::uint8_t
     return {StatusCode::kOutOfRange, "record " + std::to_string(record) + " does not exist"};
   }
   out.resize(static_cast<std::size_t>(m.config.head_dim));
-  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.records + static_cast<std::size_t>(record) * m.config.head_dim,
-                             out.size(), cudaMemcpyDeviceToHost));
+  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.records + static_cast<std::size_t>(record) * m.config.head_dim, out.size(),
+                             cudaMemcpyDeviceToHost));
   return Status::ok();
 }
 
@@ -483,10 +487,11 @@ Status CudaKvBackend::stream_scale(int stream, int kv, Precision p, float& out) 
   THINKV_BACKEND_READY();
   const Impl& m = *impl_;
   if (stream < 0 || stream >= m.config.num_streams || kv < 0 || kv > 1) {
-    return {StatusCode::kOutOfRange, "stream scale (" + std::to_string(stream) + ", " + std::to_string(kv) +
-                                         ") does not exist"};
+    return {StatusCode::kOutOfRange,
+            "stream scale (" + std::to_string(stream) + ", " + std::to_string(kv) + ") does not exist"};
   }
-  THINKV_CUDA_TRY(cudaMemcpy(&out, m.s2 + (static_cast<std::size_t>(stream) * 2 + kv) * kNumPrecisions + static_cast<int>(p),
+  THINKV_CUDA_TRY(cudaMemcpy(&out,
+                             m.s2 + (static_cast<std::size_t>(stream) * 2 + kv) * kNumPrecisions + static_cast<int>(p),
                              sizeof(float), cudaMemcpyDeviceToHost));
   return Status::ok();
 }

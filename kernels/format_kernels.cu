@@ -22,11 +22,10 @@ __global__ void quantize_groups_kernel(QuantizeGroupsParams p) {
 }  // namespace
 
 cudaError_t check_quantize_groups(const QuantizeGroupsParams& p) noexcept {
-  const bool precision_ok = p.precision == Precision::kFp8E4M3 ||
-                            p.precision == Precision::kNvfp4 ||
-                            p.precision == Precision::kTernary;
-  if (!precision_ok || p.num_groups < 0 || p.group_size < 1 || p.group_size > kMaxGroupSize ||
-      p.element_stride < 1 || p.group_stride < 0 || !(p.s2 > 0.0f)) {
+  const bool precision_ok =
+      p.precision == Precision::kFp8E4M3 || p.precision == Precision::kNvfp4 || p.precision == Precision::kTernary;
+  if (!precision_ok || p.num_groups < 0 || p.group_size < 1 || p.group_size > kMaxGroupSize || p.element_stride < 1 ||
+      p.group_stride < 0 || !(p.s2 > 0.0f)) {
     return cudaErrorInvalidValue;
   }
   if (p.num_groups > 0 && (p.x == nullptr || p.codes == nullptr || p.scales == nullptr)) {

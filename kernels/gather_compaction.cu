@@ -39,9 +39,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kItems = 4;                   // consecutive slots per thread per tile
-constexpr int kTile = kThreads * kItems;    // slots per tile
-constexpr int kUnroll = 2;                  // loads in flight per thread in the copy loop
+constexpr int kItems = 4;                 // consecutive slots per thread per tile
+constexpr int kTile = kThreads * kItems;  // slots per tile
+constexpr int kUnroll = 2;                // loads in flight per thread in the copy loop
 // Resident CTAs per SM: 8 x 256 threads needs <= 32 registers per thread (ptxas: 32, no spills
 // for sm_90a). On an H200, 8 x 2 x 16 bytes in flight per thread beat 4 x 4 or 4 x 8 with larger
 // tiles by 5-10% on NVFP4 rows and matched them on BF16.
@@ -198,8 +198,8 @@ struct TokenPlan {
 
 /// Copies the first n tokens of the tile list: all their work items as one flat list, kUnroll
 /// loads in flight per thread before the stores; consecutive threads take consecutive units.
-__device__ __forceinline__ void copy_tile(const TileList& t, int n, const std::uint8_t* src,
-                                          std::uint8_t* dst, const TokenPlan& tp) {
+__device__ __forceinline__ void copy_tile(const TileList& t, int n, const std::uint8_t* src, std::uint8_t* dst,
+                                          const TokenPlan& tp) {
   const int per_tok = 2 * tp.nr + tp.nv;
   const int items = n * per_tok;
   for (int base = static_cast<int>(threadIdx.x); base < items; base += kUnroll * kThreads) {
@@ -403,8 +403,8 @@ bool pool_map_ok(const PagedKvView& v) noexcept {
 }
 
 /// Widest copy unit (16, 8, 4, 2, 1 bytes) dividing every offset and address of a segment.
-int copy_width_for(std::uint64_t seg_bytes, std::uint64_t page_bytes, std::uint64_t seg_base,
-                   const void* src, const void* dst) noexcept {
+int copy_width_for(std::uint64_t seg_bytes, std::uint64_t page_bytes, std::uint64_t seg_base, const void* src,
+                   const void* dst) noexcept {
   const std::uint64_t bits = seg_bytes | page_bytes | seg_base |
                              static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(src)) |
                              static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(dst));
@@ -434,17 +434,17 @@ int gather_compaction_splits(const GatherCompactionParams& p) noexcept {
 cudaError_t check_gather_compaction(const GatherCompactionParams& p) noexcept {
   const PagedKvView& v = p.src;
   const bool group_ok = p.group_size == 8 || p.group_size == 16 || p.group_size == 32;
-  if (!group_ok || p.head_dim < 1 || p.head_dim > 1024 || p.head_dim % p.group_size != 0 ||
-      p.block_size < 1 || p.block_size > 4096) {
+  if (!group_ok || p.head_dim < 1 || p.head_dim > 1024 || p.head_dim % p.group_size != 0 || p.block_size < 1 ||
+      p.block_size > 4096) {
     return cudaErrorInvalidValue;
   }
   if (p.num_streams < 1 || p.num_splits < 0 || p.num_splits > kMaxGatherSplits) return cudaErrorInvalidValue;
-  if (p.streams == nullptr || p.dst_indptr == nullptr || p.dst_indices == nullptr ||
-      p.dst_block_fill == nullptr || p.dst_evict_mask == nullptr || p.dst_slot_record == nullptr) {
+  if (p.streams == nullptr || p.dst_indptr == nullptr || p.dst_indices == nullptr || p.dst_block_fill == nullptr ||
+      p.dst_evict_mask == nullptr || p.dst_slot_record == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (v.num_streams < 1 || v.block_fill == nullptr || v.evict_mask == nullptr ||
-      v.slot_record == nullptr || v.block_indptr == nullptr || v.block_indices == nullptr) {
+  if (v.num_streams < 1 || v.block_fill == nullptr || v.evict_mask == nullptr || v.slot_record == nullptr ||
+      v.block_indptr == nullptr || v.block_indices == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (!pool_map_ok(v)) return cudaErrorInvalidValue;
@@ -454,9 +454,7 @@ cudaError_t check_gather_compaction(const GatherCompactionParams& p) noexcept {
     return cudaErrorInvalidValue;
   }
   for (int i = 0; i < kNumPrecisions; ++i) {
-    if (v.pool_count[i] > 0 && (v.pages[i] == nullptr || p.dst_pages[i] == nullptr)) {
-      return cudaErrorInvalidValue;
-    }
+    if (v.pool_count[i] > 0 && (v.pages[i] == nullptr || p.dst_pages[i] == nullptr)) { return cudaErrorInvalidValue; }
   }
   return cudaSuccess;
 }

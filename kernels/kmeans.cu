@@ -35,9 +35,9 @@
 namespace thinkv::kernels {
 namespace {
 
-constexpr int kThreads = 256;   // per CTA; >= 2 * kKmeansMaxPoints (two point groups at n = 128)
-constexpr int kTile = 8;        // centres per register tile of the distance loop
-constexpr int kSelTile = 16;    // centres whose distances are materialized per selection round
+constexpr int kThreads = 256;  // per CTA; >= 2 * kKmeansMaxPoints (two point groups at n = 128)
+constexpr int kTile = 8;       // centres per register tile of the distance loop
+constexpr int kSelTile = 16;   // centres whose distances are materialized per selection round
 constexpr unsigned kFull = 0xFFFFFFFFu;
 static_assert(kThreads >= 2 * kKmeansMaxPoints, "two point groups per CTA");
 static_assert(kKmeansMaxPoints % 32 == 0 && kKmeansMaxPoints <= 128, "selection: 4 points per lane");
@@ -45,8 +45,8 @@ static_assert(kKmeansMaxPoints % 32 == 0 && kKmeansMaxPoints <= 128, "selection:
 /// Byte offsets of the shared-memory regions of one CTA (host and device agree).
 struct Layout {
   int stride = 0;  ///< S: point index stride of pT and of the selection tile, multiple of 32
-  std::size_t pt = 0, cen = 0, scratch = 0, assign = 0, members = 0, counts = 0, offsets = 0,
-              picks = 0, flags = 0, total = 0;
+  std::size_t pt = 0, cen = 0, scratch = 0, assign = 0, members = 0, counts = 0, offsets = 0, picks = 0, flags = 0,
+              total = 0;
 };
 
 __host__ __device__ constexpr std::size_t max_sz(std::size_t a, std::size_t b) { return a > b ? a : b; }
@@ -92,8 +92,7 @@ __device__ __forceinline__ float add_sq(float s, float a, float b) {
 /// order; sink(c, dist) is called for c ascending. kTile independent chains at a time.
 template <int D, typename Sink>
 __device__ __forceinline__ void centre_distances(const float* __restrict__ pT, int S, int i,
-                                                 const float* __restrict__ cen, int cb, int ce,
-                                                 Sink&& sink) {
+                                                 const float* __restrict__ cen, int cb, int ce, Sink&& sink) {
   for (int c0 = cb; c0 < ce; c0 += kTile) {
     float s[kTile];
     const float* row[kTile];
@@ -160,8 +159,8 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
   int* const offsets = reinterpret_cast<int*>(smem + L.offsets);
   int* const picks = reinterpret_cast<int*>(smem + L.picks);
   unsigned char* const chosen = smem + L.flags;
-  float* const dist = scratch;       // k-means++: D(x)^2 [S]
-  float* const prefix = scratch + S; // k-means++: running sums [S]
+  float* const dist = scratch;        // k-means++: D(x)^2 [S]
+  float* const prefix = scratch + S;  // k-means++: running sums [S]
 
   std::uint64_t state = p.seeds != nullptr ? p.seeds[seg] : p.seed;  // used by thread 0 only
 
@@ -250,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
 
   // ---- 2. Lloyd iterations -----------------------------------------------------------------
   {
-    float* const part_v = scratch;                                // [kThreads]
+    float* const part_v = scratch;                                   // [kThreads]
     int* const part_c = reinterpret_cast<int*>(scratch + kThreads);  // [kThreads]
     const int chunk = (k + groups - 1) / groups;
     const int cb = g * chunk < k ? g * chunk : k;
@@ -331,8 +330,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
       const int sc = (tn + groups - 1) / groups;
       const int sb = c0 + (g * sc < tn ? g * sc : tn);
       const int se = c0 + (g * sc + sc < tn ? g * sc + sc : tn);
-      centre_distances<D>(pT, S, i, cen, sb, se,
-                          [&](int c, float v) { tile[(c - c0) * S + i] = v; });
+      centre_distances<D>(pT, S, i, cen, sb, se, [&](int c, float v) { tile[(c - c0) * S + i] = v; });
     }
     __syncthreads();
     if (warp == 0) {
@@ -351,8 +349,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
           if (pi < n && ((taken >> q) & 1u) == 0) {
             const float v = tile[t * S + pi];
             const unsigned hi = is_nan(v) ? (pi == first ? 0u : 0xFFFFFFFFu) : __float_as_uint(v);
-            const unsigned long long key =
-                (static_cast<unsigned long long>(hi) << 32) | static_cast<unsigned>(pi);
+            const unsigned long long key = (static_cast<unsigned long long>(hi) << 32) | static_cast<unsigned>(pi);
             best = key < best ? key : best;
           }
         }
@@ -388,8 +385,7 @@ cudaError_t launch_for(const KmeansSelectParams& p, std::size_t bytes, int optin
   // different shapes cannot undercut each other.
   const std::size_t most = make_layout(D, kKmeansMaxPoints, kKmeansMaxK).total;
   const int cap = most < static_cast<std::size_t>(optin) ? static_cast<int>(most) : optin;
-  if (cudaError_t e = cudaFuncSetAttribute(kmeans_select_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
+  if (cudaError_t e = cudaFuncSetAttribute(kmeans_select_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
       e != cudaSuccess) {
     (void)cudaGetLastError();
     return e;
@@ -402,12 +398,11 @@ cudaError_t launch_for(const KmeansSelectParams& p, std::size_t bytes, int optin
 
 cudaError_t check_kmeans_select(const KmeansSelectParams& p) noexcept {
   const bool d_ok = p.head_dim == 8 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
-  if (!d_ok || p.num_segments < 0 || p.max_points < 1 || p.max_points > kKmeansMaxPoints ||
-      p.max_k < 1 || p.max_k > kKmeansMaxK || p.max_iterations < 0) {
+  if (!d_ok || p.num_segments < 0 || p.max_points < 1 || p.max_points > kKmeansMaxPoints || p.max_k < 1 ||
+      p.max_k > kKmeansMaxK || p.max_iterations < 0) {
     return cudaErrorInvalidValue;
   }
-  if (p.num_segments > 0 &&
-      (p.points == nullptr || p.num_points == nullptr || p.k == nullptr || p.kept == nullptr)) {
+  if (p.num_segments > 0 && (p.points == nullptr || p.num_points == nullptr || p.k == nullptr || p.kept == nullptr)) {
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -428,8 +423,7 @@ cudaError_t launch_kmeans_select(const KmeansSelectParams& p, cudaStream_t strea
     (void)cudaGetLastError();
     return e;
   }
-  if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      e != cudaSuccess) {
+  if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess) {
     (void)cudaGetLastError();
     return e;
   }

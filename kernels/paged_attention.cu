@@ -64,13 +64,12 @@ struct SharedState {
   static constexpr int kKStride = D + 1;  // padded: conflict-free column reads in tile_scores
   float q[kG][D];
   float k[kTile][kKStride];
-  float p[kG][kTile];      // scores
-  float m[kG];             // row max (exact)
-  int below[kG];           // sparsity counts
-  int valid[kTile];        // slot of the tile holds a live token
+  float p[kG][kTile];  // scores
+  float m[kG];         // row max (exact)
+  int below[kG];       // sparsity counts
+  int valid[kTile];    // slot of the tile holds a live token
   std::uint32_t record[kTile];
 };
-
 
 __device__ inline float element_of(int precision, const std::uint8_t* row, int c) {
   switch (static_cast<Precision>(precision)) {
@@ -98,8 +97,8 @@ __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionPara
   constexpr int kTile = SharedState<D>::kTile;
   constexpr int kBits = P == 0 ? 16 : P == 1 ? 8 : P == 2 ? 4 : 2;
   constexpr int kRb = D * kBits / 8;
-  constexpr int kUpr = kRb / 16;      // units per row
-  constexpr int kEpu = 128 / kBits;   // elements per unit
+  constexpr int kUpr = kRb / 16;     // units per row
+  constexpr int kEpu = 128 / kBits;  // elements per unit
   static_assert(kRb % 16 == 0, "vector path needs 16-byte rows");
   const int g = prm.group_size;
   for (int i = static_cast<int>(threadIdx.x); i < kTile * kUpr; i += kThreads) {
@@ -118,7 +117,8 @@ __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionPara
     const uint4 w = __ldg(rowp + u);
     if constexpr (P == 0) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) dst[j] = decode_bf16(static_cast<std::uint16_t>(word_of(w, j >> 1) >> (16 * (j & 1))));
+      for (int j = 0; j < 8; ++j)
+        dst[j] = decode_bf16(static_cast<std::uint16_t>(word_of(w, j >> 1) >> (16 * (j & 1))));
     } else {
       const std::uint32_t rec = sh.record[t];
       if (rec == kNoRecordId) {
@@ -139,7 +139,8 @@ __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionPara
           } else if constexpr (P == 2) {
             x = decode_e2m1(static_cast<std::uint8_t>((byte_of(w, e >> 1) >> ((e & 1) * 4)) & 0xF));
           } else {
-            x = decode_element(Precision::kTernary, static_cast<std::uint8_t>((byte_of(w, e >> 2) >> ((e & 3) * 2)) & 0x3));
+            x = decode_element(Precision::kTernary,
+                               static_cast<std::uint8_t>((byte_of(w, e >> 2) >> ((e & 3) * 2)) & 0x3));
           }
           dst[e] = x * (decode_e4m3(byte_of(sc, j)) * s2k);
         }
@@ -151,8 +152,8 @@ __device__ void load_rows_vec(const PagedKvView& view, const DecodeAttentionPara
 /// Marks the tile's live slots and dequantizes their keys into shared memory (the sparsity passes
 /// need scores only). Returns (block-uniformly) whether any slot of the tile is live.
 template <int D>
-__device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
-                          const TileSource& src, SharedState<D>& sh) {
+__device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream, const TileSource& src,
+                          SharedState<D>& sh) {
   constexpr int kTile = SharedState<D>::kTile;
   const int tid = static_cast<int>(threadIdx.x);
   const int bs = prm.block_size;
@@ -174,11 +175,13 @@ __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& 
   const int g = prm.group_size;
   const Precision p = static_cast<Precision>(src.precision);
   const int rb = (D * bits_of(p) + 7) / 8;
-  const float s2k_raw = src.staged ? 0.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
+  const float s2k_raw =
+      src.staged ? 0.0f : view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
   // 16-byte path: rows a multiple of 16 bytes and a 16-byte aligned page (staging: BF16 rows).
-  const bool vec = src.staged ? (D * 2) % 16 == 0 && (reinterpret_cast<std::uintptr_t>(view.staging) & 15) == 0
-                              : rb % 16 == 0 && (reinterpret_cast<std::uintptr_t>(src.page) & 15) == 0 &&
-                                    (p == Precision::kBf16 || (reinterpret_cast<std::uintptr_t>(view.key_scales) & 15) == 0);
+  const bool vec = src.staged
+                       ? (D * 2) % 16 == 0 && (reinterpret_cast<std::uintptr_t>(view.staging) & 15) == 0
+                       : rb % 16 == 0 && (reinterpret_cast<std::uintptr_t>(src.page) & 15) == 0 &&
+                             (p == Precision::kBf16 || (reinterpret_cast<std::uintptr_t>(view.key_scales) & 15) == 0);
   if (vec) {
     if constexpr (D * 2 % 16 == 0) {
       if (src.staged || p == Precision::kBf16) load_rows_vec<D, 0>(view, prm, stream, src, s2k_raw, sh);
@@ -212,10 +215,9 @@ __device__ bool load_tile(const PagedKvView& view, const DecodeAttentionParams& 
         // read_token: element * (decode_e4m3(scale) * s2), s2 as stored (0 only when every
         // group so far was all zero, whose codes decode to 0 for any s2).
         const std::uint32_t rec = sh.record[t];
-        kx = rec == kNoRecordId
-                 ? NAN
-                 : element_of(src.precision, kr, c) *
-                       (decode_e4m3(view.key_scales[static_cast<std::size_t>(rec) * D + c]) * s2k_raw);
+        kx = rec == kNoRecordId ? NAN
+                                : element_of(src.precision, kr, c) *
+                                      (decode_e4m3(view.key_scales[static_cast<std::size_t>(rec) * D + c]) * s2k_raw);
       }
     }
     sh.k[t][c] = kx;
@@ -241,7 +243,6 @@ __device__ void tile_scores(int group, float scale, SharedState<D>& sh) {
   __syncthreads();
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Main pass: warp-level partial attention (no block barrier per tile).
 //
@@ -258,7 +259,6 @@ __device__ void tile_scores(int group, float scale, SharedState<D>& sh) {
 // units (the merge kernel uses exp2f). Scores here are NOT bit-identical to the CPU reference
 // (FMA, different order): the sparsity pass recomputes them exactly (paged_decode_sparsity_kernel).
 // ---------------------------------------------------------------------------------------------
-
 
 template <int D, int G>
 struct WarpShared {
@@ -290,18 +290,17 @@ struct RowSource {
   const std::uint8_t* vbase;
   const std::uint8_t* vscales;
   int row_stride;
-  bool vec;      // rows and base aligned for raw_bytes<P>() vector loads
+  bool vec;  // rows and base aligned for raw_bytes<P>() vector loads
   float s2k, s2v;
 };
 
 template <int D, int G, int P>
 __device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeAttentionParams& prm,
-                                          const RowSource& rs, int n, const int* slots,
-                                          const std::uint32_t* records, float scale_log2,
-                                          WarpState<D, G>& st) {
+                                          const RowSource& rs, int n, const int* slots, const std::uint32_t* records,
+                                          float scale_log2, WarpState<D, G>& st) {
   using S = WarpShape<D>;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int ts = lane / S::kLpt;   // token slot of the lane within an iteration
+  const int ts = lane / S::kLpt;  // token slot of the lane within an iteration
   const int c0 = (lane % S::kLpt) * 8;
   constexpr int kRawOff = raw_bytes<P>();  // bytes per 8 channels
   const int g = prm.group_size;
@@ -319,7 +318,8 @@ __device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeA
     ksr[i] = make_uint2(0u, 0u);
     if (i * S::kTpi < n && k < n) {
       const int slot = slots[k];
-      const std::size_t row = static_cast<std::size_t>(slot) * rs.row_stride + static_cast<std::size_t>(c0 / 8) * kRawOff;
+      const std::size_t row =
+          static_cast<std::size_t>(slot) * rs.row_stride + static_cast<std::size_t>(c0 / 8) * kRawOff;
       kr[i] = load_raw<P>(rs.kbase + row, rs.vec);
       vr[i] = load_raw<P>(rs.vbase + row, rs.vec);
       if constexpr (P != 0) {
@@ -416,9 +416,8 @@ __device__ __forceinline__ void warp_tile(const PagedKvView& view, const DecodeA
 /// Partial attention of one chunk: grid (splits, Hkv), kWarps warps taking the chunk's windows
 /// round robin.
 template <int D, int G>
-__global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvView view,
-                                                                        DecodeAttentionParams prm,
-                                                                        Workspace ws, int splits) {
+__global__ void __launch_bounds__(kThreads)
+    paged_decode_partial_kernel(PagedKvView view, DecodeAttentionParams prm, Workspace ws, int splits) {
   using S = WarpShape<D>;
   __shared__ WarpShared<D, G> sh;
   const int tid = static_cast<int>(threadIdx.x);
@@ -428,8 +427,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
   const int split = static_cast<int>(blockIdx.x);
   const int kvh = static_cast<int>(blockIdx.y);
   const int stream = prm.streams[kvh];
-  const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale
-                                               : 1.0f / sqrtf(static_cast<float>(D));
+  const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale : 1.0f / sqrtf(static_cast<float>(D));
   const float scale_log2 = scale * kLog2e;
   const std::size_t part = static_cast<std::size_t>(kvh) * splits + split;
   float* acc_out = ws.acc + part * (prm.num_q_heads / prm.num_kv_heads) * D;
@@ -455,58 +453,60 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
   if (stream_ok) {
     const int g = prm.group_size;
     const int bs = prm.block_size;
-    for_each_chunk_tile<D, S::kWin, S::kWin * kWarps, true>(view, prm, stream, split, splits, [&](const TileSource& src) {
-      // Live slots of the window, compacted by a ballot.
-      const int slot = src.base + lane;
-      bool valid = lane < S::kWin && slot < src.limit;
-      std::uint32_t rec = kNoRecordId;
-      if (valid && !src.staged) {
-        // Mask word and record id loaded together (one memory round trip, not two).
-        const int words = (bs + 63) / 64;
-        const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(src.block) * words + slot / 64];
-        if (src.precision != 0) rec = view.slot_record[static_cast<std::size_t>(src.block) * bs + slot];
-        valid = ((w >> (slot % 64)) & 1u) == 0;
-      }
-      const unsigned vm = __ballot_sync(0xFFFFFFFFu, valid);
-      if (vm == 0u) return;
-      if (valid) {
-        const int r = __popc(vm & ((1u << lane) - 1u));
-        sh.slot[warp][r] = slot;
-        sh.record[warp][r] = rec;
-      }
-      __syncwarp();
-      const int n = __popc(vm);
-      st.cached_rec = kNoRecordId - 1u;  // key scales depend on the pool's s2: reload per window
-      RowSource rs;
-      int lb = 16;
-      if (src.staged) {
-        const std::uint8_t* base = reinterpret_cast<const std::uint8_t*>(view.staging);
-        rs.kbase = base + (static_cast<std::size_t>(stream) * 2 + 0) * g * D * 2;
-        rs.vbase = base + (static_cast<std::size_t>(stream) * 2 + 1) * g * D * 2;
-        rs.vscales = nullptr;
-        rs.row_stride = 2 * D;
-        rs.s2k = rs.s2v = 1.0f;
-      } else {
-        const Precision p = static_cast<Precision>(src.precision);
-        const int rb = D * bits_of(p) / 8;
-        lb = src.precision == 0 ? 16 : src.precision == 1 ? 8 : src.precision == 2 ? 4 : 2;
-        rs.kbase = src.page;
-        rs.vbase = src.page + static_cast<std::size_t>(bs) * rb;
-        rs.vscales = src.page + 2 * static_cast<std::size_t>(bs) * rb;
-        rs.row_stride = rb;
-        rs.s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
-        rs.s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision];
-      }
-      rs.vec = ((reinterpret_cast<std::uintptr_t>(rs.kbase) | reinterpret_cast<std::uintptr_t>(rs.vbase) |
-                 static_cast<std::uintptr_t>(rs.row_stride)) % static_cast<std::uintptr_t>(lb)) == 0;
-      switch (src.staged ? 0 : src.precision) {
-        case 0: warp_tile<D, G, 0>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
-        case 1: warp_tile<D, G, 1>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
-        case 2: warp_tile<D, G, 2>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
-        default: warp_tile<D, G, 3>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
-      }
-      __syncwarp();  // the slot list is rewritten by the next window
-    });
+    for_each_chunk_tile<D, S::kWin, S::kWin * kWarps, true>(
+        view, prm, stream, split, splits, [&](const TileSource& src) {
+          // Live slots of the window, compacted by a ballot.
+          const int slot = src.base + lane;
+          bool valid = lane < S::kWin && slot < src.limit;
+          std::uint32_t rec = kNoRecordId;
+          if (valid && !src.staged) {
+            // Mask word and record id loaded together (one memory round trip, not two).
+            const int words = (bs + 63) / 64;
+            const std::uint64_t w = view.evict_mask[static_cast<std::size_t>(src.block) * words + slot / 64];
+            if (src.precision != 0) rec = view.slot_record[static_cast<std::size_t>(src.block) * bs + slot];
+            valid = ((w >> (slot % 64)) & 1u) == 0;
+          }
+          const unsigned vm = __ballot_sync(0xFFFFFFFFu, valid);
+          if (vm == 0u) return;
+          if (valid) {
+            const int r = __popc(vm & ((1u << lane) - 1u));
+            sh.slot[warp][r] = slot;
+            sh.record[warp][r] = rec;
+          }
+          __syncwarp();
+          const int n = __popc(vm);
+          st.cached_rec = kNoRecordId - 1u;  // key scales depend on the pool's s2: reload per window
+          RowSource rs;
+          int lb = 16;
+          if (src.staged) {
+            const std::uint8_t* base = reinterpret_cast<const std::uint8_t*>(view.staging);
+            rs.kbase = base + (static_cast<std::size_t>(stream) * 2 + 0) * g * D * 2;
+            rs.vbase = base + (static_cast<std::size_t>(stream) * 2 + 1) * g * D * 2;
+            rs.vscales = nullptr;
+            rs.row_stride = 2 * D;
+            rs.s2k = rs.s2v = 1.0f;
+          } else {
+            const Precision p = static_cast<Precision>(src.precision);
+            const int rb = D * bits_of(p) / 8;
+            lb = src.precision == 0 ? 16 : src.precision == 1 ? 8 : src.precision == 2 ? 4 : 2;
+            rs.kbase = src.page;
+            rs.vbase = src.page + static_cast<std::size_t>(bs) * rb;
+            rs.vscales = src.page + 2 * static_cast<std::size_t>(bs) * rb;
+            rs.row_stride = rb;
+            rs.s2k = view.s2[(static_cast<std::size_t>(stream) * 2 + 0) * kNumPrecisions + src.precision];
+            rs.s2v = view.s2[(static_cast<std::size_t>(stream) * 2 + 1) * kNumPrecisions + src.precision];
+          }
+          rs.vec = ((reinterpret_cast<std::uintptr_t>(rs.kbase) | reinterpret_cast<std::uintptr_t>(rs.vbase) |
+                     static_cast<std::uintptr_t>(rs.row_stride)) %
+                    static_cast<std::uintptr_t>(lb)) == 0;
+          switch (src.staged ? 0 : src.precision) {
+            case 0: warp_tile<D, G, 0>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+            case 1: warp_tile<D, G, 1>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+            case 2: warp_tile<D, G, 2>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+            default: warp_tile<D, G, 3>(view, prm, rs, n, sh.slot[warp], sh.record[warp], scale_log2, st); break;
+          }
+          __syncwarp();  // the slot list is rewritten by the next window
+        });
   }
   // Reduce the lanes' token slots (l and acc), then merge the warps through shared memory.
 #pragma unroll
@@ -544,8 +544,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_partial_kernel(PagedKvV
 /// once (two per thread), their weights exp2(m - max) go to shared memory, then each thread
 /// loads its channel's chunk partials with the loads unrolled ahead of the sums. The sums run
 /// over the chunks in order, as the CPU-ordered definition below: a chunk takes part iff l > 0.
-__global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(DecodeAttentionParams prm, Workspace ws,
-                                                                           int splits, int d) {
+__global__ void __launch_bounds__(kMergeThreads)
+    paged_decode_merge_kernel(DecodeAttentionParams prm, Workspace ws, int splits, int d) {
   static_assert(kMaxSplits % kMergeThreads == 0, "chunks per thread");
   constexpr int kPer = kMaxSplits / kMergeThreads;
   __shared__ float sw[kMaxSplits];  // exp2(m_s - gm), chunks with l_s > 0
@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(kMergeThreads) paged_decode_merge_kernel(Decod
   const int h = qh % group;
   const int tid = static_cast<int>(threadIdx.x);
   const std::size_t base = static_cast<std::size_t>(kvh) * splits;  // first chunk of this KV head
-  const float2* ml = reinterpret_cast<const float2*>(ws.ml);         // (m, l) pairs, 8-byte aligned
+  const float2* ml = reinterpret_cast<const float2*>(ws.ml);        // (m, l) pairs, 8-byte aligned
   float ms[kPer], ls[kPer];
   float mx = -INFINITY;
 #pragma unroll
@@ -629,9 +629,8 @@ __device__ inline float from_ordered_key(unsigned k) {
 /// (channels in order, __fmul_rn/__fadd_rn): kMax = true takes the exact row max (atomicMax on
 /// ordered keys), kMax = false counts s - M < kSparsityLogThreshold against it.
 template <int D, bool kMax>
-__global__ void __launch_bounds__(kThreads) paged_decode_sparsity_kernel(PagedKvView view,
-                                                                         DecodeAttentionParams prm,
-                                                                         Workspace ws, int splits) {
+__global__ void __launch_bounds__(kThreads)
+    paged_decode_sparsity_kernel(PagedKvView view, DecodeAttentionParams prm, Workspace ws, int splits) {
   constexpr int kTile = SharedState<D>::kTile;
   __shared__ SharedState<D> sh;
   const int tid = static_cast<int>(threadIdx.x);
@@ -640,8 +639,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_sparsity_kernel(PagedKv
   const int group = prm.num_q_heads / prm.num_kv_heads;
   const int stream = prm.streams[kvh];
   if (stream < 0 || stream >= view.num_streams) return;
-  const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale
-                                               : 1.0f / sqrtf(static_cast<float>(D));
+  const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale : 1.0f / sqrtf(static_cast<float>(D));
   const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
   for (int i = tid; i < group * D; i += kThreads) sh.q[i / D][i % D] = q[i];
   if (tid < group) {
@@ -688,8 +686,8 @@ __global__ void paged_decode_sparsity_finish(DecodeAttentionParams prm, Workspac
 }
 
 template <int D, int G>
-cudaError_t launch_for_group(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
-                             int splits, cudaStream_t s) {
+cudaError_t launch_for_group(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws, int splits,
+                             cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
   paged_decode_partial_kernel<D, G><<<grid, kThreads, 0, s>>>(view, p, ws, splits);
   return cudaGetLastError();
@@ -780,8 +778,8 @@ int main_pass_ctas_per_sm(int dev, int d, int group) noexcept {
 int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   if (p.num_splits > 0) return p.num_splits < kMaxSplits ? p.num_splits : kMaxSplits;
   int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      sms < 1) {
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) {
     (void)cudaGetLastError();
     sms = 132;
   }
@@ -803,14 +801,13 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
 
 std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p) noexcept {
   if (!heads_ok(p) || p.head_dim < 1) return 0;
-  return workspace_bytes(p.num_q_heads, p.num_kv_heads, p.head_dim, paged_decode_attention_splits(p), nullptr,
-                         nullptr);
+  return workspace_bytes(p.num_q_heads, p.num_kv_heads, p.head_dim, paged_decode_attention_splits(p), nullptr, nullptr);
 }
 
 cudaError_t check_paged_decode_attention(const PagedKvView& v, const DecodeAttentionParams& p) noexcept {
   const bool dim_ok = p.head_dim == 8 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
-  const bool group_ok = (p.group_size == 8 || p.group_size == 16 || p.group_size == 32) &&
-                        p.head_dim % p.group_size == 0;
+  const bool group_ok =
+      (p.group_size == 8 || p.group_size == 16 || p.group_size == 32) && p.head_dim % p.group_size == 0;
   if (!dim_ok || !group_ok || p.block_size < 1 || p.block_size > 4096) return cudaErrorInvalidValue;
   if (p.num_kv_heads < 1 || p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0 ||
       p.num_q_heads / p.num_kv_heads > kMaxQueryHeadsPerKv) {
@@ -821,8 +818,7 @@ cudaError_t check_paged_decode_attention(const PagedKvView& v, const DecodeAtten
   if (p.num_splits < 0 || p.num_splits > kMaxSplits || p.max_positions < 0) return cudaErrorInvalidValue;
   if (p.workspace == nullptr || (reinterpret_cast<std::uintptr_t>(p.workspace) & 15) != 0) return cudaErrorInvalidValue;
   if (v.num_streams < 1 || v.s2 == nullptr || v.block_fill == nullptr || v.evict_mask == nullptr ||
-      v.slot_record == nullptr || v.block_indptr == nullptr || v.staging == nullptr ||
-      v.staged_count == nullptr) {
+      v.slot_record == nullptr || v.block_indptr == nullptr || v.staging == nullptr || v.staged_count == nullptr) {
     return cudaErrorInvalidValue;
   }
   std::uint64_t total = 0;

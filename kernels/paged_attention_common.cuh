@@ -24,7 +24,6 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr std::uint32_t kNoRecordId = 0xFFFFFFFFu;
 
-
 /// Where one tile's slots come from: a block (slot = base + t) or the staging buffer (row).
 struct TileSource {
   bool staged;
@@ -37,12 +36,12 @@ struct TileSource {
 
 /// Workspace layout (all offsets 16-byte aligned).
 struct Workspace {
-  float* acc;   // [Hkv * splits * G, D]
-  float* ml;    // [Hkv * splits * G, 2] (m, l)
-  int* ntok;    // [Hkv * splits] live tokens of each chunk
+  float* acc;      // [Hkv * splits * G, D]
+  float* ml;       // [Hkv * splits * G, 2] (m, l)
+  int* ntok;       // [Hkv * splits] live tokens of each chunk
   unsigned* smax;  // [Hq] exact row max of the sparsity pass (ordered_key)
-  int* count;   // [Hq] sparsity counts
-  int* total;   // [Hkv] tokens per KV head
+  int* count;      // [Hq] sparsity counts
+  int* total;      // [Hkv] tokens per KV head
   // Non-null when a launch has one chunk per KV head and no sparsity: the main pass writes the
   // attention output [Hq, D] here itself (acc / l, bit for bit what the merge would write from its
   // one chunk) and no merge kernel runs.
@@ -51,8 +50,7 @@ struct Workspace {
 
 __host__ __device__ inline std::size_t align16(std::size_t x) { return (x + 15) & ~std::size_t{15}; }
 
-__host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, int splits, Workspace* w,
-                                                      void* base) {
+__host__ __device__ inline std::size_t workspace_bytes(int hq, int hkv, int d, int splits, Workspace* w, void* base) {
   const std::size_t parts = static_cast<std::size_t>(hkv) * splits * (hq / hkv);
   std::size_t off = 0;
   auto take = [&](std::size_t bytes) {
@@ -117,7 +115,8 @@ __host__ __device__ inline std::size_t page_bytes_of(Precision p, int d, long lo
 }
 
 /// The page of global block b of pool pr, given that pool's page size in bytes.
-__device__ inline const std::uint8_t* pool_page(const PagedKvView& view, std::uint32_t b, int pr, std::size_t page_bytes) {
+__device__ inline const std::uint8_t* pool_page(const PagedKvView& view, std::uint32_t b, int pr,
+                                                std::size_t page_bytes) {
   return view.pages[pr] + (b - view.pool_base[pr]) * page_bytes;
 }
 
@@ -130,7 +129,8 @@ __device__ inline std::uint64_t pool_origin(const PagedKvView& view, int pr, std
 
 /// The page of global block b of pool pr (page layout: PagedKvView::pages).
 template <int D>
-__device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs, int g) {
+__device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::uint32_t b, int pr, long long bs,
+                                                 int g) {
   return pool_page(view, b, pr, page_bytes_of(static_cast<Precision>(pr), D, bs, g));
 }
 
@@ -142,8 +142,8 @@ __device__ inline const std::uint8_t* block_page(const PagedKvView& view, std::u
 /// are dealt round robin to the CTA's kWarps warps (tile i to warp i % kWarps): fn sees only the
 /// calling warp's tiles, and a block without one costs two shuffles and a few integer operations.
 template <int D, int kTile, int kAlign, bool kWarpLoads = false, typename Fn>
-__device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream,
-                                    int split, int splits, Fn&& fn) {
+__device__ void for_each_chunk_tile(const PagedKvView& view, const DecodeAttentionParams& prm, int stream, int split,
+                                    int splits, Fn&& fn) {
   const int g = prm.group_size;
   const long long bs = prm.block_size;
   const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kAlign);
@@ -216,10 +216,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
 struct WarpShape {
-  static constexpr int kVec = 8;                        // channels per lane
-  static constexpr int kLpt = D / kVec;                 // lanes per token
-  static constexpr int kTpi = 32 / kLpt;                // tokens per iteration
-  static constexpr int kWin = kTpi > 16 ? kTpi : 16;    // slot positions per warp tile
+  static constexpr int kVec = 8;                      // channels per lane
+  static constexpr int kLpt = D / kVec;               // lanes per token
+  static constexpr int kTpi = 32 / kLpt;              // tokens per iteration
+  static constexpr int kWin = kTpi > 16 ? kTpi : 16;  // slot positions per warp tile
   static constexpr int kIters = kWin / kTpi;
   static_assert(D % kVec == 0 && kLpt >= 1 && kLpt <= 32 && 32 % kLpt == 0, "head_dim");
 };
@@ -364,8 +364,8 @@ __device__ void merge_warps_to_workspace(const float (&m)[kWarps][G], const floa
 /// Launches the tensor-core main pass (paged_attention_tc.cu) for head_dim D (64, 128, 256):
 /// grid (splits, Hkv), partials into ws. Returns the launch status.
 template <int D>
-cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
-                              int splits, cudaStream_t s);
+cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws, int splits,
+                              cudaStream_t s);
 
 /// Resident CTAs per SM of the tensor-core main pass for head_dim D (occupancy API; 0 on error).
 template <int D>

@@ -76,21 +76,21 @@ namespace {
 
 constexpr int kN = 8;  // mma N: the query heads of one KV head, zero-padded
 static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 query heads per KV head");
-constexpr int kWin = 16;        // tokens per window (mma M of the scores, K of P.V)
-constexpr int kTileSlots = 32;  // slot positions per warp tile (one lane each)
-constexpr int kStagedGroup = kNumPrecisions;  // precision group of the staged (BF16) rows
+constexpr int kWin = 16;                       // tokens per window (mma M of the scores, K of P.V)
+constexpr int kTileSlots = 32;                 // slot positions per warp tile (one lane each)
+constexpr int kStagedGroup = kNumPrecisions;   // precision group of the staged (BF16) rows
 constexpr int kQueue = kWin - 1 + kTileSlots;  // live slots a warp's queue can hold
 
 template <int D>
 struct TcShape {
   static_assert(D % 64 == 0, "head_dim 64, 128 or 256");
-  static constexpr int kNC = D > 128 ? 2 : 1;               // channel chunks (register budget)
-  static constexpr int kKSteps = D / 16;                     // k16 steps of Q.K^T
+  static constexpr int kNC = D > 128 ? 2 : 1;  // channel chunks (register budget)
+  static constexpr int kKSteps = D / 16;       // k16 steps of Q.K^T
   static constexpr int kKStepsPerChunk = kKSteps / kNC;
-  static constexpr int kKCh = D / 4 / kNC;                   // K channels per lane, token, chunk
-  static constexpr int kMTiles = D / 16;                     // m16 tiles of O^T
+  static constexpr int kKCh = D / 4 / kNC;  // K channels per lane, token, chunk
+  static constexpr int kMTiles = D / 16;    // m16 tiles of O^T
   static constexpr int kMTilesPerChunk = kMTiles / kNC;
-  static constexpr int kVCh = D / 8 / kNC;                   // V channels per lane, token, chunk
+  static constexpr int kVCh = D / 8 / kNC;  // V channels per lane, token, chunk
   // CTAs per SM asked of ptxas (Release, sm_90a, CUDA 13.0): D = 64 fits 128 registers; D = 128
   // gets 168 (3 CTAs per SM, no spills; 4 CTAs would spill 160 bytes) and D = 256 255 (12 bytes of
   // spills). Measured on the H200 (2026-11-29, bench_paged_attention): forcing 4 CTAs at D = 128
@@ -102,16 +102,16 @@ template <int D>
 struct TcShared {
   union {
     struct {
-      uint2 b[TcShape<D>::kKSteps][3][32];  // BF16 (hi, mid, lo) B fragments of Q, BF16 map
-      uint2 h[TcShape<D>::kKSteps][3][32];  // FP16 (hi, mid, lo) of Q x 2^eq, FP16 map (NVFP4, ternary)
+      uint2 b[TcShape<D>::kKSteps][3][32];   // BF16 (hi, mid, lo) B fragments of Q, BF16 map
+      uint2 h[TcShape<D>::kKSteps][3][32];   // FP16 (hi, mid, lo) of Q x 2^eq, FP16 map (NVFP4, ternary)
       uint2 h8[TcShape<D>::kKSteps][3][32];  // the same in the BF16 map (FP8)
-    } qf;                                     // during the walk
+    } qf;                                    // during the walk
     float acc[kWarps][kN][D];                // warps' partial outputs, after it
   } u;
   float m[kWarps][kN];
   float l[kWarps][kN];
   int ntok[kWarps];
-  float pt[kWarps][kWin][kN + 1];  // P transpose (padded row)
+  float pt[kWarps][kWin][kN + 1];     // P transpose (padded row)
   float rows_f[kStagedGroup + 1][3];  // TcRows (fk, u, pm) of each precision group
   // Per warp, per pool: (pages - pool_base x page bytes, page bytes), so a block's page is one
   // multiply-add (modulo 2^64) after one shared load; written by the warp before its walk.
@@ -200,9 +200,9 @@ struct TcState {
 
 /// The factors of one precision group.
 struct TcRows {
-  float fk;    // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
-  float u;     // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
-  float pm;    // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
+  float fk;  // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
+  float u;   // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
+  float pm;  // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
 };
 
 __device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
@@ -306,14 +306,14 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
                                           float scale_log2, const TcShared<D>& sh, float (*pt)[kN + 1],
                                           TcState<D>& st) {
   using S = TcShape<D>;
-  constexpr bool kF16 = P != 0;              // FP16 mma (quantized pages), else BF16
+  constexpr bool kF16 = P != 0;  // FP16 mma (quantized pages), else BF16
   constexpr int kBits = bits_of(static_cast<Precision>(P));
-  constexpr int kKB = S::kKCh * kBits / 8;   // K bytes per lane, token and chunk
-  constexpr int kVB = S::kVCh * kBits / 8;   // V bytes per lane, token and chunk
+  constexpr int kKB = S::kKCh * kBits / 8;  // K bytes per lane, token and chunk
+  constexpr int kVB = S::kVCh * kBits / 8;  // V bytes per lane, token and chunk
   constexpr int kKW = (kKB + 3) / 4;
   constexpr int kVW = (kVB + 3) / 4;
-  constexpr int kKSW = S::kKCh / 4;          // key-scale words per lane, token and chunk
-  constexpr int kV8 = S::kVCh / 8;           // 8-channel blocks of V per lane, token and chunk
+  constexpr int kKSW = S::kKCh / 4;  // key-scale words per lane, token and chunk
+  constexpr int kV8 = S::kVCh / 8;   // 8-channel blocks of V per lane, token and chunk
   // Products per k-step / m-tile: packed, FP16 1 (both terms in the columns), BF16 2 ((hi, mid)
   // then (lo, 0)); one column per head, FP16 2 terms, BF16 3.
   constexpr int kQTerms = kPk ? (kF16 ? 1 : 2) : (kF16 ? 2 : 3);
@@ -417,9 +417,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
             const unsigned sel = static_cast<unsigned>(q | ((4 + q) << 4));
             const std::uint32_t ks0 = e4m3x2_f16(__byte_perm(ksw[0][2 * j], ksw[0][2 * j + 1], sel));
             std::uint32_t ks1 = ks0;
-            if constexpr (!kOne) {
-              ks1 = e4m3x2_f16(__byte_perm(ksw[1][2 * j], ksw[1][2 * j + 1], sel));
-            }
+            if constexpr (!kOne) { ks1 = e4m3x2_f16(__byte_perm(ksw[1][2 * j], ksw[1][2 * j + 1], sel)); }
 #pragma unroll
             for (int a = 0; a < 2; ++a) {
               std::uint32_t code;
@@ -487,7 +485,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     const float m_new = fmaxf(st.m[hh], mx);
     f[hh] = exp2f(st.m[hh] - m_new);  // first window: exp2(-inf) = 0
     st.m[hh] = m_new;
-    p[hh] = exp2f(p[hh] - m_new);          // -inf (no token) -> 0
+    p[hh] = exp2f(p[hh] - m_new);  // -inf (no token) -> 0
     p[2 + hh] = exp2f(p[2 + hh] - m_new);
     st.l[hh] = st.l[hh] * f[hh] + (p[hh] + p[2 + hh]);
     f[hh] *= ratio;
@@ -600,9 +598,8 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
 }
 
 template <int D, int kMinBlocks, bool kVec, bool kPk>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_kernel(PagedKvView view,
-                                                                           DecodeAttentionParams prm,
-                                                                           Workspace ws, int splits) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    paged_decode_partial_tc_kernel(PagedKvView view, DecodeAttentionParams prm, Workspace ws, int splits) {
   using S = TcShape<D>;
   __shared__ TcShared<D> sh;
   const int tid = static_cast<int>(threadIdx.x);
@@ -641,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     eq = min(max(15 - e, -100), 100);
   }
   const float k_unscale = ldexpf(16384.0f, -eq);  // NVFP4 / ternary scores: codes' 2^-14, Q's 2^eq undone
-  const float k_unscale8 = ldexpf(16.0f, -eq);     // FP8 scores: the scales' 2^-4, Q's 2^eq undone
+  const float k_unscale8 = ldexpf(16.0f, -eq);    // FP8 scores: the scales' 2^-4, Q's 2^eq undone
 
   // The prologue (Q fragments, the precision groups' factors) runs after the walk's first
   // metadata loads are issued (below), so its work overlaps their latency: at short chunks the
@@ -659,15 +656,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     for (int i = tid; i < S::kKSteps * 32; i += kThreads) {
       const int s = i / 32;
       const int ln = i % 32;
-      const int col = ln >> 2;                      // mma column
-      const int h = kPk ? col >> 1 : col;           // its head
-      const bool odd = kPk && (col & 1) != 0;       // packed: its term (hi, lo / BF16 (hi, mid), (lo, 0))
+      const int col = ln >> 2;                 // mma column
+      const int h = kPk ? col >> 1 : col;      // its head
+      const bool odd = kPk && (col & 1) != 0;  // packed: its term (hi, lo / BF16 (hi, mid), (lo, 0))
       const int base = (ln & 3) * (D / 4) + 8 * (s / 2);
       const float* qh = q + h * D;
       auto qv = [&](int c) { return h < group ? qh[c] : 0.0f; };
       // One column per head: set k holds term k. Packed: set 0 holds the column's term of the FP16
       // pair (hi | lo); BF16 set 0 (hi | mid), set 1 (lo | 0).
-      auto put_f16 = [&](uint2 (&dst)[3][32], const __half (&y)[4][2]) {
+      auto put_f16 = [&](uint2(&dst)[3][32], const __half(&y)[4][2]) {
         if constexpr (kPk) {
           __half z[4];
 #pragma unroll
@@ -690,7 +687,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
           }
         }
 #pragma unroll
-        for (int k = 0; k < (kPk ? 2 : 3); ++k) sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
+        for (int k = 0; k < (kPk ? 2 : 3); ++k)
+          sh.u.qf.b[s][k][ln] = make_uint2(pack_bf16(x[0][k], x[1][k]), pack_bf16(x[2][k], x[3][k]));
       }
       if (need_h8) {
         const int c = base + 4 * (s % 2);
@@ -742,7 +740,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
 
   if (stream_ok) {
     const int g = prm.group_size;
-    const int lg = g == 8 ? 3 : g == 16 ? 4 : 5;  // check_paged_decode_attention: g is 8, 16 or 32
+    const int lg = g == 8 ? 3 : g == 16 ? 4 : 5;           // check_paged_decode_attention: g is 8, 16 or 32
     constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
     const int bs = prm.block_size;
     // This chunk's slot positions (blocks in list order, then the staging rows), as the CUDA-core
@@ -755,8 +753,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     const int nb = static_cast<int>(cr.nb);  // a difference of two int32 block_indptr entries
     const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
     const int words = (bs + 63) / 64;
-    const std::uint8_t* staging = reinterpret_cast<const std::uint8_t*>(view.staging) +
-                                  static_cast<std::size_t>(stream) * 2 * g * D * 2;
+    const std::uint8_t* staging =
+        reinterpret_cast<const std::uint8_t*>(view.staging) + static_cast<std::size_t>(stream) * 2 * g * D * 2;
     int jb = -1;  // first block of the metadata batch held by the lanes (block indices of the
                   // stream are int: block_indptr is int32)
     std::uint32_t lane_block = 0;
@@ -843,8 +841,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) paged_decode_partial_tc_
     // tile rarely has a multiple of 16 live slots); a partial window runs only when the precision
     // group changes or the walk ends. The walk's last iteration (t0 >= hi) adds nothing and
     // flushes the queue, so the windows have one call site.
-    int qn = 0;                // queued slots (warp-uniform)
-    int qpr = kStagedGroup;    // their precision group
+    int qn = 0;              // queued slots (warp-uniform)
+    int qpr = kStagedGroup;  // their precision group
     for (long long t0 = t_first;; t0 += kTileSlots * kWarps) {
       const bool last = t0 >= hi;
       const LaneMeta cur = next;
@@ -989,8 +987,8 @@ bool tc_vector_loads(const PagedKvView& v, const DecodeAttentionParams& p) {
 }  // namespace
 
 template <int D>
-cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws,
-                              int splits, cudaStream_t s) {
+cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionParams& p, const Workspace& ws, int splits,
+                              cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.num_kv_heads));
   constexpr int mb = TcShape<D>::kMinBlocks;
   const bool vec = tc_vector_loads(view, p);
@@ -1011,8 +1009,8 @@ cudaError_t launch_partial_tc(const PagedKvView& view, const DecodeAttentionPara
 template <int D>
 int partial_tc_ctas_per_sm() noexcept {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true, true>,
-                                                    kThreads, 0) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n, paged_decode_partial_tc_kernel<D, TcShape<D>::kMinBlocks, true, true>, kThreads, 0) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }

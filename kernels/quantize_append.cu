@@ -67,14 +67,14 @@ struct SlotOffsets {
   std::size_t row;
   std::size_t value_scales;
 };
-THINKV_HD inline SlotOffsets slot_offsets(const QuantizeAppendView& v, int p, std::uint32_t id,
-                                          int kv) noexcept {
+THINKV_HD inline SlotOffsets slot_offsets(const QuantizeAppendView& v, int p, std::uint32_t id, int kv) noexcept {
   const auto bs = static_cast<std::uint32_t>(v.block_size);
   const std::uint32_t block = id / bs;
   const std::uint32_t slot = id % bs;
   const CacheLayout L{v.head_dim, v.group_size, v.block_size};  // row and page sizes
   const auto prec = static_cast<Precision>(p);
-  const std::size_t page = static_cast<std::size_t>(block - v.pool_base[p]) * static_cast<std::size_t>(L.page_bytes(prec));
+  const std::size_t page =
+      static_cast<std::size_t>(block - v.pool_base[p]) * static_cast<std::size_t>(L.page_bytes(prec));
   const auto rb = static_cast<std::size_t>(L.row_bytes(prec));
   SlotOffsets o;
   o.row = page + (static_cast<std::size_t>(kv) * bs + slot) * rb;
@@ -85,8 +85,7 @@ THINKV_HD inline SlotOffsets slot_offsets(const QuantizeAppendView& v, int p, st
 
 /// Max |x| over stg[k], k = start, start + stride, ... < n (the CPU's group_amax over the whole
 /// staged K or V group, split over threads; max is order-independent for finite values).
-THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int start,
-                                           int stride) noexcept {
+THINKV_HD inline float staged_amax_partial(const std::uint16_t* stg, int n, int start, int stride) noexcept {
   float m = 0.0f;
   for (int k = start; k < n; k += stride) {
     const float a = abs_float(decode_bf16(stg[k]));
@@ -248,15 +247,14 @@ __device__ float block_max(float m, float* warp_max) {
 /// The K or V half of one (validated) job at precision P. Called by every thread of the CTA; lane
 /// i < G of every warp holds destination row i's offsets (row, vs).
 template <int P, int G>
-__device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeAppendJob& job, int kv,
-                              std::size_t row, std::size_t vs, float* warp_max) {
+__device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeAppendJob& job, int kv, std::size_t row,
+                              std::size_t vs, float* warp_max) {
   const QuantizeAppendView& v = prm.cache;
   const int d = v.head_dim;
   const int tid = static_cast<int>(threadIdx.x);
   const int nt = static_cast<int>(blockDim.x);
-  const std::uint16_t* stg =
-      v.staging + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) * G *
-                      static_cast<std::size_t>(d);
+  const std::uint16_t* stg = v.staging + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) * G *
+                                             static_cast<std::size_t>(d);
   std::uint8_t* pool = v.pages[P];
   // Loops over items with a uniform trip count (whole warps shuffle the row offsets).
   if constexpr (P == kBf16) {
@@ -273,8 +271,7 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
     }
   } else {
     constexpr Precision kP = static_cast<Precision>(P);
-    float* s2p = v.s2 + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) *
-                            kNumPrecisions + P;
+    float* s2p = v.s2 + (static_cast<std::size_t>(job.stream) * 2 + static_cast<std::size_t>(kv)) * kNumPrecisions + P;
     // Every thread reads s2 before any thread can write it (the write follows block_max's
     // barrier; no other CTA writes this (stream, K/V, precision)), so the branch is uniform.
     float s2 = *s2p;
@@ -309,14 +306,16 @@ __device__ void quantize_half(const QuantizeAppendParams& prm, const QuantizeApp
 /// would spill at 64 registers). Every warp checks the job and computes the G destination
 /// offsets itself (lane i: row i), so no barrier is needed unless s2 is unset.
 template <int G>
-__global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : kMinBlocks) quantize_append_kernel(const QuantizeAppendParams prm) {
+__global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : kMinBlocks)
+    quantize_append_kernel(const QuantizeAppendParams prm) {
   __shared__ float warp_max[kMaxThreads / 32];
   const int job_index = static_cast<int>(blockIdx.x >> 1);
   const int kv = static_cast<int>(blockIdx.x & 1u);
   const int lane = static_cast<int>(threadIdx.x & 31u);
   // Both loads go out at once (the slot's address does not depend on the job's fields).
   const QuantizeAppendJob job = prm.jobs[job_index];
-  const std::uint32_t id = prm.dest_slots[static_cast<std::size_t>(job_index) * G + static_cast<std::size_t>(lane < G ? lane : 0)];
+  const std::uint32_t id =
+      prm.dest_slots[static_cast<std::size_t>(job_index) * G + static_cast<std::size_t>(lane < G ? lane : 0)];
   const int p = static_cast<int>(job.precision);
   bool bad = !job_ok(prm.cache, job);  // uniform
   std::size_t row = 0;
@@ -361,13 +360,9 @@ cudaError_t check_quantize_append(const QuantizeAppendParams& p) noexcept {
     quantized = quantized || (i != kBf16 && v.pool_count[i] > 0);
   }
   if (total != v.total_blocks) return cudaErrorInvalidValue;
-  if (total * static_cast<std::uint64_t>(v.block_size) >= (std::uint64_t{1} << 31)) {
-    return cudaErrorInvalidValue;
-  }
+  if (total * static_cast<std::uint64_t>(v.block_size) >= (std::uint64_t{1} << 31)) { return cudaErrorInvalidValue; }
   if (v.staging == nullptr) return cudaErrorInvalidValue;
-  if (quantized && (v.s2 == nullptr || v.key_scales == nullptr || v.num_records == 0)) {
-    return cudaErrorInvalidValue;
-  }
+  if (quantized && (v.s2 == nullptr || v.key_scales == nullptr || v.num_records == 0)) { return cudaErrorInvalidValue; }
   if (p.num_jobs < 0 || p.num_jobs > v.num_streams) return cudaErrorInvalidValue;
   if (p.num_jobs > 0 && (p.jobs == nullptr || p.dest_slots == nullptr)) return cudaErrorInvalidValue;
   return cudaSuccess;
@@ -402,12 +397,8 @@ cudaError_t check_quantize_append_jobs(const QuantizeAppendParams& p, const Quan
       std::sort(x.begin(), x.end());
       return std::adjacent_find(x.begin(), x.end()) != x.end();
     };
-    if (has_duplicate(streams) || has_duplicate(records) || has_duplicate(slots)) {
-      return cudaErrorInvalidValue;
-    }
-  } catch (const std::bad_alloc&) {
-    return cudaErrorMemoryAllocation;
-  }
+    if (has_duplicate(streams) || has_duplicate(records) || has_duplicate(slots)) { return cudaErrorInvalidValue; }
+  } catch (const std::bad_alloc&) { return cudaErrorMemoryAllocation; }
   return cudaSuccess;
 }
 

@@ -25,8 +25,7 @@ namespace {
 bool is_listing_request(int argc, char* argv[]) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    if (arg.starts_with("--list") || arg == "-l" || arg == "-t" || arg == "-h" || arg == "-?" ||
-        arg == "--help") {
+    if (arg.starts_with("--list") || arg == "-l" || arg == "-t" || arg == "-h" || arg == "-?" || arg == "--help") {
       return true;
     }
   }
@@ -42,8 +41,8 @@ extern "C" int thinkv_test_gate(int argc, char* argv[]) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    std::printf("no CUDA device: GPU tests skipped (cudaGetDeviceCount: %s: %s)\n",
-                cudaGetErrorName(err), cudaGetErrorString(err));
+    std::printf("no CUDA device: GPU tests skipped (cudaGetDeviceCount: %s: %s)\n", cudaGetErrorName(err),
+                cudaGetErrorString(err));
     return THINKV_TEST_SKIP_RETURN_CODE;
   }
   if (count == 0) {

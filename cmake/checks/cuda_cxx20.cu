@@ -10,7 +10,9 @@ template <class T>
 concept small_integral = std::integral<T> && sizeof(T) <= 4;
 
 template <small_integral T>
-__host__ __device__ constexpr T twice(T x) { return x + x; }
+__host__ __device__ constexpr T twice(T x) {
+  return x + x;
+}
 
 // std::array::operator[] in device code needs --expt-relaxed-constexpr.
 __global__ void check_kernel(int* out) {

@@ -46,8 +46,8 @@ int parse_int(std::string_view flag, const char* v, int lo, int hi) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   if (end == v || *end != '\0' || x < lo || x > hi) {
-    usage_error(std::string(flag) + " " + v + " is not an integer in " + std::to_string(lo) +
-                ".." + std::to_string(hi));
+    usage_error(std::string(flag) + " " + v + " is not an integer in " + std::to_string(lo) + ".." +
+                std::to_string(hi));
   }
   return static_cast<int>(x);
 }
@@ -60,12 +60,18 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(std::string(a) + " needs a value");
       return argv[++i];
     };
-    if (a == "--streams") o.streams = parse_int(a, next(), 1, 4096);
-    else if (a == "--tokens") o.tokens = parse_int(a, next(), 1, 1 << 20);
-    else if (a == "--head-dim") o.head_dim = parse_int(a, next(), 1, 1024);
-    else if (a == "--group") o.group = parse_int(a, next(), 1, 64);
-    else if (a == "--block") o.block = parse_int(a, next(), 1, 4096);
-    else if (a == "--seed") o.seed = static_cast<unsigned>(parse_int(a, next(), 0, 1 << 30));
+    if (a == "--streams")
+      o.streams = parse_int(a, next(), 1, 4096);
+    else if (a == "--tokens")
+      o.tokens = parse_int(a, next(), 1, 1 << 20);
+    else if (a == "--head-dim")
+      o.head_dim = parse_int(a, next(), 1, 1024);
+    else if (a == "--group")
+      o.group = parse_int(a, next(), 1, 64);
+    else if (a == "--block")
+      o.block = parse_int(a, next(), 1, 4096);
+    else if (a == "--seed")
+      o.seed = static_cast<unsigned>(parse_int(a, next(), 0, 1 << 30));
     else if (a == "--evict-share") {
       const char* v = next();
       char* end = nullptr;
@@ -103,11 +109,12 @@ thinkv::ThoughtType thought_at(int segment, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  std::printf("ThinKV basic_cache: %d streams x %d tokens, head_dim %d, group %d, block %d, "
-              "evicting %.0f%% of the oldest quarter's slots, seed %u\n",
-              o.streams, o.tokens, o.head_dim, o.group, o.block, 100.0 * o.evict_share, o.seed);
-  std::printf("%-10s %14s %14s %8s %10s %8s %12s\n", "map", "physical B", "FullKV FP16 B",
-              "ratio", "holes", "reused", "attn relerr");
+  std::printf(
+      "ThinKV basic_cache: %d streams x %d tokens, head_dim %d, group %d, block %d, "
+      "evicting %.0f%% of the oldest quarter's slots, seed %u\n",
+      o.streams, o.tokens, o.head_dim, o.group, o.block, 100.0 * o.evict_share, o.seed);
+  std::printf("%-10s %14s %14s %8s %10s %8s %12s\n", "map", "physical B", "FullKV FP16 B", "ratio", "holes", "reused",
+              "attn relerr");
   // The tokens (post-RoPE K, V) every map sees: Gaussian with a few outlier channels.
   std::mt19937 rng(o.seed);
   std::normal_distribution<float> normal;
@@ -120,8 +127,10 @@ int main(int argc, char** argv) {
   }
   std::vector<thinkv::ThoughtType> thought(static_cast<std::size_t>(o.tokens));
   for (int t = 0; t < o.tokens; ++t) {
-    if (t % 128 == 0) thought[static_cast<std::size_t>(t)] = thought_at(t / 128, rng);
-    else thought[static_cast<std::size_t>(t)] = thought[static_cast<std::size_t>(t - 1)];
+    if (t % 128 == 0)
+      thought[static_cast<std::size_t>(t)] = thought_at(t / 128, rng);
+    else
+      thought[static_cast<std::size_t>(t)] = thought[static_cast<std::size_t>(t - 1)];
   }
   std::vector<float> q(static_cast<std::size_t>(o.q_per_kv) * row);
   for (auto& x : q) x = normal(rng);
@@ -138,9 +147,7 @@ int main(int argc, char** argv) {
     }
     const int blocks_per_stream = (o.tokens + o.block - 1) / o.block + 2;
     for (thinkv::Precision p : thinkv::kAllPrecisions) {
-      if (cfg.precision.uses(p)) {
-        cfg.pool_blocks[static_cast<int>(p)] = o.streams * blocks_per_stream;
-      }
+      if (cfg.precision.uses(p)) { cfg.pool_blocks[static_cast<int>(p)] = o.streams * blocks_per_stream; }
     }
     try {
       thinkv::PagedKvCache<> cache(cfg);
@@ -151,8 +158,8 @@ int main(int argc, char** argv) {
         for (int s = 0; s < o.streams; ++s) {
           const std::span<const float> k(keys.data() + static_cast<std::size_t>(t) * row, row);
           const std::span<const float> v(values.data() + static_cast<std::size_t>(t) * row, row);
-          if (thinkv::Status st = cache.append(s, k, v, thought[static_cast<std::size_t>(t)],
-                                               static_cast<std::uint32_t>(t / 128));
+          if (thinkv::Status st =
+                  cache.append(s, k, v, thought[static_cast<std::size_t>(t)], static_cast<std::uint32_t>(t / 128));
               !st.is_ok()) {
             std::fprintf(stderr, "basic_cache: append failed: %s\n", st.to_string().c_str());
             return 1;
@@ -198,9 +205,8 @@ int main(int argc, char** argv) {
         lv.insert(lv.end(), values.begin() + pos * row, values.begin() + (pos + 1) * row);
       }
       std::vector<float> want(q.size());
-      thinkv::reference::attend_tokens(q.data(), o.q_per_kv, lk.data(), lv.data(),
-                                       static_cast<int>(lk.size() / row), o.head_dim,
-                                       1.0f / std::sqrt(static_cast<float>(o.head_dim)), want.data());
+      thinkv::reference::attend_tokens(q.data(), o.q_per_kv, lk.data(), lv.data(), static_cast<int>(lk.size() / row),
+                                       o.head_dim, 1.0f / std::sqrt(static_cast<float>(o.head_dim)), want.data());
       double num = 0, den = 0;
       for (std::size_t i = 0; i < out.size(); ++i) {
         num += (out[i] - want[i]) * (out[i] - want[i]);
@@ -208,17 +214,16 @@ int main(int argc, char** argv) {
       }
       const thinkv::MemoryUsage m = cache.memory();
       std::printf("%-10s %14lld %14lld %7.2f%% %10lld %8lld %12.2e\n", map_text.c_str(),
-                  static_cast<long long>(m.physical_bytes()),
-                  static_cast<long long>(m.fullkv_fp16_bytes), 100.0 * m.ratio(),
-                  static_cast<long long>(m.hole_slots),
-                  static_cast<long long>(cache.table().stats().slots_reused),
-                  std::sqrt(num / den));
+                  static_cast<long long>(m.physical_bytes()), static_cast<long long>(m.fullkv_fp16_bytes),
+                  100.0 * m.ratio(), static_cast<long long>(m.hole_slots),
+                  static_cast<long long>(cache.table().stats().slots_reused), std::sqrt(num / den));
     } catch (const thinkv::ConfigError& e) {
       std::fprintf(stderr, "basic_cache: invalid configuration: %s\n", e.what());
       return 2;
     }
   }
-  std::printf("ratio = physical bytes held (pages with holes, scales, metadata, staging) / FullKV "
-              "FP16 bytes of the same live tokens; attn relerr = ||out - out_fp32|| / ||out_fp32||\n");
+  std::printf(
+      "ratio = physical bytes held (pages with holes, scales, metadata, staging) / FullKV "
+      "FP16 bytes of the same live tokens; attn relerr = ||out - out_fp32|| / ||out_fp32||\n");
   return 0;
 }

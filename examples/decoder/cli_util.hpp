@@ -118,9 +118,8 @@ inline int default_threads() {
 
 /// Resolves --model through the search path and loads it with its tokenizer. On failure prints
 /// "<cmd>: <message>" to stderr and returns the exit status (kExitData); 0 on success.
-inline int load_model_and_tokenizer(const char* cmd, const std::string& model_arg,
-                                    const std::string& tokenizer_arg, Model& model, Tokenizer& tok,
-                                    std::string* resolved = nullptr) {
+inline int load_model_and_tokenizer(const char* cmd, const std::string& model_arg, const std::string& tokenizer_arg,
+                                    Model& model, Tokenizer& tok, std::string* resolved = nullptr) {
   std::string path;
   std::vector<std::string> looked;
   {
@@ -139,12 +138,11 @@ inline int load_model_and_tokenizer(const char* cmd, const std::string& model_ar
   if (!find_model_file(model_arg, path, looked)) {
     std::string where;
     for (const auto& l : looked) where += "\n  " + l;
-    std::fprintf(
-        stderr,
-        "%s: model '%s' not found; looked in:%s\n"
-        "Get the small test models from %s. Pass --model PATH, or put the files in one of the "
-        "places above (or set THINKV_MODELS to their directory).\n",
-        cmd, model_arg.c_str(), where.c_str(), kModelSources);
+    std::fprintf(stderr,
+                 "%s: model '%s' not found; looked in:%s\n"
+                 "Get the small test models from %s. Pass --model PATH, or put the files in one of the "
+                 "places above (or set THINKV_MODELS to their directory).\n",
+                 cmd, model_arg.c_str(), where.c_str(), kModelSources);
     return kExitData;
   }
   if (Status s = load_model(path, model); !s.is_ok()) {
@@ -158,8 +156,8 @@ inline int load_model_and_tokenizer(const char* cmd, const std::string& model_ar
     if (!find_model_file(tokenizer_arg, found, tl)) {
       std::string where;
       for (const auto& l : tl) where += "\n  " + l;
-      std::fprintf(stderr, "%s: tokenizer '%s' not found; looked in:%s\nGet it from %s.\n", cmd,
-                   tokenizer_arg.c_str(), where.c_str(), kModelSources);
+      std::fprintf(stderr, "%s: tokenizer '%s' not found; looked in:%s\nGet it from %s.\n", cmd, tokenizer_arg.c_str(),
+                   where.c_str(), kModelSources);
       return kExitData;
     }
     tok_path = found;

@@ -35,8 +35,7 @@ inline Status load_model(const std::string& path, Model& out) {
   std::uint32_t magic = 0;
   if (f->size() >= 4) std::memcpy(&magic, f->data(), 4);
   const bool gguf_name = path.size() >= 5 && path.compare(path.size() - 5, 5, ".gguf") == 0;
-  if (magic == kGgufMagic ||
-      gguf_name) {  // a .gguf with another magic gets the GGUF reader's message
+  if (magic == kGgufMagic || gguf_name) {  // a .gguf with another magic gets the GGUF reader's message
     GgufFile g;
     THINKV_RETURN_IF_ERROR(read_gguf(f, g));
     return load_gguf_model(g, out);
@@ -51,8 +50,7 @@ inline Status load_model(const std::string& path, Model& out) {
 
 /// Resolves --model: a path that exists is used as given; a bare file name (no '/') is also
 /// looked up in $THINKV_MODELS, ./models and ../shared/models. `looked` lists every place tried.
-inline bool find_model_file(const std::string& name, std::string& found,
-                            std::vector<std::string>& looked) {
+inline bool find_model_file(const std::string& name, std::string& found, std::vector<std::string>& looked) {
   namespace fs = std::filesystem;
   std::error_code ec;
   looked.clear();
@@ -83,8 +81,7 @@ inline std::string default_tokenizer_path(const Model& m) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::path(m.path).parent_path();
   std::error_code ec;
-  for (const std::string& n :
-       {"tok" + std::to_string(m.config.vocab_size) + ".bin", std::string("tokenizer.bin")}) {
+  for (const std::string& n : {"tok" + std::to_string(m.config.vocab_size) + ".bin", std::string("tokenizer.bin")}) {
     const fs::path p = dir / n;
     if (fs::is_regular_file(p, ec)) return p.string();
   }

@@ -56,79 +56,46 @@ enum class GgufType : std::uint32_t {
 };
 
 inline const char* gguf_type_name(std::uint32_t t) noexcept {
-  static constexpr const char* kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
-                                           "int32",  "float32", "bool",   "string", "array",
-                                           "uint64", "int64",   "float64"};
+  static constexpr const char* kNames[] = {"uint8", "int8",   "uint16", "int16",  "uint32", "int32",  "float32",
+                                           "bool",  "string", "array",  "uint64", "int64",  "float64"};
   return t < 13 ? kNames[t] : "unknown";
 }
 
 /// ggml tensor type names (for messages about types this decoder does not support).
 inline std::string ggml_type_name(std::uint32_t t) {
   switch (t) {
-    case 0:
-      return "F32";
-    case 1:
-      return "F16";
-    case 2:
-      return "Q4_0";
-    case 3:
-      return "Q4_1";
-    case 6:
-      return "Q5_0";
-    case 7:
-      return "Q5_1";
-    case 8:
-      return "Q8_0";
-    case 9:
-      return "Q8_1";
-    case 10:
-      return "Q2_K";
-    case 11:
-      return "Q3_K";
-    case 12:
-      return "Q4_K";
-    case 13:
-      return "Q5_K";
-    case 14:
-      return "Q6_K";
-    case 15:
-      return "Q8_K";
-    case 16:
-      return "IQ2_XXS";
-    case 17:
-      return "IQ2_XS";
-    case 18:
-      return "IQ3_XXS";
-    case 19:
-      return "IQ1_S";
-    case 20:
-      return "IQ4_NL";
-    case 21:
-      return "IQ3_S";
-    case 22:
-      return "IQ2_S";
-    case 23:
-      return "IQ4_XS";
-    case 24:
-      return "I8";
-    case 25:
-      return "I16";
-    case 26:
-      return "I32";
-    case 27:
-      return "I64";
-    case 28:
-      return "F64";
-    case 29:
-      return "IQ1_M";
-    case 30:
-      return "BF16";
-    case 34:
-      return "TQ1_0";
-    case 35:
-      return "TQ2_0";
-    default:
-      return "type " + std::to_string(t) + " (unknown)";
+    case 0: return "F32";
+    case 1: return "F16";
+    case 2: return "Q4_0";
+    case 3: return "Q4_1";
+    case 6: return "Q5_0";
+    case 7: return "Q5_1";
+    case 8: return "Q8_0";
+    case 9: return "Q8_1";
+    case 10: return "Q2_K";
+    case 11: return "Q3_K";
+    case 12: return "Q4_K";
+    case 13: return "Q5_K";
+    case 14: return "Q6_K";
+    case 15: return "Q8_K";
+    case 16: return "IQ2_XXS";
+    case 17: return "IQ2_XS";
+    case 18: return "IQ3_XXS";
+    case 19: return "IQ1_S";
+    case 20: return "IQ4_NL";
+    case 21: return "IQ3_S";
+    case 22: return "IQ2_S";
+    case 23: return "IQ4_XS";
+    case 24: return "I8";
+    case 25: return "I16";
+    case 26: return "I32";
+    case 27: return "I64";
+    case 28: return "F64";
+    case 29: return "IQ1_M";
+    case 30: return "BF16";
+    case 34: return "TQ1_0";
+    case 35: return "TQ2_0";
+    default: return "type " + std::to_string(t) + " (unknown)";
   }
 }
 inline constexpr std::uint32_t kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ8_0 = 8, kGgmlBF16 = 30;
@@ -152,19 +119,14 @@ struct GgufValue {
       case GgufType::kU32:
       case GgufType::kI32:
       case GgufType::kU64:
-      case GgufType::kI64:
-        return true;
-      default:
-        return false;
+      case GgufType::kI64: return true;
+      default: return false;
     }
   }
   [[nodiscard]] bool is_signed() const noexcept {
-    return type == GgufType::kI8 || type == GgufType::kI16 || type == GgufType::kI32 ||
-           type == GgufType::kI64;
+    return type == GgufType::kI8 || type == GgufType::kI16 || type == GgufType::kI32 || type == GgufType::kI64;
   }
-  [[nodiscard]] bool is_float() const noexcept {
-    return type == GgufType::kF32 || type == GgufType::kF64;
-  }
+  [[nodiscard]] bool is_float() const noexcept { return type == GgufType::kF32 || type == GgufType::kF64; }
   /// Numeric value as double (integers, floats, bool).
   [[nodiscard]] double number() const noexcept {
     if (is_float()) return f;
@@ -239,23 +201,17 @@ inline std::size_t min_size(GgufType t) {
   switch (t) {
     case GgufType::kU8:
     case GgufType::kI8:
-    case GgufType::kBool:
-      return 1;
+    case GgufType::kBool: return 1;
     case GgufType::kU16:
-    case GgufType::kI16:
-      return 2;
+    case GgufType::kI16: return 2;
     case GgufType::kU32:
     case GgufType::kI32:
-    case GgufType::kF32:
-      return 4;
-    case GgufType::kString:
-      return 8;
-    case GgufType::kArray:
-      return 12;
+    case GgufType::kF32: return 4;
+    case GgufType::kString: return 8;
+    case GgufType::kArray: return 12;
     case GgufType::kU64:
     case GgufType::kI64:
-    case GgufType::kF64:
-      return 8;
+    case GgufType::kF64: return 8;
   }
   return 1;
 }
@@ -269,8 +225,7 @@ Status read_scalar(ByteReader& r, const std::string& what, D& dst) {
   return Status::ok();
 }
 
-inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const std::string& key,
-                         int depth) {
+inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const std::string& key, int depth) {
   if (type > 12) {
     return r.corrupt("metadata key '" + key + "' has unknown value type " + std::to_string(type) +
                      " (known: 0..12); the file is corrupt or from a newer GGUF version");
@@ -292,40 +247,33 @@ inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const 
       std::uint8_t x = 0;
       const std::size_t at = r.offset();
       THINKV_RETURN_IF_ERROR(r.read(x, what));
-      if (x > 1)
-        return r.corrupt_at(
-            at, "bool value of '" + key + "' is " + std::to_string(x) + ", expected 0 or 1");
+      if (x > 1) return r.corrupt_at(at, "bool value of '" + key + "' is " + std::to_string(x) + ", expected 0 or 1");
       v.u = x;
       break;
     }
-    case GgufType::kString:
-      THINKV_RETURN_IF_ERROR(read_string(r, v.s, what));
-      break;
+    case GgufType::kString: THINKV_RETURN_IF_ERROR(read_string(r, v.s, what)); break;
     case GgufType::kArray: {
       if (depth >= kMaxArrayDepth)
-        return r.corrupt("arrays nested deeper than " + std::to_string(kMaxArrayDepth) + " in '" +
-                         key + "'");
+        return r.corrupt("arrays nested deeper than " + std::to_string(kMaxArrayDepth) + " in '" + key + "'");
       std::uint32_t et = 0;
       std::uint64_t n = 0;
       THINKV_RETURN_IF_ERROR(r.read(et, "element type of array '" + key + "'"));
       const std::size_t at = r.offset();
       THINKV_RETURN_IF_ERROR(r.read(n, "element count of array '" + key + "'"));
       if (et > 12) {
-        return r.corrupt_at(at - 4, "array '" + key + "' has unknown element type " +
-                                        std::to_string(et) + " (known: 0..12)");
+        return r.corrupt_at(at - 4,
+                            "array '" + key + "' has unknown element type " + std::to_string(et) + " (known: 0..12)");
       }
       v.elem_type = static_cast<GgufType>(et);
       if (n > r.remaining() / min_size(v.elem_type)) {
-        return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) +
-                                    " elements of " + gguf_type_name(et) + ", more than the " +
-                                    std::to_string(r.remaining()) +
+        return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) + " elements of " +
+                                    gguf_type_name(et) + ", more than the " + std::to_string(r.remaining()) +
                                     " remaining bytes can hold; the file is corrupt or truncated "
                                     "(re-download or re-convert it)");
       }
       if (n > kMaxArrayElements) {
-        return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) +
-                                    " elements of " + gguf_type_name(et) + ", more than the " +
-                                    std::to_string(kMaxArrayElements) +
+        return r.corrupt_at(at, "array '" + key + "' claims " + std::to_string(n) + " elements of " +
+                                    gguf_type_name(et) + ", more than the " + std::to_string(kMaxArrayElements) +
                                     " this reader accepts (real tokenizer arrays have under 300K);"
                                     " the file is corrupt (re-download or re-convert it)");
       }
@@ -334,8 +282,7 @@ inline Status read_value(ByteReader& r, std::uint32_t type, GgufValue& v, const 
       v.array.reserve(static_cast<std::size_t>(std::min(n, kMaxReserve)));
       for (std::uint64_t k = 0; k < n; ++k) {
         GgufValue& e = v.array.emplace_back();
-        THINKV_RETURN_IF_ERROR(
-            read_value(r, et, e, key + "[" + std::to_string(k) + "]", depth + 1));
+        THINKV_RETURN_IF_ERROR(read_value(r, et, e, key + "[" + std::to_string(k) + "]", depth + 1));
       }
       break;
     }
@@ -363,15 +310,13 @@ inline bool tensor_bytes(const GgufTensorInfo& t, std::uint64_t& bytes, std::str
       return true;
     case kGgmlQ8_0:
       if (t.dims.empty() || t.dims[0] % 32 != 0) {
-        why = "Q8_0 row length " + std::to_string(t.dims.empty() ? 0 : t.dims[0]) +
-              " is not a multiple of 32";
+        why = "Q8_0 row length " + std::to_string(t.dims.empty() ? 0 : t.dims[0]) + " is not a multiple of 32";
         return false;
       }
       bytes = n / 32 * kGgufQ8BlockBytes;
       return true;
     default:
-      why = "tensor type " + ggml_type_name(t.type) +
-            " is not supported (supported: F32, F16, BF16, Q8_0)";
+      why = "tensor type " + ggml_type_name(t.type) + " is not supported (supported: F32, F16, BF16, Q8_0)";
       return false;
   }
 }
@@ -391,17 +336,15 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
     for (char& ch : shown) {
       if (ch != 0 && (ch < 0x20 || ch > 0x7E)) ch = '?';
     }
-    return {StatusCode::kInvalidArgument, path + ": not a GGUF file: the magic at offset 0 is '" +
-                                              std::string(shown) + "', expected 'GGUF'"};
+    return {StatusCode::kInvalidArgument,
+            path + ": not a GGUF file: the magic at offset 0 is '" + std::string(shown) + "', expected 'GGUF'"};
   }
   THINKV_RETURN_IF_ERROR(r.read(version, "uint32 GGUF version"));
   if (version != 2 && version != 3) {
     const bool swapped = (version & 0xFFFFu) == 0 && version != 0;
     return {StatusCode::kUnsupported,
-            path + ": GGUF version " + std::to_string(version) +
-                " is not supported (supported: 3, and 2)" +
-                (swapped ? "; this looks like a big-endian GGUF, which this reader does not handle"
-                         : "")};
+            path + ": GGUF version " + std::to_string(version) + " is not supported (supported: 3, and 2)" +
+                (swapped ? "; this looks like a big-endian GGUF, which this reader does not handle" : "")};
   }
   std::uint64_t n_tensors = 0, n_kv = 0;
   THINKV_RETURN_IF_ERROR(r.read(n_tensors, "uint64 tensor count"));
@@ -409,17 +352,14 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
   // A key/value needs at least 8 (key length) + 4 (type) + 1 bytes; a tensor info at least 8 + 4 +
   // 4 + 8.
   if (n_kv > r.remaining() / 13 || n_kv > kMaxMetadataEntries) {
-    return r.corrupt_at(
-        16, "metadata count " + std::to_string(n_kv) + " is more than the file can hold (at most " +
-                std::to_string(std::min<std::uint64_t>(r.remaining() / 13, kMaxMetadataEntries)) +
-                "); the file is corrupt");
+    return r.corrupt_at(16, "metadata count " + std::to_string(n_kv) + " is more than the file can hold (at most " +
+                                std::to_string(std::min<std::uint64_t>(r.remaining() / 13, kMaxMetadataEntries)) +
+                                "); the file is corrupt");
   }
   if (n_tensors > r.remaining() / 24 || n_tensors > kMaxTensors) {
-    return r.corrupt_at(
-        8, "tensor count " + std::to_string(n_tensors) +
-               " is more than the file can hold (at most " +
-               std::to_string(std::min<std::uint64_t>(r.remaining() / 24, kMaxTensors)) +
-               "); the file is corrupt");
+    return r.corrupt_at(8, "tensor count " + std::to_string(n_tensors) + " is more than the file can hold (at most " +
+                               std::to_string(std::min<std::uint64_t>(r.remaining() / 24, kMaxTensors)) +
+                               "); the file is corrupt");
   }
   GgufFile g;
   g.version = version;
@@ -436,11 +376,10 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
   if (const GgufValue* a = g.find("general.alignment")) {
     const std::uint64_t al = a->is_integer() && !a->is_signed() ? a->u : 0;
     if (al == 0 || (al & (al - 1)) != 0 || al > (1u << 20)) {
-      return {StatusCode::kInvalidArgument,
-              path +
-                  ": general.alignment must be a power of two (an unsigned "
-                  "integer up to 1 MiB), found " +
-                  std::to_string(a->number())};
+      return {StatusCode::kInvalidArgument, path +
+                                                ": general.alignment must be a power of two (an unsigned "
+                                                "integer up to 1 MiB), found " +
+                                                std::to_string(a->number())};
     }
     g.alignment = al;
   }
@@ -452,12 +391,10 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
     std::uint32_t nd = 0;
     THINKV_RETURN_IF_ERROR(r.read(nd, "dimension count of tensor '" + t.name + "'"));
     if (nd < 1 || nd > 4)
-      return r.corrupt("tensor '" + t.name + "' has " + std::to_string(nd) +
-                       " dimensions, expected 1..4");
+      return r.corrupt("tensor '" + t.name + "' has " + std::to_string(nd) + " dimensions, expected 1..4");
     t.dims.resize(nd);
     for (std::uint32_t d = 0; d < nd; ++d) {
-      THINKV_RETURN_IF_ERROR(
-          r.read(t.dims[d], "dimension " + std::to_string(d) + " of tensor '" + t.name + "'"));
+      THINKV_RETURN_IF_ERROR(r.read(t.dims[d], "dimension " + std::to_string(d) + " of tensor '" + t.name + "'"));
       if (t.dims[d] == 0 || t.dims[d] > (std::uint64_t{1} << 40)) {
         return r.corrupt("dimension " + std::to_string(d) + " of tensor '" + t.name + "' is " +
                          std::to_string(t.dims[d]));
@@ -473,10 +410,9 @@ inline Status read_gguf(std::shared_ptr<const MappedFile> file, GgufFile& out) {
   }
   g.data_offset = (r.offset() + g.alignment - 1) / g.alignment * g.alignment;
   if (g.data_offset > file->size()) {
-    return {StatusCode::kInvalidArgument,
-            path + ": truncated: the data section would start at offset " +
-                std::to_string(g.data_offset) + ", beyond the end of the file (size " +
-                std::to_string(file->size()) + ")"};
+    return {StatusCode::kInvalidArgument, path + ": truncated: the data section would start at offset " +
+                                              std::to_string(g.data_offset) + ", beyond the end of the file (size " +
+                                              std::to_string(file->size()) + ")"};
   }
   g.file = std::move(file);
   out = std::move(g);
@@ -494,14 +430,12 @@ struct Loader {
     const GgufValue* v = g.find(key);
     if (v == nullptr) {
       if (!required) return Status::ok();
-      return {StatusCode::kInvalidArgument,
-              path + ": required metadata key '" + key + "' is missing"};
+      return {StatusCode::kInvalidArgument, path + ": required metadata key '" + key + "' is missing"};
     }
     if (!v->is_integer() || (v->is_signed() && v->i < 0)) {
-      return {StatusCode::kInvalidArgument,
-              path + ": metadata '" + key + "' is " +
-                  gguf_type_name(static_cast<std::uint32_t>(v->type)) +
-                  ", expected a non-negative integer"};
+      return {StatusCode::kInvalidArgument, path + ": metadata '" + key + "' is " +
+                                                gguf_type_name(static_cast<std::uint32_t>(v->type)) +
+                                                ", expected a non-negative integer"};
     }
     out = v->is_signed() ? static_cast<std::uint64_t>(v->i) : v->u;
     return Status::ok();
@@ -519,9 +453,9 @@ struct Loader {
     const GgufValue* v = g.find(key);
     if (v == nullptr) return Status::ok();
     if (!v->is_float() && !v->is_integer()) {
-      return {StatusCode::kInvalidArgument,
-              path + ": metadata '" + key + "' is " +
-                  gguf_type_name(static_cast<std::uint32_t>(v->type)) + ", expected a number"};
+      return {StatusCode::kInvalidArgument, path + ": metadata '" + key + "' is " +
+                                                gguf_type_name(static_cast<std::uint32_t>(v->type)) +
+                                                ", expected a number"};
     }
     out = static_cast<float>(v->number());
     return Status::ok();
@@ -530,16 +464,13 @@ struct Loader {
   /// The tensor's bytes, checked to lie inside the file.
   Status data_of(const GgufTensorInfo& t, const std::uint8_t*& p, std::uint64_t& bytes) const {
     std::string why;
-    if (!tensor_bytes(t, bytes, why)) {
-      return {StatusCode::kUnsupported, path + ": tensor '" + t.name + "': " + why};
-    }
+    if (!tensor_bytes(t, bytes, why)) { return {StatusCode::kUnsupported, path + ": tensor '" + t.name + "': " + why}; }
     const std::uint64_t begin = g.data_offset + t.offset;
     if (begin < g.data_offset || begin > g.file->size() || bytes > g.file->size() - begin) {
       return {StatusCode::kInvalidArgument,
-              path + ": truncated or corrupt: tensor '" + t.name + "' (" + ggml_type_name(t.type) +
-                  ", " + std::to_string(bytes) + " bytes) at offset " + std::to_string(begin) +
-                  " extends past the end of the file (size " + std::to_string(g.file->size()) +
-                  ")"};
+              path + ": truncated or corrupt: tensor '" + t.name + "' (" + ggml_type_name(t.type) + ", " +
+                  std::to_string(bytes) + " bytes) at offset " + std::to_string(begin) +
+                  " extends past the end of the file (size " + std::to_string(g.file->size()) + ")"};
     }
     p = g.file->data() + begin;
     return Status::ok();
@@ -548,8 +479,7 @@ struct Loader {
   const GgufTensorInfo* need(const std::string& name, Status& s) const {
     const GgufTensorInfo* t = g.tensor(name);
     if (t == nullptr && s.is_ok()) {
-      s = Status(StatusCode::kInvalidArgument,
-                 path + ": required tensor '" + name + "' is missing");
+      s = Status(StatusCode::kInvalidArgument, path + ": required tensor '" + name + "' is missing");
     }
     return t;
   }
@@ -562,11 +492,9 @@ struct Loader {
     if (t->dims.size() > 2 || t->dims[0] != static_cast<std::uint64_t>(cols) ||
         r2 != static_cast<std::uint64_t>(rows)) {
       std::string shape;
-      for (std::size_t i = 0; i < t->dims.size(); ++i)
-        shape += (i ? " x " : "") + std::to_string(t->dims[i]);
-      return {StatusCode::kInvalidArgument, path + ": tensor '" + name + "' has dims [" + shape +
-                                                "], expected [" + std::to_string(cols) + " x " +
-                                                std::to_string(rows) + "] (ne0 x ne1)"};
+      for (std::size_t i = 0; i < t->dims.size(); ++i) shape += (i ? " x " : "") + std::to_string(t->dims[i]);
+      return {StatusCode::kInvalidArgument, path + ": tensor '" + name + "' has dims [" + shape + "], expected [" +
+                                                std::to_string(cols) + " x " + std::to_string(rows) + "] (ne0 x ne1)"};
     }
     const std::uint8_t* p = nullptr;
     std::uint64_t bytes = 0;
@@ -588,8 +516,7 @@ struct Loader {
       case kGgmlF16:
       case kGgmlBF16:
         if (reinterpret_cast<std::uintptr_t>(p) % 2 != 0) {
-          return {StatusCode::kUnsupported,
-                  path + ": tensor '" + name + "' data is not 2-byte aligned"};
+          return {StatusCode::kUnsupported, path + ": tensor '" + name + "' data is not 2-byte aligned"};
         }
         mt.type = t->type == kGgmlF16 ? WeightType::kF16 : WeightType::kBF16;
         mt.u16 = reinterpret_cast<const std::uint16_t*>(p);
@@ -598,8 +525,7 @@ struct Loader {
         mt.type = WeightType::kQ8_0;
         mt.blocks = p;
         break;
-      default:
-        return {StatusCode::kInternal, path + ": unhandled tensor type"};
+      default: return {StatusCode::kInternal, path + ": unhandled tensor type"};
     }
     out = mt;
     return Status::ok();
@@ -611,9 +537,8 @@ struct Loader {
     const GgufTensorInfo* t = need(name, s);
     if (t == nullptr) return s;
     if (t->dims.size() != 1 || t->dims[0] != static_cast<std::uint64_t>(n)) {
-      return {
-          StatusCode::kInvalidArgument,
-          path + ": tensor '" + name + "' should be a vector of " + std::to_string(n) + " values"};
+      return {StatusCode::kInvalidArgument,
+              path + ": tensor '" + name + "' should be a vector of " + std::to_string(n) + " values"};
     }
     const std::uint8_t* p = nullptr;
     std::uint64_t bytes = 0;
@@ -626,9 +551,7 @@ struct Loader {
     for (std::int64_t i = 0; i < n; ++i) {
       std::uint16_t h = 0;
       switch (t->type) {
-        case kGgmlF32:
-          std::memcpy(&v[static_cast<std::size_t>(i)], p + 4 * i, 4);
-          break;
+        case kGgmlF32: std::memcpy(&v[static_cast<std::size_t>(i)], p + 4 * i, 4); break;
         case kGgmlF16:
           std::memcpy(&h, p + 2 * i, 2);
           v[static_cast<std::size_t>(i)] = f16_to_f32(h);
@@ -638,8 +561,7 @@ struct Loader {
           v[static_cast<std::size_t>(i)] = bf16_to_f32(h);
           break;
         default:
-          return {StatusCode::kUnsupported, path + ": tensor '" + name + "' is " +
-                                                ggml_type_name(t->type) +
+          return {StatusCode::kUnsupported, path + ": tensor '" + name + "' is " + ggml_type_name(t->type) +
                                                 "; vectors must be F32, F16 or BF16"};
       }
     }
@@ -654,14 +576,12 @@ struct Loader {
     if (tokens == nullptr) return Status::ok();  // no embedded tokenizer: --tokenizer is needed
     const std::string kind = model != nullptr ? model->s : std::string("llama");
     if (kind != "llama" && kind != "gpt2") {
-      return {StatusCode::kUnsupported,
-              path + ": tokenizer model '" + kind +
-                  "' is not supported (supported: 'llama' sentencepiece and 'gpt2' "
-                  "byte-level BPE); pass a llama2.c tokenizer with --tokenizer"};
+      return {StatusCode::kUnsupported, path + ": tokenizer model '" + kind +
+                                            "' is not supported (supported: 'llama' sentencepiece and 'gpt2' "
+                                            "byte-level BPE); pass a llama2.c tokenizer with --tokenizer"};
     }
     if (tokens->type != GgufType::kArray || tokens->elem_type != GgufType::kString) {
-      return {StatusCode::kInvalidArgument,
-              path + ": tokenizer.ggml.tokens must be an array of strings"};
+      return {StatusCode::kInvalidArgument, path + ": tokenizer.ggml.tokens must be an array of strings"};
     }
     auto t = std::make_shared<Tokenizer>();
     t->source = path + " (embedded tokenizer)";
@@ -678,8 +598,7 @@ struct Loader {
     const std::size_t n = tokens->array.size();
     if (static_cast<int>(n) != vocab) {
       return {StatusCode::kInvalidArgument, path + ": the tokenizer has " + std::to_string(n) +
-                                                " tokens, the embedding " + std::to_string(vocab) +
-                                                " rows"};
+                                                " tokens, the embedding " + std::to_string(vocab) + " rows"};
     }
     t->vocab.reserve(n);
     for (const GgufValue& v : tokens->array) {
@@ -692,8 +611,7 @@ struct Loader {
       s.reserve(v.s.size());
       for (std::size_t i = 0; i < v.s.size(); ++i) {
         if (i + 2 < v.s.size() && static_cast<unsigned char>(v.s[i]) == 0xE2 &&
-            static_cast<unsigned char>(v.s[i + 1]) == 0x96 &&
-            static_cast<unsigned char>(v.s[i + 2]) == 0x81) {
+            static_cast<unsigned char>(v.s[i + 1]) == 0x96 && static_cast<unsigned char>(v.s[i + 2]) == 0x81) {
           s += ' ';
           i += 2;
         } else {
@@ -705,9 +623,8 @@ struct Loader {
     t->scores.assign(n, 0.0f);
     if (const GgufValue* sc = g.find("tokenizer.ggml.scores")) {
       if (sc->type != GgufType::kArray || sc->array.size() != n) {
-        return {
-            StatusCode::kInvalidArgument,
-            path + ": tokenizer.ggml.scores must be an array of " + std::to_string(n) + " numbers"};
+        return {StatusCode::kInvalidArgument,
+                path + ": tokenizer.ggml.scores must be an array of " + std::to_string(n) + " numbers"};
       }
       for (std::size_t i = 0; i < n; ++i) t->scores[i] = static_cast<float>(sc->array[i].number());
     }
@@ -720,9 +637,9 @@ struct Loader {
           // would be undefined behaviour).
           const double x = ty->array[i].number();
           if (!(x >= 0.0 && x <= 255.0) || x != std::floor(x)) {
-            return {StatusCode::kInvalidArgument,
-                    path + ": tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(x) +
-                        " is not a token type (an integer 0..255); the file is corrupt"};
+            return {StatusCode::kInvalidArgument, path + ": tokenizer.ggml.token_type[" + std::to_string(i) +
+                                                      "] = " + std::to_string(x) +
+                                                      " is not a token type (an integer 0..255); the file is corrupt"};
           }
           t->types[i] = static_cast<std::int32_t>(x);
         }
@@ -759,13 +676,11 @@ inline Status load_gguf_model(const GgufFile& g, Model& out, bool load_tokenizer
   const std::string& path = g.file->path();
   const GgufValue* arch = g.find("general.architecture");
   if (arch == nullptr || arch->type != GgufType::kString) {
-    return {StatusCode::kInvalidArgument,
-            path + ": metadata 'general.architecture' is missing or not a string"};
+    return {StatusCode::kInvalidArgument, path + ": metadata 'general.architecture' is missing or not a string"};
   }
   if (arch->s != "llama") {
     return {StatusCode::kUnsupported,
-            path + ": architecture '" + arch->s +
-                "' is not supported; this decoder runs 'llama' models only"};
+            path + ": architecture '" + arch->s + "' is not supported; this decoder runs 'llama' models only"};
   }
   Model m;
   gguf_detail::Loader ld{g, m, path};
@@ -782,9 +697,8 @@ inline Status load_gguf_model(const GgufFile& g, Model& out, bool load_tokenizer
   int value_len = c.head_dim;
   THINKV_RETURN_IF_ERROR(ld.get_int("llama.attention.value_length", false, value_len));
   if (value_len != c.head_dim) {
-    return {StatusCode::kUnsupported, path + ": key_length " + std::to_string(c.head_dim) +
-                                          " != value_length " + std::to_string(value_len) +
-                                          " is not supported"};
+    return {StatusCode::kUnsupported, path + ": key_length " + std::to_string(c.head_dim) + " != value_length " +
+                                          std::to_string(value_len) + " is not supported"};
   }
   c.rope_dim = c.head_dim;
   THINKV_RETURN_IF_ERROR(ld.get_int("llama.rope.dimension_count", false, c.rope_dim));
@@ -794,17 +708,13 @@ inline Status load_gguf_model(const GgufFile& g, Model& out, bool load_tokenizer
     return {StatusCode::kUnsupported,
             path + ": mixture-of-experts llama models (llama.expert_count) are not supported"};
   }
-  if (const GgufValue* sc = g.find("llama.rope.scaling.type");
-      sc != nullptr && sc->s != "none" && sc->s != "") {
+  if (const GgufValue* sc = g.find("llama.rope.scaling.type"); sc != nullptr && sc->s != "none" && sc->s != "") {
     return {StatusCode::kUnsupported, path + ": rope scaling '" + sc->s + "' is not supported"};
   }
   const GgufTensorInfo* emb = g.tensor("token_embd.weight");
-  if (emb == nullptr)
-    return {StatusCode::kInvalidArgument,
-            path + ": required tensor 'token_embd.weight' is missing"};
+  if (emb == nullptr) return {StatusCode::kInvalidArgument, path + ": required tensor 'token_embd.weight' is missing"};
   if (emb->dims.size() != 2 || emb->dims[1] > (1u << 24)) {
-    return {StatusCode::kInvalidArgument,
-            path + ": tensor 'token_embd.weight' must be 2-D [dim x vocab]"};
+    return {StatusCode::kInvalidArgument, path + ": tensor 'token_embd.weight' must be 2-D [dim x vocab]"};
   }
   c.vocab_size = static_cast<int>(emb->dims[1]);
   THINKV_RETURN_IF_ERROR(c.validate(path));
@@ -823,8 +733,7 @@ inline Status load_gguf_model(const GgufFile& g, Model& out, bool load_tokenizer
     LayerWeights& w = m.layers[static_cast<std::size_t>(l)];
     const std::string b = "blk." + std::to_string(l) + ".";
     if (g.tensor(b + "attn_q.bias") != nullptr || g.tensor(b + "attn_k.bias") != nullptr) {
-      return {StatusCode::kUnsupported,
-              path + ": attention biases (" + b + "attn_q.bias) are not supported"};
+      return {StatusCode::kUnsupported, path + ": attention biases (" + b + "attn_q.bias) are not supported"};
     }
     THINKV_RETURN_IF_ERROR(ld.vector(b + "attn_norm.weight", D, w.attn_norm));
     THINKV_RETURN_IF_ERROR(ld.matrix(b + "attn_q.weight", Q, D, w.wq));

@@ -38,8 +38,8 @@ enum class Method : std::uint8_t {
 struct MethodInfo {
   Method method;
   std::string_view name;
-  bool budget;       ///< takes a token budget
-  bool thinkv_cache; ///< runs on ThinKvCache (any KV backend, thought signal)
+  bool budget;        ///< takes a token budget
+  bool thinkv_cache;  ///< runs on ThinKvCache (any KV backend, thought signal)
   std::string_view summary;
 };
 
@@ -169,8 +169,8 @@ inline Status make_cache_spec(const ModelConfig& c, const MethodOptions& o, Cach
   }
   ThinKvConfig k;
   THINKV_RETURN_IF_ERROR(make_cache_config(c, co, k));
-  k.selection = (o.method == Method::kTbeFirst || o.method == Method::kThinKvFirst) ? SegmentSelection::kFirst
-                                                                                     : o.selection;
+  k.selection =
+      (o.method == Method::kTbeFirst || o.method == Method::kThinKvFirst) ? SegmentSelection::kFirst : o.selection;
   THINKV_RETURN_IF_ERROR(k.validate());
   out = k;
   return Status::ok();

@@ -30,14 +30,10 @@ enum class WeightType : std::uint8_t { kF32, kF16, kBF16, kQ8_0 };
 
 inline const char* to_string(WeightType t) noexcept {
   switch (t) {
-    case WeightType::kF32:
-      return "F32";
-    case WeightType::kF16:
-      return "F16";
-    case WeightType::kBF16:
-      return "BF16";
-    case WeightType::kQ8_0:
-      return "Q8_0";
+    case WeightType::kF32: return "F32";
+    case WeightType::kF16: return "F16";
+    case WeightType::kBF16: return "BF16";
+    case WeightType::kQ8_0: return "Q8_0";
   }
   return "?";
 }
@@ -97,8 +93,7 @@ template <class Fn>
 void parallel_rows(std::int64_t n, std::int64_t work, int max_threads, Fn&& fn) {
   constexpr std::int64_t kMinWorkPerThread = std::int64_t{1} << 18;
   int threads = std::max(1, max_threads);
-  threads = static_cast<int>(
-      std::min<std::int64_t>(threads, std::max<std::int64_t>(1, work / kMinWorkPerThread)));
+  threads = static_cast<int>(std::min<std::int64_t>(threads, std::max<std::int64_t>(1, work / kMinWorkPerThread)));
   threads = static_cast<int>(std::min<std::int64_t>(threads, n));
   if (threads <= 1) {
     fn(std::int64_t{0}, n);
@@ -120,13 +115,12 @@ struct Matrix {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
   WeightType type = WeightType::kF32;
-  const float* f32 = nullptr;          ///< kF32
-  const std::uint16_t* u16 = nullptr;  ///< kF16 / kBF16
-  const std::int8_t* q = nullptr;      ///< kQ8_0, llama2.c layout: rows*cols codes
-  const std::uint8_t* q_scales =
-      nullptr;     ///< kQ8_0, llama2.c layout: FP32 scale per `group` codes (unaligned-safe)
-  int group = 32;  ///< kQ8_0, llama2.c layout: codes per scale (the file's group_size)
-  const std::uint8_t* blocks = nullptr;  ///< kQ8_0, GGUF layout: rows * cols/32 blocks of 34 bytes
+  const float* f32 = nullptr;              ///< kF32
+  const std::uint16_t* u16 = nullptr;      ///< kF16 / kBF16
+  const std::int8_t* q = nullptr;          ///< kQ8_0, llama2.c layout: rows*cols codes
+  const std::uint8_t* q_scales = nullptr;  ///< kQ8_0, llama2.c layout: FP32 scale per `group` codes (unaligned-safe)
+  int group = 32;                          ///< kQ8_0, llama2.c layout: codes per scale (the file's group_size)
+  const std::uint8_t* blocks = nullptr;    ///< kQ8_0, GGUF layout: rows * cols/32 blocks of 34 bytes
 
   [[nodiscard]] bool empty() const noexcept { return rows == 0; }
 
@@ -134,13 +128,10 @@ struct Matrix {
   [[nodiscard]] std::int64_t bytes() const noexcept {
     const std::int64_t n = rows * cols;
     switch (type) {
-      case WeightType::kF32:
-        return 4 * n;
+      case WeightType::kF32: return 4 * n;
       case WeightType::kF16:
-      case WeightType::kBF16:
-        return 2 * n;
-      case WeightType::kQ8_0:
-        return blocks ? n + 2 * (n / kQ8Group) : n + 4 * (n / group);
+      case WeightType::kBF16: return 2 * n;
+      case WeightType::kQ8_0: return blocks ? n + 2 * (n / kQ8Group) : n + 4 * (n / group);
     }
     return 0;
   }
@@ -151,16 +142,13 @@ struct Matrix {
   }
   /// y = W x (y has rows entries, x has cols).
   void matvec(const float* x, float* y, int threads = 1) const {
-    parallel_rows(rows, rows * cols, threads,
-                  [&](std::int64_t b, std::int64_t e) { matvec_rows(x, y, b, e); });
+    parallel_rows(rows, rows * cols, threads, [&](std::int64_t b, std::int64_t e) { matvec_rows(x, y, b, e); });
   }
 
   /// Dequantizes row r into out[cols].
   void row(std::int64_t r, float* out) const noexcept {
     switch (type) {
-      case WeightType::kF32:
-        std::memcpy(out, f32 + r * cols, static_cast<std::size_t>(cols) * sizeof(float));
-        return;
+      case WeightType::kF32: std::memcpy(out, f32 + r * cols, static_cast<std::size_t>(cols) * sizeof(float)); return;
       case WeightType::kF16:
         for (std::int64_t c = 0; c < cols; ++c) out[c] = f16_to_f32(u16[r * cols + c]);
         return;
@@ -169,8 +157,7 @@ struct Matrix {
         return;
       case WeightType::kQ8_0:
         if (blocks != nullptr) {
-          const std::uint8_t* b =
-              blocks + static_cast<std::size_t>(r * (cols / kQ8Group)) * kGgufQ8BlockBytes;
+          const std::uint8_t* b = blocks + static_cast<std::size_t>(r * (cols / kQ8Group)) * kGgufQ8BlockBytes;
           for (std::int64_t c = 0; c < cols; c += kQ8Group, b += kGgufQ8BlockBytes) {
             const float d = f16_to_f32(load_u16(b));
             const auto* qs = reinterpret_cast<const std::int8_t*>(b + 2);
@@ -237,8 +224,7 @@ struct Matrix {
       case WeightType::kQ8_0: {
         float sum = 0.0f;
         if (blocks != nullptr) {
-          const std::uint8_t* b =
-              blocks + static_cast<std::size_t>(r * (cols / kQ8Group)) * kGgufQ8BlockBytes;
+          const std::uint8_t* b = blocks + static_cast<std::size_t>(r * (cols / kQ8Group)) * kGgufQ8BlockBytes;
           for (std::int64_t c = 0; c < cols; c += kQ8Group, b += kGgufQ8BlockBytes) {
             const auto* qs = reinterpret_cast<const std::int8_t*>(b + 2);
             sum += dot_block32(qs, x + c) * f16_to_f32(load_u16(b));
@@ -253,8 +239,7 @@ struct Matrix {
           const std::int64_t gend = std::min(end, (g + 1) * group);
           const std::int8_t* qs = q + i;
           const float* xs = x + (i - r * cols);
-          const float part =
-              dot8(gend - i, xs, [qs](std::int64_t k) { return static_cast<float>(qs[k]); });
+          const float part = dot8(gend - i, xs, [qs](std::int64_t k) { return static_cast<float>(qs[k]); });
           sum += part * scale(g);
           i = gend;
         }
@@ -290,22 +275,15 @@ struct ModelConfig {
     };
     constexpr int kMax = 1 << 20;
     auto in = [&](int v, int lo, int hi) { return v >= lo && v <= hi; };
-    if (!in(dim, 1, kMax))
-      return bad("dim " + std::to_string(dim) + " out of range 1.." + std::to_string(kMax));
-    if (!in(hidden_dim, 1, kMax))
-      return bad("hidden_dim " + std::to_string(hidden_dim) + " out of range");
-    if (!in(n_layers, 1, 4096))
-      return bad("n_layers " + std::to_string(n_layers) + " out of range 1..4096");
-    if (!in(n_heads, 1, 4096))
-      return bad("n_heads " + std::to_string(n_heads) + " out of range 1..4096");
+    if (!in(dim, 1, kMax)) return bad("dim " + std::to_string(dim) + " out of range 1.." + std::to_string(kMax));
+    if (!in(hidden_dim, 1, kMax)) return bad("hidden_dim " + std::to_string(hidden_dim) + " out of range");
+    if (!in(n_layers, 1, 4096)) return bad("n_layers " + std::to_string(n_layers) + " out of range 1..4096");
+    if (!in(n_heads, 1, 4096)) return bad("n_heads " + std::to_string(n_heads) + " out of range 1..4096");
     if (!in(n_kv_heads, 1, n_heads) || n_heads % n_kv_heads != 0) {
-      return bad("n_kv_heads " + std::to_string(n_kv_heads) + " must divide n_heads " +
-                 std::to_string(n_heads));
+      return bad("n_kv_heads " + std::to_string(n_kv_heads) + " must divide n_heads " + std::to_string(n_heads));
     }
-    if (!in(vocab_size, 1, 1 << 24))
-      return bad("vocab_size " + std::to_string(vocab_size) + " out of range");
-    if (!in(seq_len, 1, 1 << 24))
-      return bad("seq_len " + std::to_string(seq_len) + " out of range");
+    if (!in(vocab_size, 1, 1 << 24)) return bad("vocab_size " + std::to_string(vocab_size) + " out of range");
+    if (!in(seq_len, 1, 1 << 24)) return bad("seq_len " + std::to_string(seq_len) + " out of range");
     if (!in(head_dim, 2, 4096) || head_dim % 2 != 0) {
       return bad("head_dim " + std::to_string(head_dim) + " must be even and >= 2");
     }
@@ -313,8 +291,7 @@ struct ModelConfig {
       return bad("rope dimension " + std::to_string(rope_dim) + " must be even and <= head_dim " +
                  std::to_string(head_dim));
     }
-    if (!(rope_theta > 0.0f) || !std::isfinite(rope_theta))
-      return bad("rope theta must be positive");
+    if (!(rope_theta > 0.0f) || !std::isfinite(rope_theta)) return bad("rope theta must be positive");
     if (!(rms_eps > 0.0f) || !std::isfinite(rms_eps)) return bad("rms epsilon must be positive");
     return Status::ok();
   }
@@ -331,7 +308,7 @@ struct LayerWeights {
   const float* attn_norm = nullptr;  ///< [dim]
   const float* ffn_norm = nullptr;   ///< [dim]
   Matrix wq, wk, wv, wo;             ///< [q_dim x dim], [kv_dim x dim] x2, [dim x q_dim]
-  Matrix w1, w2, w3;  ///< gate [hidden x dim], down [dim x hidden], up [hidden x dim]
+  Matrix w1, w2, w3;                 ///< gate [hidden x dim], down [dim x hidden], up [hidden x dim]
 };
 
 /// A loaded model. Move-only: the matrices point into `file` and `owned`.
@@ -359,8 +336,7 @@ struct Model {
   [[nodiscard]] std::int64_t weight_bytes() const noexcept {
     std::int64_t n = tok_embeddings.bytes() + (config.tied_output ? 0 : output.bytes());
     for (const auto& l : layers) {
-      n += l.wq.bytes() + l.wk.bytes() + l.wv.bytes() + l.wo.bytes() + l.w1.bytes() + l.w2.bytes() +
-           l.w3.bytes();
+      n += l.wq.bytes() + l.wk.bytes() + l.wv.bytes() + l.wo.bytes() + l.w1.bytes() + l.w2.bytes() + l.w3.bytes();
     }
     return n;
   }
@@ -368,13 +344,11 @@ struct Model {
   /// Checks every matrix against the configuration (what the forward pass relies on).
   [[nodiscard]] Status check_shapes() const {
     const ModelConfig& c = config;
-    auto want = [&](const Matrix& m, std::int64_t r, std::int64_t k,
-                    const std::string& what) -> Status {
+    auto want = [&](const Matrix& m, std::int64_t r, std::int64_t k, const std::string& what) -> Status {
       if (m.rows != r || m.cols != k) {
-        return {StatusCode::kInvalidArgument, path + ": tensor " + what + " is " +
-                                                  std::to_string(m.rows) + " x " +
-                                                  std::to_string(m.cols) + ", expected " +
-                                                  std::to_string(r) + " x " + std::to_string(k)};
+        return {StatusCode::kInvalidArgument, path + ": tensor " + what + " is " + std::to_string(m.rows) + " x " +
+                                                  std::to_string(m.cols) + ", expected " + std::to_string(r) + " x " +
+                                                  std::to_string(k)};
       }
       return Status::ok();
     };
@@ -398,11 +372,10 @@ struct Model {
       }
     }
     if (final_norm == nullptr) return {StatusCode::kInternal, path + ": final norm missing"};
-    if (!rope_freq_factors.empty() &&
-        static_cast<int>(rope_freq_factors.size()) != c.rope_dim / 2) {
-      return {StatusCode::kInvalidArgument,
-              path + ": rope frequency factors have " + std::to_string(rope_freq_factors.size()) +
-                  " entries, expected rope_dim/2 = " + std::to_string(c.rope_dim / 2)};
+    if (!rope_freq_factors.empty() && static_cast<int>(rope_freq_factors.size()) != c.rope_dim / 2) {
+      return {StatusCode::kInvalidArgument, path + ": rope frequency factors have " +
+                                                std::to_string(rope_freq_factors.size()) +
+                                                " entries, expected rope_dim/2 = " + std::to_string(c.rope_dim / 2)};
     }
     return Status::ok();
   }

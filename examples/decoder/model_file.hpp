@@ -73,8 +73,8 @@ class MappedFile {
       if (p == MAP_FAILED) {
         const int e = errno;
         ::close(fd);
-        return {StatusCode::kInvalidArgument, path + ": cannot map " + std::to_string(f->size_) +
-                                                  " bytes (" + std::strerror(e) + ")"};
+        return {StatusCode::kInvalidArgument,
+                path + ": cannot map " + std::to_string(f->size_) + " bytes (" + std::strerror(e) + ")"};
       }
       f->data_ = static_cast<const std::uint8_t*>(p);
     }
@@ -99,8 +99,7 @@ class MappedFile {
 /// so that the error of a truncated file says what was missing and where.
 class ByteReader {
  public:
-  ByteReader(std::span<const std::uint8_t> data, std::string name)
-      : data_(data), name_(std::move(name)) {}
+  ByteReader(std::span<const std::uint8_t> data, std::string name) : data_(data), name_(std::move(name)) {}
 
   [[nodiscard]] std::size_t offset() const noexcept { return off_; }
   [[nodiscard]] std::size_t size() const noexcept { return data_.size(); }
@@ -111,11 +110,10 @@ class ByteReader {
   /// "<file>: truncated or corrupt at offset N: expected <what> (K bytes), but only M bytes
   /// remain".
   [[nodiscard]] Status truncated(std::string_view what, std::size_t need) const {
-    return {StatusCode::kInvalidArgument,
-            name_ + ": truncated or corrupt at offset " + std::to_string(off_) + ": expected " +
-                std::string(what) + " (" + std::to_string(need) + " bytes), but only " +
-                std::to_string(remaining()) + " bytes remain (file size " +
-                std::to_string(data_.size()) + ")"};
+    return {StatusCode::kInvalidArgument, name_ + ": truncated or corrupt at offset " + std::to_string(off_) +
+                                              ": expected " + std::string(what) + " (" + std::to_string(need) +
+                                              " bytes), but only " + std::to_string(remaining()) +
+                                              " bytes remain (file size " + std::to_string(data_.size()) + ")"};
   }
   /// "<file>: at offset N: <what>" (a corrupt value rather than a missing one).
   [[nodiscard]] Status corrupt(std::string_view what) const { return corrupt_at(off_, what); }
@@ -128,8 +126,7 @@ class ByteReader {
   template <class T>
   [[nodiscard]] Status read(T& out, std::string_view what) {
     static_assert(std::is_trivially_copyable_v<T>);
-    static_assert(std::endian::native == std::endian::little,
-                  "model readers assume a little-endian host");
+    static_assert(std::endian::native == std::endian::little, "model readers assume a little-endian host");
     if (remaining() < sizeof(T)) return truncated(what, sizeof(T));
     std::memcpy(&out, data_.data() + off_, sizeof(T));
     off_ += sizeof(T);
@@ -150,9 +147,8 @@ class ByteReader {
   /// Moves to an absolute offset (<= size).
   [[nodiscard]] Status seek(std::size_t offset, std::string_view what) {
     if (offset > data_.size()) {
-      return {StatusCode::kInvalidArgument, name_ + ": truncated or corrupt: " + std::string(what) +
-                                                " at offset " + std::to_string(offset) +
-                                                " lies beyond the end of the file (size " +
+      return {StatusCode::kInvalidArgument, name_ + ": truncated or corrupt: " + std::string(what) + " at offset " +
+                                                std::to_string(offset) + " lies beyond the end of the file (size " +
                                                 std::to_string(data_.size()) + ")"};
     }
     off_ = offset;

@@ -97,13 +97,13 @@ struct RunStats {
   std::vector<int> tokens;  ///< generated tokens
   int prompt_tokens = 0;
   int forward_passes = 0;
-  double seconds = 0.0;  ///< wall time of all forward passes
-  double prompt_seconds = 0.0;  ///< of which the prompt's passes (up to the first generated token's logits)
-  std::string method;    ///< the cache's method_name()
-  CacheReport report;    ///< the cache's report at the end (every method)
+  double seconds = 0.0;                  ///< wall time of all forward passes
+  double prompt_seconds = 0.0;           ///< of which the prompt's passes (up to the first generated token's logits)
+  std::string method;                    ///< the cache's method_name()
+  CacheReport report;                    ///< the cache's report at the end (every method)
   std::int64_t peak_physical_bytes = 0;  ///< largest report().held_bytes after a step
   std::int64_t max_live_tokens = 0;      ///< largest live tokens of one stream (stream 0's for ThinKV)
-  std::int64_t steps_over_budget = 0;  ///< steps that ended with more live tokens than the budget
+  std::int64_t steps_over_budget = 0;    ///< steps that ended with more live tokens than the budget
   // ThinKV's cache only (zero for the baselines):
   MemoryUsage final_memory;
   ThinKvStats cache_stats;
@@ -127,10 +127,9 @@ inline std::int64_t stream_live_tokens(const DecodeCache& c) {
 }
 
 /// Runs one sequence from `prompt` (non-empty) on a fresh cache built from `spec`.
-inline Status run_sequence(const Model& model, const CacheSpec& spec,
-                           const std::vector<int>& prompt, const RunOptions& opt, RunStats& out) {
-  if (prompt.empty())
-    return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
+inline Status run_sequence(const Model& model, const CacheSpec& spec, const std::vector<int>& prompt,
+                           const RunOptions& opt, RunStats& out) {
+  if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
   std::unique_ptr<DecodeCache> cache;
   THINKV_RETURN_IF_ERROR(make_session_cache(spec, opt.backend, cache));
   Transformer tf(model, opt.threads);
@@ -139,9 +138,8 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec,
   const int P = static_cast<int>(prompt.size());
   const int max_tokens = spec_max_tokens(spec);
   if (P + steps - 1 > max_tokens) {
-    return {StatusCode::kInvalidArgument,
-            "prompt (" + std::to_string(P) + " tokens) + " + std::to_string(steps) +
-                " steps exceed the cache's max_tokens " + std::to_string(max_tokens)};
+    return {StatusCode::kInvalidArgument, "prompt (" + std::to_string(P) + " tokens) + " + std::to_string(steps) +
+                                              " steps exceed the cache's max_tokens " + std::to_string(max_tokens)};
   }
   RunStats st;
   st.prompt_tokens = P;
@@ -168,10 +166,8 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec,
     st.max_live_tokens = std::max(st.max_live_tokens, live);
     if (budget > 0 && live > budget) ++st.steps_over_budget;
     if (opt.after_step) THINKV_RETURN_IF_ERROR(opt.after_step(step, *cache));
-    const int next = opt.forced != nullptr ? (*opt.forced)[static_cast<std::size_t>(step)]
-                                           : sampler.sample(logits);
-    if (opt.forced == nullptr && opt.stop_at_bos_eos && (next == opt.bos_id || next == opt.eos_id))
-      break;
+    const int next = opt.forced != nullptr ? (*opt.forced)[static_cast<std::size_t>(step)] : sampler.sample(logits);
+    if (opt.forced == nullptr && opt.stop_at_bos_eos && (next == opt.bos_id || next == opt.eos_id)) break;
     st.tokens.push_back(next);
     if (opt.on_token) opt.on_token(token, next);
     token = next;
@@ -192,11 +188,9 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec,
 }
 
 struct Fidelity {
-  int steps = 0;  ///< generated tokens of the FullKV run (the reference length)
-  double token_agreement =
-      0.0;  ///< share of steps i < steps where both greedy runs chose the same token
-  double mean_kl =
-      0.0;  ///< mean over steps of KL(full || mode), teacher-forced on the FullKV tokens
+  int steps = 0;                 ///< generated tokens of the FullKV run (the reference length)
+  double token_agreement = 0.0;  ///< share of steps i < steps where both greedy runs chose the same token
+  double mean_kl = 0.0;          ///< mean over steps of KL(full || mode), teacher-forced on the FullKV tokens
   double max_kl = 0.0;
   int first_divergence = -1;  ///< first step where the greedy tokens differ (-1: none)
   std::vector<int> full_tokens;
@@ -208,9 +202,8 @@ struct Fidelity {
 /// FullKV run and the mode run teacher-forced on its tokens go in lockstep (no logits are
 /// stored); the mode's own free-running greedy tokens come from `mode_tokens` when the caller
 /// already has them (a greedy run of the same configuration), else from a third pass.
-inline Status measure_fidelity(const Model& model, const CacheSpec& full_cfg,
-                               const CacheSpec& mode_cfg, const std::vector<int>& prompt,
-                               int steps, const RunOptions& base,
+inline Status measure_fidelity(const Model& model, const CacheSpec& full_cfg, const CacheSpec& mode_cfg,
+                               const std::vector<int>& prompt, int steps, const RunOptions& base,
                                const std::vector<int>* mode_tokens, Fidelity& out) {
   if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens"};
   if (steps < 1) return {StatusCode::kInvalidArgument, "fidelity needs at least one step"};

@@ -48,8 +48,7 @@ struct Tokenizer {
   std::vector<std::string> vocab;
   std::vector<std::string> merges;  ///< byte BPE: "left right", by rank (first = merged first)
   std::vector<float> scores;
-  std::vector<std::int32_t>
-      types;  ///< GGUF token types (1 normal, 2 unknown, 3 control, 6 byte), may be empty
+  std::vector<std::int32_t> types;  ///< GGUF token types (1 normal, 2 unknown, 3 control, 6 byte), may be empty
   int bos_id = 1;
   int eos_id = 2;
   int unk_id = 0;
@@ -59,12 +58,10 @@ struct Tokenizer {
 
   /// Builds the lookup tables; call after filling vocab/scores.
   [[nodiscard]] Status finalize() {
-    if (vocab.empty())
-      return {StatusCode::kInvalidArgument, source + ": the tokenizer has no tokens"};
+    if (vocab.empty()) return {StatusCode::kInvalidArgument, source + ": the tokenizer has no tokens"};
     if (scores.size() != vocab.size()) {
-      return {StatusCode::kInvalidArgument, source + ": " + std::to_string(vocab.size()) +
-                                                " tokens but " + std::to_string(scores.size()) +
-                                                " scores"};
+      return {StatusCode::kInvalidArgument, source + ": " + std::to_string(vocab.size()) + " tokens but " +
+                                                std::to_string(scores.size()) + " scores"};
     }
     // Every special id the encoder and decoder use must name a token (BOS and EOS default to
     // llama2.c's 1 and 2, so a vocabulary needs at least 3 tokens unless the file names others).
@@ -91,16 +88,13 @@ struct Tokenizer {
       build_byte_maps();
       merge_rank_.clear();
       merge_rank_.reserve(merges.size() * 2);
-      for (std::size_t i = 0; i < merges.size(); ++i)
-        merge_rank_.emplace(merges[i], static_cast<int>(i));
+      for (std::size_t i = 0; i < merges.size(); ++i) merge_rank_.emplace(merges[i], static_cast<int>(i));
       specials_.clear();
       for (std::size_t i = 0; i < vocab.size() && i < types.size(); ++i) {
-        if ((types[i] == 3 || types[i] == 4) && vocab[i].size() >= 2)
-          specials_.push_back(static_cast<int>(i));
+        if ((types[i] == 3 || types[i] == 4) && vocab[i].size() >= 2) specials_.push_back(static_cast<int>(i));
       }
       std::sort(specials_.begin(), specials_.end(), [&](int a, int b) {
-        return vocab[static_cast<std::size_t>(a)].size() >
-               vocab[static_cast<std::size_t>(b)].size();
+        return vocab[static_cast<std::size_t>(a)].size() > vocab[static_cast<std::size_t>(b)].size();
       });
     }
     return Status::ok();
@@ -125,8 +119,7 @@ struct Tokenizer {
       const auto c = static_cast<unsigned char>(text[i]);
       if ((c & 0xC0) != 0x80) buf.clear();
       buf += static_cast<char>(c);
-      const bool next_is_cont =
-          i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
+      const bool next_is_cont = i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
       if (next_is_cont && buf.size() < 4) continue;
       const int id = lookup(buf);
       if (id >= 0) {
@@ -224,16 +217,14 @@ struct Tokenizer {
       if (id < 0) return;
       const float s = scores[static_cast<std::size_t>(id)];
       if (!(s > -1e10f)) return;
-      heap.push({s, l, r, id, version[static_cast<std::size_t>(l)],
-                 version[static_cast<std::size_t>(r)]});
+      heap.push({s, l, r, id, version[static_cast<std::size_t>(l)], version[static_cast<std::size_t>(r)]});
     };
     for (std::size_t i = 0; i + 1 < n; ++i) push(static_cast<int>(i));
     while (!heap.empty()) {
       const Cand c = heap.top();
       heap.pop();
       const auto l = static_cast<std::size_t>(c.left), r = static_cast<std::size_t>(c.right);
-      if (!alive[l] || !alive[r] || next[l] != c.right || version[l] != c.vl || version[r] != c.vr)
-        continue;
+      if (!alive[l] || !alive[r] || next[l] != c.right || version[l] != c.vl || version[r] != c.vr) continue;
       toks[l] = c.id;
       ++version[l];
       alive[r] = false;
@@ -275,12 +266,10 @@ struct Tokenizer {
     std::array<std::uint32_t, 256> cs{};
     std::array<bool, 256> direct{};
     for (int b = 0; b < 256; ++b)
-      direct[static_cast<std::size_t>(b)] =
-          (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+      direct[static_cast<std::size_t>(b)] = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
     std::uint32_t n = 0;
     for (int b = 0; b < 256; ++b)
-      cs[static_cast<std::size_t>(b)] =
-          direct[static_cast<std::size_t>(b)] ? static_cast<std::uint32_t>(b) : 256 + n++;
+      cs[static_cast<std::size_t>(b)] = direct[static_cast<std::size_t>(b)] ? static_cast<std::uint32_t>(b) : 256 + n++;
     unicode_to_byte_.clear();
     for (int b = 0; b < 256; ++b) {
       byte_to_piece_[static_cast<std::size_t>(b)].clear();
@@ -311,16 +300,16 @@ struct Tokenizer {
   enum class Cls : std::uint8_t { kLetter, kDigit, kSpace, kNewline, kOther };
   static Cls cls(std::uint32_t cp) {
     if (cp == '\n' || cp == '\r') return Cls::kNewline;
-    if (cp == ' ' || cp == '\t' || cp == '\v' || cp == '\f' || cp == 0x85 || cp == 0xA0 ||
-        cp == 0x3000 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029) {
+    if (cp == ' ' || cp == '\t' || cp == '\v' || cp == '\f' || cp == 0x85 || cp == 0xA0 || cp == 0x3000 ||
+        (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029) {
       return Cls::kSpace;
     }
     if ((cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z')) return Cls::kLetter;
     if (cp >= '0' && cp <= '9') return Cls::kDigit;
     if (cp < 0x80) return Cls::kOther;
     // Non-ASCII: general punctuation and symbol blocks count as "other", the rest as letters.
-    if ((cp >= 0x2010 && cp <= 0x206F) || (cp >= 0x3000 && cp <= 0x303F) ||
-        (cp >= 0xFF00 && cp <= 0xFF0F) || (cp >= 0xA1 && cp <= 0xBF) || cp == 0xD7 || cp == 0xF7) {
+    if ((cp >= 0x2010 && cp <= 0x206F) || (cp >= 0x3000 && cp <= 0x303F) || (cp >= 0xFF00 && cp <= 0xFF0F) ||
+        (cp >= 0xA1 && cp <= 0xBF) || cp == 0xD7 || cp == 0xF7) {
       return Cls::kOther;
     }
     return Cls::kLetter;
@@ -345,8 +334,7 @@ struct Tokenizer {
       // 1. contractions 's 't 're 've 'm 'll 'd (any case)
       if (cps[i] == '\'' && i + 1 < n) {
         auto lower = [&](std::size_t k) {
-          return cps[k] < 0x80 ? static_cast<std::uint32_t>(std::tolower(static_cast<int>(cps[k])))
-                               : cps[k];
+          return cps[k] < 0x80 ? static_cast<std::uint32_t>(std::tolower(static_cast<int>(cps[k]))) : cps[k];
         };
         const std::uint32_t a = lower(i + 1), b = i + 2 < n ? lower(i + 2) : 0;
         if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l'))
@@ -444,8 +432,7 @@ struct Tokenizer {
     if (bos) toks.push_back(bos_id);
     std::size_t start = 0;
     auto flush = [&](std::size_t end) {
-      for (std::string_view chunk : pre_split(text.substr(start, end - start)))
-        bpe_chunk(chunk, toks);
+      for (std::string_view chunk : pre_split(text.substr(start, end - start))) bpe_chunk(chunk, toks);
     };
     for (std::size_t i = 0; i < text.size();) {
       int special = -1;
@@ -485,15 +472,15 @@ struct Tokenizer {
 inline Status load_llama2c_tokenizer(std::shared_ptr<const MappedFile> f, int vocab_size, Tokenizer& out) {
   const std::string& path = f->path();
   if (vocab_size < 1 || vocab_size > (1 << 24)) {
-    return {StatusCode::kInvalidArgument, path + ": vocabulary size " + std::to_string(vocab_size) +
-                                              " is out of range; allowed: 1..16777216"};
+    return {StatusCode::kInvalidArgument,
+            path + ": vocabulary size " + std::to_string(vocab_size) + " is out of range; allowed: 1..16777216"};
   }
   ByteReader r(f->bytes(), path);
   std::int32_t max_len = 0;
   THINKV_RETURN_IF_ERROR(r.read(max_len, "int32 max_token_length"));
   if (max_len < 1 || max_len > (1 << 16)) {
-    return r.corrupt_at(0, "max_token_length " + std::to_string(max_len) +
-                               " is out of range 1..65536; not a llama2.c tokenizer file");
+    return r.corrupt_at(
+        0, "max_token_length " + std::to_string(max_len) + " is out of range 1..65536; not a llama2.c tokenizer file");
   }
   Tokenizer t;
   t.source = path;
@@ -509,8 +496,8 @@ inline Status load_llama2c_tokenizer(std::shared_ptr<const MappedFile> f, int vo
     const std::size_t len_at = r.offset();
     THINKV_RETURN_IF_ERROR(r.read(len, "int32 length of " + tok));
     if (len < 0 || len > max_len) {
-      return r.corrupt_at(len_at, "length " + std::to_string(len) + " of " + tok +
-                                      " is outside 0..max_token_length " + std::to_string(max_len));
+      return r.corrupt_at(len_at, "length " + std::to_string(len) + " of " + tok + " is outside 0..max_token_length " +
+                                      std::to_string(max_len));
     }
     const std::uint8_t* p = nullptr;
     THINKV_RETURN_IF_ERROR(r.take(static_cast<std::size_t>(len), p, "the bytes of " + tok));
@@ -519,8 +506,7 @@ inline Status load_llama2c_tokenizer(std::shared_ptr<const MappedFile> f, int vo
   }
   if (r.remaining() != 0) {
     return r.corrupt("the file has " + std::to_string(r.remaining()) + " bytes after token " +
-                     std::to_string(vocab_size - 1) +
-                     "; it holds more tokens than the model's vocabulary (" +
+                     std::to_string(vocab_size - 1) + "; it holds more tokens than the model's vocabulary (" +
                      std::to_string(vocab_size) + "): wrong tokenizer for this model?");
   }
   THINKV_RETURN_IF_ERROR(t.finalize());

@@ -33,13 +33,11 @@ namespace thinkv::decoder {
 
 /// Optional hook between RoPE and the cache append (tests use it to feed a deliberately broken
 /// cache, e.g. zero keys). k is [n_kv_heads * head_dim] post-RoPE, v likewise.
-using KvHook =
-    std::function<void(int layer, std::int32_t pos, std::span<float> k, std::span<float> v)>;
+using KvHook = std::function<void(int layer, std::int32_t pos, std::span<float> k, std::span<float> v)>;
 
 class Transformer {
  public:
-  explicit Transformer(const Model& model, int threads = 1)
-      : m_(model), threads_(std::max(1, threads)) {
+  explicit Transformer(const Model& model, int threads = 1) : m_(model), threads_(std::max(1, threads)) {
     const ModelConfig& c = m_.config;
     x_.resize(static_cast<std::size_t>(c.dim));
     xb_.resize(static_cast<std::size_t>(c.dim));
@@ -53,8 +51,7 @@ class Transformer {
     // Rotation frequencies per pair of a head.
     freqs_.resize(static_cast<std::size_t>(c.rope_dim / 2));
     for (int i = 0; i < c.rope_dim; i += 2) {
-      float f =
-          1.0f / std::pow(c.rope_theta, static_cast<float>(i) / static_cast<float>(c.rope_dim));
+      float f = 1.0f / std::pow(c.rope_theta, static_cast<float>(i) / static_cast<float>(c.rope_dim));
       if (!m_.rope_freq_factors.empty()) f /= m_.rope_freq_factors[static_cast<std::size_t>(i / 2)];
       freqs_[static_cast<std::size_t>(i / 2)] = f;
     }
@@ -69,11 +66,11 @@ class Transformer {
   [[nodiscard]] Status check_cache(const C& cache) const {
     const CacheShape k = cache.shape();
     const ModelConfig& c = m_.config;
-    if (k.num_layers != c.n_layers || k.num_kv_heads != c.n_kv_heads ||
-        k.num_q_heads != c.n_heads || k.head_dim != c.head_dim) {
+    if (k.num_layers != c.n_layers || k.num_kv_heads != c.n_kv_heads || k.num_q_heads != c.n_heads ||
+        k.head_dim != c.head_dim) {
       return {StatusCode::kShapeMismatch,
-              "the cache is configured for layers=" + std::to_string(k.num_layers) + " kv_heads=" +
-                  std::to_string(k.num_kv_heads) + " q_heads=" + std::to_string(k.num_q_heads) +
+              "the cache is configured for layers=" + std::to_string(k.num_layers) +
+                  " kv_heads=" + std::to_string(k.num_kv_heads) + " q_heads=" + std::to_string(k.num_q_heads) +
                   " head_dim=" + std::to_string(k.head_dim) + "; the model has " + c.to_string()};
     }
     return Status::ok();
@@ -87,13 +84,11 @@ class Transformer {
     const ModelConfig& c = m_.config;
     THINKV_RETURN_IF_ERROR(check_cache(cache));
     if (token < 0 || token >= c.vocab_size) {
-      return {StatusCode::kOutOfRange, "token " + std::to_string(token) +
-                                           " is outside the vocabulary 0.." +
-                                           std::to_string(c.vocab_size - 1)};
+      return {StatusCode::kOutOfRange,
+              "token " + std::to_string(token) + " is outside the vocabulary 0.." + std::to_string(c.vocab_size - 1)};
     }
     if (static_cast<int>(logits.size()) != c.vocab_size) {
-      return {StatusCode::kShapeMismatch,
-              "logits need " + std::to_string(c.vocab_size) + " floats"};
+      return {StatusCode::kShapeMismatch, "logits need " + std::to_string(c.vocab_size) + " floats"};
     }
     const std::int32_t pos = cache.position(seq);
     m_.tok_embeddings.row(token, x_.data());
@@ -110,8 +105,7 @@ class Transformer {
       if (Status s = cache.append(seq, l, k_, v_); !s.is_ok()) return bad_numbers(s, l, pos);
       if (Status s = cache.attend(seq, l, q_, att_); !s.is_ok()) return bad_numbers(s, l, pos);
       w.wo.matvec(att_.data(), xb2_.data(), threads_);
-      for (int i = 0; i < c.dim; ++i)
-        x_[static_cast<std::size_t>(i)] += xb2_[static_cast<std::size_t>(i)];
+      for (int i = 0; i < c.dim; ++i) x_[static_cast<std::size_t>(i)] += xb2_[static_cast<std::size_t>(i)];
       rmsnorm(xb_.data(), x_.data(), w.ffn_norm, c.dim, c.rms_eps);
       w.w1.matvec(xb_.data(), hb_.data(), threads_);
       w.w3.matvec(xb_.data(), hb2_.data(), threads_);
@@ -121,8 +115,7 @@ class Transformer {
         hb_[static_cast<std::size_t>(i)] = g * hb2_[static_cast<std::size_t>(i)];
       }
       w.w2.matvec(hb_.data(), xb_.data(), threads_);
-      for (int i = 0; i < c.dim; ++i)
-        x_[static_cast<std::size_t>(i)] += xb_[static_cast<std::size_t>(i)];
+      for (int i = 0; i < c.dim; ++i) x_[static_cast<std::size_t>(i)] += xb_[static_cast<std::size_t>(i)];
     }
     THINKV_RETURN_IF_ERROR(cache.end_token(seq));
     rmsnorm(x_.data(), x_.data(), m_.final_norm, c.dim, c.rms_eps);
@@ -154,7 +147,8 @@ class Transformer {
     if (s.code() != StatusCode::kNonFinite) return s;
     return {StatusCode::kNonFinite, m_.name + ": the forward pass at position " + std::to_string(pos) + ", layer " +
                                         std::to_string(layer) + " produced a non-finite key, value or query (" +
-                                        s.message() + "): the model file holds NaN or Inf weights, or values "
+                                        s.message() +
+                                        "): the model file holds NaN or Inf weights, or values "
                                         "that overflow; it is corrupt"};
   }
 
@@ -181,20 +175,19 @@ class Transformer {
 /// What a user chooses about the cache; everything else follows from the model.
 struct CacheOptions {
   CacheMode mode = CacheMode::kFull;
-  int max_tokens = 0;  ///< required: prompt + steps
-  int budget = 0;      ///< 0 = default: seq_len / 4 (at least the retention minimum)
-  int group_size = 0;  ///< 0 = default: 16 unless head_dim % 16 != 0, then 8
-  int segment_len =
-      0;        ///< 0 = default: min(128, seq_len / 4, and in eviction modes the budget),
-                ///< rounded down to a multiple of the group;
-                ///< under 64 the retention schedule keeps only its levels <= segment_len
-  int tau = 0;  ///< 0 = the calibration's tau, or the segment default when uncalibrated
+  int max_tokens = 0;   ///< required: prompt + steps
+  int budget = 0;       ///< 0 = default: seq_len / 4 (at least the retention minimum)
+  int group_size = 0;   ///< 0 = default: 16 unless head_dim % 16 != 0, then 8
+  int segment_len = 0;  ///< 0 = default: min(128, seq_len / 4, and in eviction modes the budget),
+                        ///< rounded down to a multiple of the group;
+                        ///< under 64 the retention schedule keeps only its levels <= segment_len
+  int tau = 0;          ///< 0 = the calibration's tau, or the segment default when uncalibrated
   PrecisionMap precision{};
   ThoughtClassifier classifier{};  ///< uncalibrated by default
   bool trace_all_layers = false;
   std::uint64_t kmeans_seed = 0;  ///< 0 = the library default
-  int pinned_prefix = 0;  ///< positions never evicted (the prompt); ThinKvConfig::pinned_prefix
-  bool no_budget = false;  ///< token_budget 0 (ThinKvConfig's "no budget"), whatever `budget` says
+  int pinned_prefix = 0;          ///< positions never evicted (the prompt); ThinKvConfig::pinned_prefix
+  bool no_budget = false;         ///< token_budget 0 (ThinKvConfig's "no budget"), whatever `budget` says
 };
 
 /// The defaults that scale with the model (documented in examples/thinkv/README.md).
@@ -224,9 +217,7 @@ inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, Thi
   k.segment_len = o.segment_len > 0 ? o.segment_len : default_segment_len(c, k.group_size);
   // The default budget is never below the default segment (a short context's quarter can be),
   // so defaults a user never gave cannot make an impossible configuration.
-  k.token_budget = o.no_budget    ? 0
-                   : o.budget > 0 ? o.budget
-                                  : std::max(default_budget(c, k.retention), k.segment_len);
+  k.token_budget = o.no_budget ? 0 : o.budget > 0 ? o.budget : std::max(default_budget(c, k.retention), k.segment_len);
   // The open segment is never evicted, so a budget below the segment could never be met: by
   // default the segment shrinks to fit the budget (an explicit --segment is kept and checked).
   if (o.segment_len <= 0 && evicts(k.mode) && k.token_budget > 0 && k.token_budget < k.segment_len) {
@@ -250,9 +241,7 @@ inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, Thi
   try {
     k.classifier = ThoughtClassifier(cl.thresholds(), cl.layers(), tau, cl.band_types(),
                                      cl.needs_signal() ? cl.num_layers() : c.n_layers);
-  } catch (const ConfigError& e) {
-    return e.status();
-  }
+  } catch (const ConfigError& e) { return e.status(); }
   THINKV_RETURN_IF_ERROR(k.validate());
   out = k;
   return Status::ok();

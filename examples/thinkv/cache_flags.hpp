@@ -19,8 +19,7 @@
 namespace thinkv::decoder::cli {
 
 inline int usage_error(const char* cmd, const char* usage, const std::string& msg) {
-  std::fprintf(stderr, "thinkv %s: %s\n%sRun `thinkv %s --help` for details.\n", cmd, msg.c_str(),
-               usage, cmd);
+  std::fprintf(stderr, "thinkv %s: %s\n%sRun `thinkv %s --help` for details.\n", cmd, msg.c_str(), usage, cmd);
   return kExitUsage;
 }
 
@@ -126,8 +125,8 @@ inline int load_classifier(const char* cmd, const CacheFlags& c, const Model& m,
 }
 
 /// The cache options of the flags; `prompt_tokens` (BOS included) are pinned with --keep-prompt.
-inline CacheOptions cache_options(const CacheFlags& c, CacheMode mode, int max_tokens,
-                                  const ThoughtClassifier& cl, int prompt_tokens = 0) {
+inline CacheOptions cache_options(const CacheFlags& c, CacheMode mode, int max_tokens, const ThoughtClassifier& cl,
+                                  int prompt_tokens = 0) {
   CacheOptions o;
   o.pinned_prefix = c.keep_prompt ? prompt_tokens : 0;
   o.mode = mode;
@@ -151,8 +150,7 @@ inline std::string fmt(const char* f, double x) {
 inline std::string human_bytes(std::int64_t n) {
   if (n < 10 * 1024) return std::to_string(n) + " B";
   if (n < 10 * 1024 * 1024) return fmt("%.1f KiB", static_cast<double>(n) / 1024.0);
-  if (n < std::int64_t{10} * 1024 * 1024 * 1024)
-    return fmt("%.1f MiB", static_cast<double>(n) / (1024.0 * 1024.0));
+  if (n < std::int64_t{10} * 1024 * 1024 * 1024) return fmt("%.1f MiB", static_cast<double>(n) / (1024.0 * 1024.0));
   return fmt("%.2f GiB", static_cast<double>(n) / (1024.0 * 1024.0 * 1024.0));
 }
 

@@ -216,10 +216,14 @@ int parse_args(int argc, char** argv, Args& a) {
       for (;;) {
         const auto comma = rest.find(',');
         const std::string_view t = rest.substr(0, comma);
-        if (t == "R") a.band_types.push_back(thinkv::ThoughtType::kReasoning);
-        else if (t == "E") a.band_types.push_back(thinkv::ThoughtType::kExecution);
-        else if (t == "T") a.band_types.push_back(thinkv::ThoughtType::kTransition);
-        else return usage_error("--band-types " + std::string(v) + ": '" + std::string(t) + "' is not R, E or T");
+        if (t == "R")
+          a.band_types.push_back(thinkv::ThoughtType::kReasoning);
+        else if (t == "E")
+          a.band_types.push_back(thinkv::ThoughtType::kExecution);
+        else if (t == "T")
+          a.band_types.push_back(thinkv::ThoughtType::kTransition);
+        else
+          return usage_error("--band-types " + std::string(v) + ": '" + std::string(t) + "' is not R, E or T");
         if (comma == std::string_view::npos) break;
         rest.remove_prefix(comma + 1);
       }
@@ -233,9 +237,10 @@ int parse_args(int argc, char** argv, Args& a) {
   if (a.help) return 0;
   if (a.tau % a.group != 0) {
     return usage_error("--tau " + std::to_string(a.tau) + " is not a multiple of the quantization group " +
-                       std::to_string(a.group) + "; `thinkv generate` would refuse the file (a thought changes "
-                       "type only at a group boundary): use a multiple of " + std::to_string(a.group) +
-                       ", or --group for the cache it will be used with");
+                       std::to_string(a.group) +
+                       "; `thinkv generate` would refuse the file (a thought changes "
+                       "type only at a group boundary): use a multiple of " +
+                       std::to_string(a.group) + ", or --group for the cache it will be used with");
   }
   if (!thresholds_text.empty()) {
     std::string_view rest = thresholds_text;
@@ -380,9 +385,8 @@ int run_calibrate(int argc, char** argv) {
     return kExitData;
   }
 
-  if (int rc = write_output(a.output, "calibration file", [&](std::ostream& os) {
-        return thinkv::write_calibration_json(os, result);
-      });
+  if (int rc = write_output(a.output, "calibration file",
+                            [&](std::ostream& os) { return thinkv::write_calibration_json(os, result); });
       rc != 0) {
     return rc;
   }
@@ -397,14 +401,15 @@ int run_calibrate(int argc, char** argv) {
   for (const auto& note : result.notes) std::fprintf(stderr, "calibrate: note: %s\n", note.c_str());
   std::string bands;
   for (int i = 0; i < result.num_types; ++i) {
-    bands += std::string(i ? " < " : "") + std::string(thinkv::to_string(result.band_types[static_cast<std::size_t>(i)]));
+    bands +=
+        std::string(i ? " < " : "") + std::string(thinkv::to_string(result.band_types[static_cast<std::size_t>(i)]));
   }
   std::fprintf(stderr,
                "calibrate: %s (%d layers): L* = %s, thresholds %s (%s by sparsity, %s), %d prompt%s, %ld steps "
                "-> %s%s%s\n",
                result.model.c_str(), result.num_layers, fmt_layers(result.layers).c_str(),
                fmt_thresholds(result.thresholds).c_str(), bands.c_str(), result.method.c_str(), result.prompts,
-               result.prompts == 1 ? "" : "s", result.steps, a.output == "-" ? "<stdout>" : a.output.c_str(), a.plot.empty() ? "" : ", ",
-               a.plot.c_str());
+               result.prompts == 1 ? "" : "s", result.steps, a.output == "-" ? "<stdout>" : a.output.c_str(),
+               a.plot.empty() ? "" : ", ", a.plot.c_str());
   return 0;
 }

@@ -241,8 +241,10 @@ bool read_problems(const std::string& path, std::vector<Problem>& out, std::stri
       return false;
     }
     if (j.contains("id")) {
-      if (j["id"].is_string()) p.id = j["id"].get<std::string>();
-      else if (j["id"].is_number_integer()) p.id = j["id"].dump();
+      if (j["id"].is_string())
+        p.id = j["id"].get<std::string>();
+      else if (j["id"].is_number_integer())
+        p.id = j["id"].dump();
       else {
         err = where + "field 'id' must be a string or an integer";
         return false;
@@ -493,23 +495,24 @@ std::string pct(double x, int digits = 1) { return fmt(digits == 1 ? "%.1f" : "%
 /// One row per configuration; `md` selects Markdown.
 std::string table(const std::vector<Summary>& rows, bool md, bool kl) {
   std::vector<std::vector<std::string>> cells;
-  std::vector<std::string> head{"method", "budget", "accuracy", "kept", "KV held", "peak", "allocated",
-                                "gen len", "evict/step", "agree", "1st div", "tok/s"};
+  std::vector<std::string> head{"method",    "budget",  "accuracy",   "kept",  "KV held", "peak",
+                                "allocated", "gen len", "evict/step", "agree", "1st div", "tok/s"};
   if (kl) head.insert(head.end() - 1, "KL");
   cells.push_back(head);
   for (const Summary& s : rows) {
-    std::vector<std::string> r{std::string(to_string(s.config.method)),
-                               s.config.budget > 0 ? std::to_string(s.config.budget) : "-",
-                               pct(s.accuracy()) + " % (" + std::to_string(s.correct) + "/" + std::to_string(s.n) + ")",
-                               s.full_correct ? pct(static_cast<double>(s.kept_correct) / s.full_correct) + " %" : "-",
-                               pct(s.held) + " %",
-                               pct(s.peak) + " %",
-                               pct(s.allocated) + " %",
-                               fmt("%.0f", s.gen) + " (" + fmt("%.2f", s.full_gen > 0 ? s.gen / s.full_gen : 0.0) + "x)",
-                               fmt("%.4f", s.positions ? static_cast<double>(s.eviction_calls) / s.positions : 0.0),
-                               pct(s.agreement) + " %",
-                               std::to_string(s.median_divergence),
-                               fmt("%.0f", s.seconds > 0 ? s.positions / s.seconds : 0.0)};
+    std::vector<std::string> r{
+        std::string(to_string(s.config.method)),
+        s.config.budget > 0 ? std::to_string(s.config.budget) : "-",
+        pct(s.accuracy()) + " % (" + std::to_string(s.correct) + "/" + std::to_string(s.n) + ")",
+        s.full_correct ? pct(static_cast<double>(s.kept_correct) / s.full_correct) + " %" : "-",
+        pct(s.held) + " %",
+        pct(s.peak) + " %",
+        pct(s.allocated) + " %",
+        fmt("%.0f", s.gen) + " (" + fmt("%.2f", s.full_gen > 0 ? s.gen / s.full_gen : 0.0) + "x)",
+        fmt("%.4f", s.positions ? static_cast<double>(s.eviction_calls) / s.positions : 0.0),
+        pct(s.agreement) + " %",
+        std::to_string(s.median_divergence),
+        fmt("%.0f", s.seconds > 0 ? s.positions / s.seconds : 0.0)};
     if (kl) r.insert(r.end() - 1, s.has_kl ? fmt("%.4f", s.kl) : "-");
     cells.push_back(r);
   }
@@ -613,8 +616,10 @@ std::string plot(const std::vector<Summary>& rows, const std::string& title) {
       << "\"/><text x=\"" << left + pw + 30 << "\" y=\"" << ly + 4 << "\">" << to_string(m) << "</text>\n";
     ly += 18;
   }
-  s << "<text x=\"" << left + pw + 14 << "\" y=\"" << ly + 10 << "\" fill=\"#555\" font-size=\"10\">labels: budget</text>\n";
-  s << "<text x=\"" << left + pw + 14 << "\" y=\"" << ly + 24 << "\" fill=\"#555\" font-size=\"10\">dashed: FullKV</text>\n";
+  s << "<text x=\"" << left + pw + 14 << "\" y=\"" << ly + 10
+    << "\" fill=\"#555\" font-size=\"10\">labels: budget</text>\n";
+  s << "<text x=\"" << left + pw + 14 << "\" y=\"" << ly + 24
+    << "\" fill=\"#555\" font-size=\"10\">dashed: FullKV</text>\n";
   s << "</svg>\n";
   return s.str();
 }
@@ -663,8 +668,8 @@ int run_eval(int argc, char** argv) {
     return kExitData;
   }
   if (a.offset >= static_cast<int>(problems.size())) {
-    return usage("--offset " + std::to_string(a.offset) + " skips all " + std::to_string(problems.size()) + " problems of " +
-                 a.problems);
+    return usage("--offset " + std::to_string(a.offset) + " skips all " + std::to_string(problems.size()) +
+                 " problems of " + a.problems);
   }
   problems.erase(problems.begin(), problems.begin() + a.offset);
   if (a.limit > 0 && a.limit < static_cast<int>(problems.size())) problems.resize(static_cast<std::size_t>(a.limit));
@@ -760,9 +765,9 @@ int run_eval(int argc, char** argv) {
       std::vector<std::vector<float>> full_logits;
       for (std::size_t c = 0; c < NC && !failed.load(); ++c) {
         const bool is_full = c == 0;
-        const Status s = run_one(env, problems[p], configs[c], is_full ? nullptr : &results[p][0],
-                                 a.kl && !is_full ? &full_logits : nullptr, results[p][c],
-                                 a.kl && is_full ? &full_logits : nullptr);
+        const Status s =
+            run_one(env, problems[p], configs[c], is_full ? nullptr : &results[p][0],
+                    a.kl && !is_full ? &full_logits : nullptr, results[p][c], a.kl && is_full ? &full_logits : nullptr);
         if (!s.is_ok()) {
           std::lock_guard<std::mutex> lock(err_mu);
           if (first_error.empty()) {
@@ -830,7 +835,8 @@ int run_eval(int argc, char** argv) {
                 std::to_string(s.thought_tokens[1]) + "/" + std::to_string(s.thought_tokens[2]) + ", refreshes " +
                 std::to_string(s.refreshes) + ", new transitions " + std::to_string(s.transitions) +
                 " (case-1 step-downs " + std::to_string(s.case1_steps) + ")\n";
-    if (!env.rules.empty() && s.config.method != Method::kTbq && s.config.method != Method::kNvfp4) thoughts += confusion_text(s);
+    if (!env.rules.empty() && s.config.method != Method::kTbq && s.config.method != Method::kNvfp4)
+      thoughts += confusion_text(s);
   }
 
   // Files first (all or nothing), then the console.
@@ -883,7 +889,8 @@ int run_eval(int argc, char** argv) {
       r["budget_unreachable_steps"] = s.unreachable;
       if (!env.rules.empty()) {
         Json m = Json::array();
-        for (int t = 0; t < kNumThoughtTypes; ++t) m.push_back({s.confusion[t][0], s.confusion[t][1], s.confusion[t][2]});
+        for (int t = 0; t < kNumThoughtTypes; ++t)
+          m.push_back({s.confusion[t][0], s.confusion[t][1], s.confusion[t][2]});
         r["confusion_label_by_type"] = m;
       }
     }

@@ -161,9 +161,7 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
     const int c = parse_cache_flag(o, a.cache, cmd, kGenerateUsage, rc);
     if (c < 0) return rc;
     if (c > 0) continue;
-    auto need = [&](const char* what) {
-      return o.value(v) && (!v.empty() || std::string_view(what) == "text");
-    };
+    auto need = [&](const char* what) { return o.value(v) && (!v.empty() || std::string_view(what) == "text"); };
     if (n == "-h" || n == "--help") {
       a.help = true;
     } else if (n == "--model" || n == "-m") {
@@ -179,7 +177,9 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
     } else if (n == "--file" || n == "-f") {
       if (!need("a file")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs a prompt file");
       std::ifstream f{std::string(v), std::ios::binary};
-      if (!f) return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": cannot open the prompt file");
+      if (!f)
+        return usage_error(cmd, kGenerateUsage,
+                           std::string(n) + " " + std::string(v) + ": cannot open the prompt file");
       std::ostringstream all;
       all << f.rdbuf();
       a.prompt = all.str();
@@ -190,20 +190,18 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
       }
     } else if (n == "--repeat" || n == "-r") {
       if (!need("a count") || !parse_int(v, 1, 1000, a.repeat)) {
-        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer in 1..1000");
+        return usage_error(cmd, kGenerateUsage,
+                           std::string(n) + " " + std::string(v) + ": must be an integer in 1..1000");
       }
     } else if (n == "--steps" || n == "-n") {
       if (!need("a count") || !parse_int(v, 1, 1 << 30, a.steps)) {
-        return usage_error(cmd, kGenerateUsage,
-                           std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
+        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
       }
     } else if (n == "--mode") {
-      if (!need("a mode"))
-        return usage_error(cmd, kGenerateUsage, "--mode needs a method: " + method_names());
+      if (!need("a mode")) return usage_error(cmd, kGenerateUsage, "--mode needs a method: " + method_names());
       const auto m = parse_method(v);
       if (!m)
-        return usage_error(cmd, kGenerateUsage,
-                           "--mode " + std::string(v) + ": must be one of " + method_names());
+        return usage_error(cmd, kGenerateUsage, "--mode " + std::string(v) + ": must be one of " + method_names());
       a.method = *m;
     } else if (n == "--problems") {
       if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--problems needs a JSONL file");
@@ -216,8 +214,7 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
       a.answer_pattern = v;
     } else if (n == "--temperature") {
       if (!need("a number") || !parse_float(v, a.temperature) || a.temperature < 0.0f) {
-        return usage_error(cmd, kGenerateUsage,
-                           "--temperature " + std::string(v) + ": must be a number >= 0");
+        return usage_error(cmd, kGenerateUsage, "--temperature " + std::string(v) + ": must be a number >= 0");
       }
     } else if (n == "--seed" || n == "-s") {
       if (!need("a number") || !parse_u64(v, a.seed)) {
@@ -226,8 +223,7 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
       }
     } else if (n == "--compare") {
       if (!need("full") || v != "full") {
-        return usage_error(cmd, kGenerateUsage,
-                           "--compare " + std::string(v) + ": only `--compare full` is supported");
+        return usage_error(cmd, kGenerateUsage, "--compare " + std::string(v) + ": only `--compare full` is supported");
       }
       a.compare = true;
     } else if (n == "--threads" || n == "-t") {
@@ -237,8 +233,7 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
       }
     } else if (n == "--backend") {
       if (!need("a backend") || (v != "cpu" && v != "cuda")) {
-        return usage_error(cmd, kGenerateUsage,
-                           "--backend " + std::string(v) + ": must be cpu or cuda");
+        return usage_error(cmd, kGenerateUsage, "--backend " + std::string(v) + ": must be cpu or cuda");
       }
       a.backend = v;
     } else if (n == "--json") {
@@ -255,8 +250,7 @@ int parse_generate(int argc, char** argv, GenerateArgs& a) {
   if (a.model.empty()) return usage_error(cmd, kGenerateUsage, "no model given (--model PATH)");
   if (!a.problems.empty() && a.have_prompt)
     return usage_error(cmd, kGenerateUsage, "give --prompt or --problems, not both");
-  if (a.steps < 0 && a.problems.empty())
-    return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
+  if (a.steps < 0 && a.problems.empty()) return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
   return 0;
 }
 
@@ -282,8 +276,10 @@ bool read_problem(const std::string& path, const std::string& which, std::string
       return false;
     }
     const json::Value* pid = v.find("id");
-    const std::string this_id =
-        pid == nullptr ? "" : pid->is_string() ? pid->as_string() : pid->is_number() ? json::write(*pid, 0) : "";
+    const std::string this_id = pid == nullptr     ? ""
+                                : pid->is_string() ? pid->as_string()
+                                : pid->is_number() ? json::write(*pid, 0)
+                                                   : "";
     if ((numeric && k == index) || (!numeric && this_id == which)) {
       const json::Value* p = v.find("prompt");
       const json::Value* a = v.find("answer");
@@ -298,8 +294,8 @@ bool read_problem(const std::string& path, const std::string& which, std::string
     }
     ++k;
   }
-  err = path + ": no problem " + (numeric ? "with index " + which + " (it has " + std::to_string(k) + ")"
-                                          : "with id '" + which + "'");
+  err = path + ": no problem " +
+        (numeric ? "with index " + which + " (it has " + std::to_string(k) + ")" : "with id '" + which + "'");
   return false;
 }
 
@@ -357,7 +353,8 @@ int run_generate(int argc, char** argv) {
   try {
     pattern = std::regex(a.answer_pattern, std::regex::ECMAScript);
   } catch (const std::regex_error& e) {
-    return usage_error(cmd, kGenerateUsage, "--answer-pattern '" + a.answer_pattern + "' is not a valid regular expression: " + e.what());
+    return usage_error(cmd, kGenerateUsage,
+                       "--answer-pattern '" + a.answer_pattern + "' is not a valid regular expression: " + e.what());
   }
   // --problems FILE --problem N|ID: the prompt (and expected answer) of one problem.
   std::string expected, problem_id;
@@ -370,23 +367,21 @@ int run_generate(int argc, char** argv) {
   }
   Model model;
   Tokenizer tok;
-  if (const int rc = load_model_and_tokenizer("thinkv generate", a.model, a.tokenizer, model, tok);
-      rc != 0)
-    return rc;
+  if (const int rc = load_model_and_tokenizer("thinkv generate", a.model, a.tokenizer, model, tok); rc != 0) return rc;
   const ModelConfig& mc = model.config;
   const std::vector<int> prompt = tok.encode(a.prompt, true, false);
   const int P = static_cast<int>(prompt.size());
   if (a.ctx > mc.seq_len) {
-    return usage_error(cmd, kGenerateUsage, "-c " + std::to_string(a.ctx) + " exceeds " + model.name +
-                                                "'s context of " + std::to_string(mc.seq_len));
+    return usage_error(
+        cmd, kGenerateUsage,
+        "-c " + std::to_string(a.ctx) + " exceeds " + model.name + "'s context of " + std::to_string(mc.seq_len));
   }
   const int ctx = a.ctx > 0 ? a.ctx : mc.seq_len;
   if (a.steps < 0) a.steps = std::max(1, ctx - P + 1);  // a problem: up to the context (or EOS)
   if (P + a.steps - 1 > ctx) {
     return usage_error(cmd, kGenerateUsage,
-                       "the prompt (" + std::to_string(P) + " tokens with BOS) + " +
-                           std::to_string(a.steps) + " steps need " +
-                           std::to_string(P + a.steps - 1) + " positions; " +
+                       "the prompt (" + std::to_string(P) + " tokens with BOS) + " + std::to_string(a.steps) +
+                           " steps need " + std::to_string(P + a.steps - 1) + " positions; " +
                            (a.ctx > 0 ? "-c allows " : model.name + " has a context of ") + std::to_string(ctx) +
                            " (use --steps " + std::to_string(std::max(1, ctx - P + 1)) + " or fewer)");
   }
@@ -401,9 +396,8 @@ int run_generate(int argc, char** argv) {
   };
   CacheSpec spec;
   if (Status s = spec_for(a.method, spec); !s.is_ok()) {
-    return usage_error(
-        cmd, kGenerateUsage,
-        "cache configuration for " + model.name + " (" + mc.to_string() + "): " + s.message());
+    return usage_error(cmd, kGenerateUsage,
+                       "cache configuration for " + model.name + " (" + mc.to_string() + "): " + s.message());
   }
   const ThinKvConfig* cfg = std::get_if<ThinKvConfig>(&spec);
   const int threads = a.threads > 0 ? a.threads : default_threads();
@@ -421,7 +415,8 @@ int run_generate(int argc, char** argv) {
     if (cfg == nullptr) {
       return usage_error(cmd, kGenerateUsage,
                          "--backend cuda serves ThinKV's cache (full-bf16, tbq, tbe, thinkv, nvfp4 and the "
-                         "-first ablations); " + std::string(to_string(a.method)) + " is a CPU baseline");
+                         "-first ablations); " +
+                             std::string(to_string(a.method)) + " is a CPU baseline");
     }
 #if defined(THINKV_HAVE_KERNELS)
     ro.backend = [] { return std::make_unique<BackendModel<CudaKvBackend>>(); };
@@ -450,8 +445,7 @@ int run_generate(int argc, char** argv) {
   };
   ro.after_step = [&](int step, const thinkv::DecodeCache&) {
     if (progress.enabled() && (!shared_terminal || at_line_start)) {
-      const double s =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       progress.update("step " + std::to_string(step + 1) + "/" + std::to_string(a.steps) + ", " +
                       fmt("%.1f", s > 0 ? (step + 1) / s : 0.0) + " tok/s");
     }
@@ -511,12 +505,10 @@ int run_generate(int argc, char** argv) {
     // terminal to the text (stdout and stderr on the same terminal).
     Progress compare_progress(a.progress || ::isatty(2) != 0, "thinkv generate: ");
     const bool greedy = !(a.temperature > 0.0f);
-    compare_progress.update(
-        "comparing with FullKV on the same prompt (" + std::to_string(a.steps) + " steps)...",
-        true);
+    compare_progress.update("comparing with FullKV on the same prompt (" + std::to_string(a.steps) + " steps)...",
+                            true);
     // The FullKV run and the method teacher-forced on it; the method's own tokens are this run's.
-    if (Status s = measure_fidelity(model, full_spec, spec, prompt, a.steps, mo,
-                                    greedy ? &st.tokens : nullptr, fid);
+    if (Status s = measure_fidelity(model, full_spec, spec, prompt, a.steps, mo, greedy ? &st.tokens : nullptr, fid);
         !s.is_ok()) {
       compare_progress.clear();
       std::fprintf(stderr, "thinkv generate: fidelity run: %s\n", s.to_string().c_str());
@@ -535,14 +527,13 @@ int run_generate(int argc, char** argv) {
   const int streams = mc.n_layers * mc.n_kv_heads;
   const bool calibrated = cfg != nullptr && cfg->classifier.needs_signal() && cfg->mode != CacheMode::kFull;
   const ThoughtStats& ts = st.thought_stats;
-  std::fprintf(stderr, "thinkv generate: %s (%s, %s weights, %s)\n", model.name.c_str(),
-               model.format.c_str(), to_string(model.weight_type), mc.to_string().c_str());
+  std::fprintf(stderr, "thinkv generate: %s (%s, %s weights, %s)\n", model.name.c_str(), model.format.c_str(),
+               to_string(model.weight_type), mc.to_string().c_str());
   if (cfg != nullptr) {
-    std::fprintf(
-        stderr, "  cache: mode %s (%s), precision %s, budget %s, group %d, segment %d, tau %d, block %d\n",
-        std::string(to_string(a.method)).c_str(), st.method.c_str(), precision_text(*cfg).c_str(),
-        evicts(cfg->mode) ? std::to_string(cfg->token_budget).c_str() : "none (no eviction)",
-        cfg->group_size, cfg->segment_len, cfg->classifier.tau(), cfg->block_size);
+    std::fprintf(stderr, "  cache: mode %s (%s), precision %s, budget %s, group %d, segment %d, tau %d, block %d\n",
+                 std::string(to_string(a.method)).c_str(), st.method.c_str(), precision_text(*cfg).c_str(),
+                 evicts(cfg->mode) ? std::to_string(cfg->token_budget).c_str() : "none (no eviction)", cfg->group_size,
+                 cfg->segment_len, cfg->classifier.tau(), cfg->block_size);
     if (cfg->mode == CacheMode::kFull) {
       std::fprintf(stderr, "  classifier: not used in mode full-bf16\n");
     } else if (calibrated) {
@@ -567,51 +558,49 @@ int run_generate(int argc, char** argv) {
                gen, P, st.seconds, tps, st.forward_passes, threads, cfg ? a.backend.c_str() : "cpu",
                mean_sd(pp_speed).c_str(), mean_sd(tg_speed).c_str(),
                a.repeat > 1 ? (" (mean +- sd of " + std::to_string(a.repeat) + " runs)").c_str() : "");
-  std::fprintf(stderr,
-               "  KV memory: %s held (peak %s, allocated %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n",
+  std::fprintf(stderr, "  KV memory: %s held (peak %s, allocated %s) vs FullKV FP16 %s for %lld positions: %.1f %%\n",
                human_bytes(rep.held_bytes).c_str(), human_bytes(st.peak_physical_bytes).c_str(),
                human_bytes(rep.allocated_bytes).c_str(), human_bytes(st.fullkv_fp16_bytes_all_positions).c_str(),
                static_cast<long long>(positions), 100.0 * ratio);
   std::fprintf(stderr, "             live tokens %lld per stream (max %lld; %d streams)",
-               static_cast<long long>(rep.live_tokens / std::max(1, streams)), static_cast<long long>(st.max_live_tokens),
-               streams);
+               static_cast<long long>(rep.live_tokens / std::max(1, streams)),
+               static_cast<long long>(st.max_live_tokens), streams);
   if (cfg != nullptr) std::fprintf(stderr, ", hole slots %lld", static_cast<long long>(st.final_memory.hole_slots));
   std::fprintf(stderr, "\n");
-  const double ev_per_step = positions > 0 ? static_cast<double>(rep.eviction_calls) / static_cast<double>(positions) : 0.0;
+  const double ev_per_step =
+      positions > 0 ? static_cast<double>(rep.eviction_calls) / static_cast<double>(positions) : 0.0;
   if (cfg != nullptr) {
-    std::fprintf(stderr,
-                 "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means, %lld case-1 "
-                 "step-downs), slots reused %lld, gather bytes %lld, budget unreachable on %lld steps\n",
-                 ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
-                 static_cast<long long>(st.cache_stats.tokens_evicted),
-                 static_cast<long long>(st.cache_stats.kmeans_calls),
-                 static_cast<long long>(st.cache_stats.case1_steps),
-                 static_cast<long long>(st.table_stats.slots_reused),
-                 static_cast<long long>(rep.gather_bytes),
-                 static_cast<long long>(st.cache_stats.budget_unreachable));
+    std::fprintf(
+        stderr,
+        "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means, %lld case-1 "
+        "step-downs), slots reused %lld, gather bytes %lld, budget unreachable on %lld steps\n",
+        ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
+        static_cast<long long>(st.cache_stats.tokens_evicted), static_cast<long long>(st.cache_stats.kmeans_calls),
+        static_cast<long long>(st.cache_stats.case1_steps), static_cast<long long>(st.table_stats.slots_reused),
+        static_cast<long long>(rep.gather_bytes), static_cast<long long>(st.cache_stats.budget_unreachable));
   } else {
     std::fprintf(stderr, "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted), gather bytes %lld\n",
                  ev_per_step, static_cast<long long>(rep.eviction_calls), static_cast<long long>(rep.tokens_evicted),
                  static_cast<long long>(rep.gather_bytes));
   }
   if (a.compare) {
-    const std::string divergence =
-        fid.first_divergence < 0
-            ? std::string("first divergence: none")
-            : "first divergence at step " + std::to_string(fid.first_divergence);
+    const std::string divergence = fid.first_divergence < 0
+                                       ? std::string("first divergence: none")
+                                       : "first divergence at step " + std::to_string(fid.first_divergence);
     std::fprintf(stderr,
                  "  fidelity vs full (FP16, greedy, %d steps): token agreement %.1f %%, mean KL(full || "
                  "%s) %.4g nats "
                  "(max %.3g), %s\n",
-                 fid.steps, 100.0 * fid.token_agreement, std::string(to_string(a.method)).c_str(),
-                 fid.mean_kl, fid.max_kl, divergence.c_str());
+                 fid.steps, 100.0 * fid.token_agreement, std::string(to_string(a.method)).c_str(), fid.mean_kl,
+                 fid.max_kl, divergence.c_str());
   }
   std::string answer, full_answer;
   const bool answered = extract_last(pattern, text, answer);
   const bool full_answered = a.compare && extract_last(pattern, full_text, full_answer);
   if (!a.problems.empty() || a.compare) {
     std::string line = "  answer: " + (answered ? answer : std::string("none (no match for ") + a.answer_pattern + ")");
-    if (!expected.empty()) line += ", expected " + expected + (answered && answer == expected ? " (right)" : " (wrong)");
+    if (!expected.empty())
+      line += ", expected " + expected + (answered && answer == expected ? " (right)" : " (wrong)");
     if (a.compare) {
       line += "; FullKV's: " + (full_answered ? full_answer : std::string("none"));
       line += answered == full_answered && answer == full_answer ? " (the same)" : " (differs)";
@@ -620,9 +609,9 @@ int run_generate(int argc, char** argv) {
   }
 
   if (a.json) {
-    const int budget = cfg != nullptr ? (evicts(cfg->mode) ? cfg->token_budget : 0)
+    const int budget = cfg != nullptr                                ? (evicts(cfg->mode) ? cfg->token_budget : 0)
                        : std::holds_alternative<DenseKvConfig>(spec) ? std::get<DenseKvConfig>(spec).token_budget
-                                                                      : 0;
+                                                                     : 0;
     json::Value::Object o{
         {"model", json::Value::string(model.name)},
         {"model_path", json::Value::string(model.path)},
@@ -707,18 +696,14 @@ constexpr const char* kSweepHelp =
     "  other cache flags as in `thinkv generate`\n";
 
 const std::vector<std::string> kDefaultPrompts = {
-    "Once upon a time, there was a little dog",
-    "Tom and his sister went to the park",
-    "One day, a big bird flew",
-    "Lily wanted to bake a cake for her mom",
-    "The sun was shining and the children",
+    "Once upon a time, there was a little dog", "Tom and his sister went to the park",  "One day, a big bird flew",
+    "Lily wanted to bake a cake for her mom",   "The sun was shining and the children",
 };
 
 struct SweepArgs {
   std::string model, tokenizer, prompts_file, md, svg, json, csv;
   int steps = 300;
-  std::vector<CacheMode> modes{CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe,
-                               CacheMode::kThinKv};
+  std::vector<CacheMode> modes{CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv};
   std::vector<int> budgets{32, 64, 128, 256};
   CacheFlags cache;
   int threads = 0;
@@ -772,9 +757,8 @@ int parse_sweep(int argc, char** argv, SweepArgs& a) {
         return usage_error(cmd, kSweepUsage, "--threads must be in 1..1024");
     } else if (n == "--budgets") {
       if (!need() || !parse_int_list(v, 1, 1 << 30, a.budgets)) {
-        return usage_error(
-            cmd, kSweepUsage,
-            "--budgets " + std::string(v) + ": a comma-separated list of integers >= 1");
+        return usage_error(cmd, kSweepUsage,
+                           "--budgets " + std::string(v) + ": a comma-separated list of integers >= 1");
       }
     } else if (n == "--modes") {
       if (!need()) return usage_error(cmd, kSweepUsage, "--modes needs a list");
@@ -785,8 +769,7 @@ int parse_sweep(int argc, char** argv, SweepArgs& a) {
         const auto m = parse_cache_mode(rest.substr(0, comma));
         if (!m)
           return usage_error(cmd, kSweepUsage,
-                             "--modes: '" + std::string(rest.substr(0, comma)) +
-                                 "' is not full, tbq, tbe or thinkv");
+                             "--modes: '" + std::string(rest.substr(0, comma)) + "' is not full, tbq, tbe or thinkv");
         a.modes.push_back(*m);
         if (comma == std::string_view::npos) break;
         rest.remove_prefix(comma + 1);
@@ -813,14 +796,10 @@ struct Cell {
 
 const char* mode_color(CacheMode m) {
   switch (m) {
-    case CacheMode::kFull:
-      return "#444444";
-    case CacheMode::kTbq:
-      return "#1f77b4";
-    case CacheMode::kTbe:
-      return "#ff7f0e";
-    case CacheMode::kThinKv:
-      return "#2ca02c";
+    case CacheMode::kFull: return "#444444";
+    case CacheMode::kTbq: return "#1f77b4";
+    case CacheMode::kTbe: return "#ff7f0e";
+    case CacheMode::kThinKv: return "#2ca02c";
   }
   return "#000000";
 }
@@ -849,14 +828,12 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
     klmin = 1e-4;
     klmax = 1;
   }
-  const double lo = std::floor(std::log10(std::max(klmin, 1e-6))),
-               hi = std::ceil(std::log10(klmax));
+  const double lo = std::floor(std::log10(std::max(klmin, 1e-6))), hi = std::ceil(std::log10(klmax));
   std::ostringstream s;
   s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
        "fill=\"white\"/>\n";
-  s << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << title
-    << "</text>\n";
+  s << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">" << title << "</text>\n";
   for (int panel = 0; panel < 2; ++panel) {
     const int x0 = left0 + panel * (pw + gap), y0 = top;
     auto px = [&](double mem) { return x0 + pw * (100.0 * mem) / xmax; };
@@ -870,9 +847,9 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
     for (int t = 0; t <= xticks; ++t) {  // x ticks
       const double xv = xstep * t;
       const double xx = x0 + pw * xv / xmax;
-      s << "<line x1=\"" << xx << "\" y1=\"" << y0 + ph << "\" x2=\"" << xx << "\" y2=\""
-        << y0 + ph + 5 << "\" stroke=\"#000\"/><text x=\"" << xx << "\" y=\"" << y0 + ph + 18
-        << "\" text-anchor=\"middle\">" << fmt("%.0f", xv) << "</text>\n";
+      s << "<line x1=\"" << xx << "\" y1=\"" << y0 + ph << "\" x2=\"" << xx << "\" y2=\"" << y0 + ph + 5
+        << "\" stroke=\"#000\"/><text x=\"" << xx << "\" y=\"" << y0 + ph + 18 << "\" text-anchor=\"middle\">"
+        << fmt("%.0f", xv) << "</text>\n";
       s << "<line x1=\"" << xx << "\" y1=\"" << y0 << "\" x2=\"" << xx << "\" y2=\"" << y0 + ph
         << "\" stroke=\"#eee\"/>\n";
     }
@@ -882,8 +859,8 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
       for (int t = 0; t <= 5; ++t) {
         const double yy = y0 + ph * (1.0 - t / 5.0);
         s << "<line x1=\"" << x0 - 5 << "\" y1=\"" << yy << "\" x2=\"" << x0 << "\" y2=\"" << yy
-          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4
-          << "\" text-anchor=\"end\">" << 20 * t << "</text>\n";
+          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4 << "\" text-anchor=\"end\">" << 20 * t
+          << "</text>\n";
       }
       s << "<text transform=\"translate(" << x0 - 45 << "," << y0 + ph / 2
         << ") rotate(-90)\" text-anchor=\"middle\">greedy token agreement with FullKV (%)</text>\n";
@@ -891,8 +868,8 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
       for (double e = lo; e <= hi + 1e-9; e += 1.0) {
         const double yy = y0 + ph * (1.0 - (e - lo) / std::max(1e-9, hi - lo));
         s << "<line x1=\"" << x0 - 5 << "\" y1=\"" << yy << "\" x2=\"" << x0 << "\" y2=\"" << yy
-          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4
-          << "\" text-anchor=\"end\">1e" << fmt("%.0f", e) << "</text>\n";
+          << "\" stroke=\"#000\"/><text x=\"" << x0 - 8 << "\" y=\"" << yy + 4 << "\" text-anchor=\"end\">1e"
+          << fmt("%.0f", e) << "</text>\n";
         s << "<line x1=\"" << x0 << "\" y1=\"" << yy << "\" x2=\"" << x0 + pw << "\" y2=\"" << yy
           << "\" stroke=\"#eee\"/>\n";
       }
@@ -909,15 +886,14 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
         if (c.mode == m) pts.push_back(&c);
       }
       if (pts.size() > 1) {
-        s << "<polyline fill=\"none\" stroke=\"" << mode_color(m)
-          << "\" stroke-opacity=\"0.5\" points=\"";
+        s << "<polyline fill=\"none\" stroke=\"" << mode_color(m) << "\" stroke-opacity=\"0.5\" points=\"";
         for (const Cell* c : pts) s << px(c->memory) << "," << py(*c) << " ";
         s << "\"/>\n";
       }
       for (std::size_t i = 0; i < pts.size(); ++i) {
         const Cell* c = pts[i];
-        s << "<circle cx=\"" << px(c->memory) << "\" cy=\"" << py(*c) << "\" r=\"4.5\" fill=\""
-          << mode_color(m) << "\"/>\n";
+        s << "<circle cx=\"" << px(c->memory) << "\" cy=\"" << py(*c) << "\" r=\"4.5\" fill=\"" << mode_color(m)
+          << "\"/>\n";
         if (c->budget > 0) {  // labels alternate above and below the point
           s << "<text x=\"" << px(c->memory) + 6 << "\" y=\"" << py(*c) + (i % 2 ? 14 : -6)
             << "\" font-size=\"10\" fill=\"" << mode_color(m) << "\">" << c->budget << "</text>\n";
@@ -927,8 +903,8 @@ std::string sweep_svg(const std::vector<Cell>& cells, const std::string& title) 
   }
   int lx = left0;
   for (CacheMode m : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
-    s << "<circle cx=\"" << lx << "\" cy=\"48\" r=\"5\" fill=\"" << mode_color(m)
-      << "\"/><text x=\"" << lx + 9 << "\" y=\"52\">" << to_string(m) << "</text>\n";
+    s << "<circle cx=\"" << lx << "\" cy=\"48\" r=\"5\" fill=\"" << mode_color(m) << "\"/><text x=\"" << lx + 9
+      << "\" y=\"52\">" << to_string(m) << "</text>\n";
     lx += 90;
   }
   s << "<text x=\"" << lx + 20 << "\" y=\"52\" fill=\"#555\">(labels: token budget)</text>\n";
@@ -957,9 +933,7 @@ int run_sweep(int argc, char** argv) {
   }
   Model model;
   Tokenizer tok;
-  if (const int rc = load_model_and_tokenizer("thinkv sweep", a.model, a.tokenizer, model, tok);
-      rc != 0)
-    return rc;
+  if (const int rc = load_model_and_tokenizer("thinkv sweep", a.model, a.tokenizer, model, tok); rc != 0) return rc;
   ThoughtClassifier classifier;
   if (const int rc = load_classifier(cmd, a.cache, model, classifier); rc != 0) return rc;
   const int threads = a.threads > 0 ? a.threads : default_threads();
@@ -976,17 +950,15 @@ int run_sweep(int argc, char** argv) {
         const std::vector<int> ptoks = tok.encode(prompts[p], true, false);
         const int P = static_cast<int>(ptoks.size());
         if (P + a.steps - 1 > model.config.seq_len) {
-          std::fprintf(stderr,
-                       "thinkv sweep: prompt %zu (%d tokens) + %d steps exceed the context %d\n", p,
-                       P, a.steps, model.config.seq_len);
+          std::fprintf(stderr, "thinkv sweep: prompt %zu (%d tokens) + %d steps exceed the context %d\n", p, P, a.steps,
+                       model.config.seq_len);
           return kExitUsage;
         }
         CacheFlags cf = a.cache;
         cf.budget = b;
         ThinKvConfig cfg;
         CacheSpec full_cfg;  // the reference: FullKV in FP16
-        Status s =
-            make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier, P), cfg);
+        Status s = make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier, P), cfg);
         if (s.is_ok()) {
           MethodOptions fo;
           fo.method = Method::kFull;
@@ -994,8 +966,7 @@ int run_sweep(int argc, char** argv) {
           s = make_cache_spec(model.config, fo, full_cfg);
         }
         if (!s.is_ok()) return usage_error(cmd, kSweepUsage, "cache configuration: " + s.message());
-        progress.update(std::string(to_string(m)) +
-                        (b ? " budget " + std::to_string(b) : std::string()) + ", prompt " +
+        progress.update(std::string(to_string(m)) + (b ? " budget " + std::to_string(b) : std::string()) + ", prompt " +
                         std::to_string(p + 1) + "/" + std::to_string(prompts.size()));
         RunOptions ro;
         ro.steps = a.steps;
@@ -1012,26 +983,22 @@ int run_sweep(int argc, char** argv) {
           return kExitData;
         }
         Fidelity f;
-        if (s = measure_fidelity(model, full_cfg, cfg, ptoks, a.steps, ro, &st.tokens, f);
-            !s.is_ok()) {
+        if (s = measure_fidelity(model, full_cfg, cfg, ptoks, a.steps, ro, &st.tokens, f); !s.is_ok()) {
           progress.clear();
           std::fprintf(stderr, "thinkv sweep: %s\n", s.to_string().c_str());
           return kExitData;
         }
-        const double mem =
-            static_cast<double>(st.final_memory.physical_bytes()) /
-            static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
-        const double peak =
-            static_cast<double>(st.peak_physical_bytes) /
-            static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
+        const double mem = static_cast<double>(st.final_memory.physical_bytes()) /
+                           static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
+        const double peak = static_cast<double>(st.peak_physical_bytes) /
+                            static_cast<double>(std::max<std::int64_t>(1, st.fullkv_fp16_bytes_all_positions));
         cell.memory += mem;
         cell.memory_peak += peak;
         cell.agreement += f.token_agreement;
         cell.agreement_min = std::min(cell.agreement_min, f.token_agreement);
         cell.agreement_max = std::max(cell.agreement_max, f.token_agreement);
         cell.kl += f.mean_kl;
-        cell.ev_per_step +=
-            static_cast<double>(st.cache_stats.eviction_calls) / std::max(1, st.forward_passes);
+        cell.ev_per_step += static_cast<double>(st.cache_stats.eviction_calls) / std::max(1, st.forward_passes);
         cell.unreachable += static_cast<double>(st.cache_stats.budget_unreachable);
         cell.divergences.push_back(f.first_divergence);
         ++cell.prompts;
@@ -1061,14 +1028,12 @@ int run_sweep(int argc, char** argv) {
     }
     std::sort(d.begin(), d.end());
     const int med = d.empty() ? -1 : d[d.size() / 2];
-    md << "| " << to_string(c.mode) << " | "
-       << (c.budget > 0 ? std::to_string(c.budget) : std::string("–")) << " | "
+    md << "| " << to_string(c.mode) << " | " << (c.budget > 0 ? std::to_string(c.budget) : std::string("–")) << " | "
        << fmt("%.1f %%", 100 * c.memory) << " | " << fmt("%.1f %%", 100 * c.memory_peak) << " | "
        << fmt("%.1f %%", 100 * c.agreement) << " (" << fmt("%.0f", 100 * c.agreement_min) << "–"
        << fmt("%.0f", 100 * c.agreement_max) << ") | " << fmt("%.4f", c.kl) << " | "
-       << (med >= a.steps ? std::string("none (") + std::to_string(a.steps) + ")"
-                          : std::to_string(med))
-       << " | " << fmt("%.3f", c.ev_per_step) << " | " << fmt("%.0f", c.unreachable) << " |\n";
+       << (med >= a.steps ? std::string("none (") + std::to_string(a.steps) + ")" : std::to_string(med)) << " | "
+       << fmt("%.3f", c.ev_per_step) << " | " << fmt("%.0f", c.unreachable) << " |\n";
   }
   // The same rows as JSON and CSV.
   std::ostringstream csv;
@@ -1096,15 +1061,14 @@ int run_sweep(int argc, char** argv) {
                                         {"eviction_calls_per_step", json::Value::number(c.ev_per_step)},
                                         {"budget_unreachable_steps", json::Value::number(c.unreachable)}}));
   }
-  const std::string json_text =
-      json::write(json::Value::object({{"model", json::Value::string(model.name)},
-                                       {"steps", json::Value::integer(a.steps)},
-                                       {"reference", json::Value::string("full (FP16)")},
-                                       {"cells", json::Value::array(std::move(rows))}}),
-                  1) +
-      "\n";
-  for (const auto& [path, content] : {std::pair<std::string, std::string>{a.md, md.str()}, {a.json, json_text},
-                                      {a.csv, csv.str()}}) {
+  const std::string json_text = json::write(json::Value::object({{"model", json::Value::string(model.name)},
+                                                                 {"steps", json::Value::integer(a.steps)},
+                                                                 {"reference", json::Value::string("full (FP16)")},
+                                                                 {"cells", json::Value::array(std::move(rows))}}),
+                                            1) +
+                                "\n";
+  for (const auto& [path, content] :
+       {std::pair<std::string, std::string>{a.md, md.str()}, {a.json, json_text}, {a.csv, csv.str()}}) {
     if (path.empty()) continue;
     if (const std::string e = write_file_atomic(path, content); !e.empty()) {
       std::fprintf(stderr, "thinkv sweep: %s\n", e.c_str());
@@ -1114,9 +1078,8 @@ int run_sweep(int argc, char** argv) {
   }
   if (a.md.empty()) std::printf("%s", md.str().c_str());
   if (!a.svg.empty()) {
-    const std::string title = model.name + ": fidelity vs KV memory, " +
-                              std::to_string(prompts.size()) + " prompts x " +
-                              std::to_string(a.steps) + " greedy steps";
+    const std::string title = model.name + ": fidelity vs KV memory, " + std::to_string(prompts.size()) +
+                              " prompts x " + std::to_string(a.steps) + " greedy steps";
     std::ofstream f(a.svg);
     f << sweep_svg(cells, title);
     if (!f) {

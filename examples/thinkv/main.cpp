@@ -20,7 +20,8 @@ struct Subcommand {
 };
 
 constexpr Subcommand kSubcommands[] = {
-    {"generate", "decode on a Llama model (llama2.c .bin / GGUF) with the KV cache in full/tbq/tbe/thinkv mode", run_generate},
+    {"generate", "decode on a Llama model (llama2.c .bin / GGUF) with the KV cache in full/tbq/tbe/thinkv mode",
+     run_generate},
     {"trace", "record per-layer attention sparsity traces for `thinkv calibrate`", run_trace},
     {"calibrate", "calibrate the thought classifier from sparsity traces (writes calib.json)", run_calibrate},
     {"thoughts", "does sparsity separate the thought types? a trace against ground-truth labels", run_thoughts},

@@ -39,7 +39,9 @@ inline bool read_label_rules(const std::string& path, std::vector<LabelRule>& ou
       return false;
     }
     LabelRule r;
-    r.type = line[0] == 'R' ? ThoughtType::kReasoning : line[0] == 'E' ? ThoughtType::kExecution : ThoughtType::kTransition;
+    r.type = line[0] == 'R'   ? ThoughtType::kReasoning
+             : line[0] == 'E' ? ThoughtType::kExecution
+                              : ThoughtType::kTransition;
     r.text = line.substr(2);
     try {
       r.re = std::regex(r.text, std::regex::ECMAScript);

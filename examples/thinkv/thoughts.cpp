@@ -114,16 +114,26 @@ int run_thoughts(int argc, char** argv) {
       dst = v;
       return true;
     };
-    if (n == "-h" || n == "--help") help = true;
-    else if (n == "--texts") { if (!need(texts)) return usage("--texts needs a file"); }
-    else if (n == "--labels") { if (!need(labels)) return usage("--labels needs a rules file"); }
-    else if (n == "--calibration") { if (!need(calib)) return usage("--calibration needs a file"); }
-    else if (n == "--compare") { if (!need(compare)) return usage("--compare needs a trace file"); }
-    else if (n == "--compare-texts") { if (!need(compare_texts)) return usage("--compare-texts needs a file"); }
-    else if (n == "--md") { if (!need(md)) return usage("--md needs a file"); }
-    else if (n == "--json") { if (!need(json_out)) return usage("--json needs a file"); }
-    else if (!n.starts_with("-") && trace_path.empty()) trace_path = o.arg();
-    else return usage("unknown option '" + std::string(o.arg()) + "'");
+    if (n == "-h" || n == "--help")
+      help = true;
+    else if (n == "--texts") {
+      if (!need(texts)) return usage("--texts needs a file");
+    } else if (n == "--labels") {
+      if (!need(labels)) return usage("--labels needs a rules file");
+    } else if (n == "--calibration") {
+      if (!need(calib)) return usage("--calibration needs a file");
+    } else if (n == "--compare") {
+      if (!need(compare)) return usage("--compare needs a trace file");
+    } else if (n == "--compare-texts") {
+      if (!need(compare_texts)) return usage("--compare-texts needs a file");
+    } else if (n == "--md") {
+      if (!need(md)) return usage("--md needs a file");
+    } else if (n == "--json") {
+      if (!need(json_out)) return usage("--json needs a file");
+    } else if (!n.starts_with("-") && trace_path.empty())
+      trace_path = o.arg();
+    else
+      return usage("unknown option '" + std::string(o.arg()) + "'");
   }
   if (help) {
     std::printf("%s%s", kUsage, kHelp);
@@ -140,7 +150,8 @@ int run_thoughts(int argc, char** argv) {
   std::vector<LabelRule> rules;
   std::string err;
   if (!read_label_rules(labels, rules, err)) return fail(err);
-  if (!compare.empty() && compare_texts.empty()) return usage("--compare needs --compare-texts (the other run's texts)");
+  if (!compare.empty() && compare_texts.empty())
+    return usage("--compare needs --compare-texts (the other run's texts)");
   // Generated pieces per prompt id.
   std::map<std::string, std::vector<std::string>> pieces, other_pieces;
   for (const auto& [file, dst] : {std::pair<const std::string*, decltype(&pieces)>{&texts, &pieces},
@@ -162,7 +173,8 @@ int run_thoughts(int argc, char** argv) {
         return fail(texts + ":" + std::to_string(no) + ": not JSON (" + e.what() + ")");
       }
       if (!j.contains("id") || !j.contains("pieces") || !j["pieces"].is_array())
-        return fail(texts + ":" + std::to_string(no) + ": needs \"id\" and \"pieces\" (written by `thinkv trace --texts`)");
+        return fail(texts + ":" + std::to_string(no) +
+                    ": needs \"id\" and \"pieces\" (written by `thinkv trace --texts`)");
       std::vector<std::string> p;
       for (const auto& x : j["pieces"]) p.push_back(x.get<std::string>());
       pieces[j["id"].get<std::string>()] = std::move(p);
@@ -196,7 +208,8 @@ int run_thoughts(int argc, char** argv) {
   for (const Sample& s : samples) ++count[static_cast<std::size_t>(s.label)];
   rep << "model " << trace.model << ", " << trace.prompts.size() << " prompts, " << samples.size()
       << " labelled decode steps: R " << count[0] << ", E " << count[1] << ", T " << count[2] << "\n\n";
-  rep << "| layer | modes (all) | R mean / median / modes | E mean / median / modes | T mean / median / modes | T>R>E | AUC T>R | AUC R>E | AUC T>E |\n";
+  rep << "| layer | modes (all) | R mean / median / modes | E mean / median / modes | T mean / median / modes | T>R>E "
+         "| AUC T>R | AUC R>E | AUC T>E |\n";
   rep << "|---|---|---|---|---|---|---:|---:|---:|\n";
   Json lj = Json::array();
   for (int l = 0; l < L; ++l) {
@@ -218,8 +231,10 @@ int run_thoughts(int argc, char** argv) {
       mean = v.empty() ? NAN : mean / static_cast<double>(v.size());
       med[static_cast<std::size_t>(t)] = median(v);
       const auto m = modes_of(v);
-      rep << " " << fmt("%.3f", mean) << " / " << fmt("%.3f", med[static_cast<std::size_t>(t)]) << " / " << list(m) << " |";
-      e[std::string(to_string(static_cast<ThoughtType>(t)))] = {{"n", v.size()}, {"mean", mean}, {"median", med[static_cast<std::size_t>(t)]}, {"modes", m}};
+      rep << " " << fmt("%.3f", mean) << " / " << fmt("%.3f", med[static_cast<std::size_t>(t)]) << " / " << list(m)
+          << " |";
+      e[std::string(to_string(static_cast<ThoughtType>(t)))] = {
+          {"n", v.size()}, {"mean", mean}, {"median", med[static_cast<std::size_t>(t)]}, {"modes", m}};
     }
     const bool order = med[2] > med[0] && med[0] > med[1];
     const double a_tr = auc(x[2], x[0]), a_re = auc(x[0], x[1]), a_te = auc(x[2], x[1]);
@@ -244,14 +259,17 @@ int run_thoughts(int argc, char** argv) {
     std::array<float, 2> best_thr{};
     for (int l = 0; l < L; ++l) {
       std::array<std::vector<float>, 3> x;
-      for (const Sample& s : samples) x[static_cast<std::size_t>(s.label)].push_back(s.values[static_cast<std::size_t>(l)]);
+      for (const Sample& s : samples)
+        x[static_cast<std::size_t>(s.label)].push_back(s.values[static_cast<std::size_t>(l)]);
       if (x[0].empty() || x[1].empty() || x[2].empty()) continue;
       std::array<int, 3> order{0, 1, 2};
       std::array<double, 3> med{median(x[0]), median(x[1]), median(x[2])};
-      std::sort(order.begin(), order.end(), [&](int a, int b) { return med[static_cast<std::size_t>(a)] < med[static_cast<std::size_t>(b)]; });
+      std::sort(order.begin(), order.end(),
+                [&](int a, int b) { return med[static_cast<std::size_t>(a)] < med[static_cast<std::size_t>(b)]; });
       const std::array<float, 2> thr{
           static_cast<float>(0.5 * (med[static_cast<std::size_t>(order[0])] + med[static_cast<std::size_t>(order[1])])),
-          static_cast<float>(0.5 * (med[static_cast<std::size_t>(order[1])] + med[static_cast<std::size_t>(order[2])]))};
+          static_cast<float>(0.5 *
+                             (med[static_cast<std::size_t>(order[1])] + med[static_cast<std::size_t>(order[2])]))};
       if (!(thr[0] > 0.0f && thr[1] > thr[0] && thr[1] < 1.0f)) continue;
       std::int64_t agree = 0;
       for (const Sample& s : samples) {
@@ -269,13 +287,19 @@ int run_thoughts(int argc, char** argv) {
     }
     if (best_layer >= 0) {
       std::string types;
-      for (int b = 0; b < 3; ++b) types += (b ? "," : "") + std::string(to_string(static_cast<ThoughtType>(best_order[static_cast<std::size_t>(b)])));
-      rep << "\nlabel-informed classifier: layer " << best_layer << ", bands " << types << " (lowest sparsity first), thresholds "
-          << fmt("%.4f", best_thr[0]) << ", " << fmt("%.4f", best_thr[1]) << " (midpoints of the labels' medians): agreement "
-          << fmt("%.1f", 100.0 * best_acc) << " % per token\n  thinkv calibrate " << trace_path << " -o calib.json --types 3 --layers "
-          << best_layer << " --thresholds " << fmt("%.4f", best_thr[0]) << "," << fmt("%.4f", best_thr[1]) << " --band-types " << types
-          << "\n";
-      j["label_informed"] = {{"layer", best_layer}, {"band_types", types}, {"thresholds", {best_thr[0], best_thr[1]}}, {"agreement", best_acc}};
+      for (int b = 0; b < 3; ++b)
+        types +=
+            (b ? "," : "") + std::string(to_string(static_cast<ThoughtType>(best_order[static_cast<std::size_t>(b)])));
+      rep << "\nlabel-informed classifier: layer " << best_layer << ", bands " << types
+          << " (lowest sparsity first), thresholds " << fmt("%.4f", best_thr[0]) << ", " << fmt("%.4f", best_thr[1])
+          << " (midpoints of the labels' medians): agreement " << fmt("%.1f", 100.0 * best_acc)
+          << " % per token\n  thinkv calibrate " << trace_path << " -o calib.json --types 3 --layers " << best_layer
+          << " --thresholds " << fmt("%.4f", best_thr[0]) << "," << fmt("%.4f", best_thr[1]) << " --band-types "
+          << types << "\n";
+      j["label_informed"] = {{"layer", best_layer},
+                             {"band_types", types},
+                             {"thresholds", {best_thr[0], best_thr[1]}},
+                             {"agreement", best_acc}};
     }
   }
 
@@ -290,9 +314,7 @@ int run_thoughts(int argc, char** argv) {
     try {
       std::vector<ThoughtType> bands(f.band_types.begin(), f.band_types.begin() + f.num_types);
       cl = ThoughtClassifier(f.thresholds, f.layers, f.tau, bands, f.num_layers);
-    } catch (const ConfigError& e) {
-      return fail(calib + ": " + e.what());
-    }
+    } catch (const ConfigError& e) { return fail(calib + ": " + e.what()); }
     have_cl = cl.needs_signal();
   }
   auto signal = [&](const std::vector<float>& v) { return cl.signal(v); };  // the run-time computation
@@ -318,7 +340,8 @@ int run_thoughts(int argc, char** argv) {
           << conf[t][2] << " | " << (row ? fmt("%.1f", 100.0 * conf[t][t] / row) + " %" : "-") << " |\n";
       cm.push_back({conf[t][0], conf[t][1], conf[t][2]});
     }
-    rep << "\nagreement with the labels: " << fmt("%.1f", 100.0 * agree / static_cast<double>(samples.size())) << " %\n";
+    rep << "\nagreement with the labels: " << fmt("%.1f", 100.0 * agree / static_cast<double>(samples.size()))
+        << " %\n";
     // The best band -> type assignment (every injective map of bands to types).
     std::array<int, 3> perm{0, 1, 2};
     std::int64_t best = -1;
@@ -337,8 +360,9 @@ int run_thoughts(int argc, char** argv) {
     } while (std::next_permutation(perm.begin(), perm.end()));
     rep << "labels per band (lowest sparsity first):";
     for (int b = 0; b < bands; ++b) {
-      rep << " [" << to_string(cl.band_types()[static_cast<std::size_t>(b)]) << ": R " << by_band[static_cast<std::size_t>(b)][0]
-          << ", E " << by_band[static_cast<std::size_t>(b)][1] << ", T " << by_band[static_cast<std::size_t>(b)][2] << "]";
+      rep << " [" << to_string(cl.band_types()[static_cast<std::size_t>(b)]) << ": R "
+          << by_band[static_cast<std::size_t>(b)][0] << ", E " << by_band[static_cast<std::size_t>(b)][1] << ", T "
+          << by_band[static_cast<std::size_t>(b)][2] << "]";
     }
     rep << "\nbest band types (lowest sparsity first): " << best_text << ", agreement "
         << fmt("%.1f", 100.0 * best / static_cast<double>(samples.size())) << " %\n";
@@ -354,7 +378,8 @@ int run_thoughts(int argc, char** argv) {
     if (other.num_layers != L) return fail(compare + " has another layer count");
     std::map<std::pair<std::string, int>, const float*> rows;
     for (const PromptTrace& pt : other.prompts) {
-      for (std::size_t i = 0; i < pt.steps.size(); ++i) rows[{pt.id, pt.steps[i]}] = pt.values.data() + i * static_cast<std::size_t>(L);
+      for (std::size_t i = 0; i < pt.steps.size(); ++i)
+        rows[{pt.id, pt.steps[i]}] = pt.values.data() + i * static_cast<std::size_t>(L);
     }
     // The step up to which both runs decoded the same tokens, per prompt.
     std::map<std::string, int> same_until;
@@ -373,7 +398,9 @@ int run_thoughts(int argc, char** argv) {
       if (it == rows.end() || su == same_until.end() || s.step > su->second) continue;
       ++matched;
       std::vector<float> ov(it->second, it->second + L);
-      for (int l = 0; l < L; ++l) diff[static_cast<std::size_t>(l)] += std::fabs(ov[static_cast<std::size_t>(l)] - s.values[static_cast<std::size_t>(l)]);
+      for (int l = 0; l < L; ++l)
+        diff[static_cast<std::size_t>(l)] +=
+            std::fabs(ov[static_cast<std::size_t>(l)] - s.values[static_cast<std::size_t>(l)]);
       if (have_cl) same_type += cl.classify(signal(ov)) == cl.classify(signal(s.values));
     }
     rep << "\nagainst " << compare << " (" << matched << " decode steps where both runs had decoded the same tokens):\n"

@@ -71,8 +71,7 @@ constexpr const char* kHelp =
     "  thinkv calibrate trace.csv -o calib.json --plot densities.svg\n";
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "thinkv trace: %s\n%sRun `thinkv trace --help` for details.\n", msg.c_str(),
-               kUsage);
+  std::fprintf(stderr, "thinkv trace: %s\n%sRun `thinkv trace --help` for details.\n", msg.c_str(), kUsage);
   return kExitUsage;
 }
 
@@ -150,7 +149,8 @@ int parse(int argc, char** argv, Args& a) {
   if (a.model.empty()) return usage_error("no model given (--model PATH)");
   if (a.output.empty()) return usage_error("no output file given (-o trace.csv)");
   if (static_cast<int>(a.have_prompt) + static_cast<int>(!a.prompts_file.empty()) +
-          static_cast<int>(!a.problems_file.empty()) > 1)
+          static_cast<int>(!a.problems_file.empty()) >
+      1)
     return usage_error("give one of --prompt, --prompts and --problems");
   if (!a.problems_file.empty()) a.until_eos = true;
   if (a.steps < 0 && !a.until_eos) return usage_error("no step count given (--steps N, or --until-eos)");
@@ -274,7 +274,8 @@ int run_trace(int argc, char** argv) {
     CacheOptions co = cache_options(a.cache, a.mode, P + steps, classifier, P);
     co.trace_all_layers = true;
     ThinKvConfig cfg;
-    if (Status s = make_cache_config(mc, co, cfg); !s.is_ok()) return usage_error("cache configuration: " + s.message());
+    if (Status s = make_cache_config(mc, co, cfg); !s.is_ok())
+      return usage_error("cache configuration: " + s.message());
     PromptTrace pt;
     pt.id = prompts[p].id;
     RunOptions ro;
@@ -347,7 +348,7 @@ int run_trace(int argc, char** argv) {
   }
   if (!a.quiet) {
     const std::string steps_text = a.until_eos ? std::to_string(trace.total_steps()) + " steps in all (to EOS)"
-                                                : std::to_string(a.steps) + " steps";
+                                               : std::to_string(a.steps) + " steps";
     std::fprintf(stderr, "thinkv trace: %s: %zu prompts x %s, %d layers, signal over the %s cache -> %s\n",
                  model.name.c_str(), prompts.size(), steps_text.c_str(), mc.n_layers,
                  std::string(to_string(a.mode)).c_str(), a.output.c_str());

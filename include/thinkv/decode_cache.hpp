@@ -66,8 +66,8 @@ struct CacheShape {
     if (num_kv_heads < 1 || num_kv_heads > 4096)
       return bad("num_kv_heads " + std::to_string(num_kv_heads) + " is out of range; allowed: 1..4096");
     if (num_q_heads < 1 || num_q_heads > 65536 || num_q_heads % num_kv_heads != 0) {
-      return bad("num_q_heads " + std::to_string(num_q_heads) +
-                 " must be a positive multiple of num_kv_heads " + std::to_string(num_kv_heads));
+      return bad("num_q_heads " + std::to_string(num_q_heads) + " must be a positive multiple of num_kv_heads " +
+                 std::to_string(num_kv_heads));
     }
     if (head_dim < 1 || head_dim > 1024)
       return bad("head_dim " + std::to_string(head_dim) + " is out of range; allowed: 1..1024");
@@ -83,8 +83,8 @@ struct CacheShape {
 
 /// What a cache reports for one sequence, every method measured the same way.
 struct CacheReport {
-  std::int64_t positions = 0;        ///< tokens decoded in the sequence so far
-  std::int64_t live_tokens = 0;      ///< tokens attended to, summed over the sequence's streams
+  std::int64_t positions = 0;    ///< tokens decoded in the sequence so far
+  std::int64_t live_tokens = 0;  ///< tokens attended to, summed over the sequence's streams
   /// Bytes held for the sequence now: every byte its streams use (K/V codes, scales, positions,
   /// scores, block metadata, staging, residual buffers).
   std::int64_t held_bytes = 0;
@@ -92,8 +92,8 @@ struct CacheReport {
   /// cache that allocates as it goes reports the same as held_bytes.
   std::int64_t allocated_bytes = 0;
   std::int64_t fullkv_fp16_bytes = 0;  ///< FullKV FP16 of `positions` tokens (the baseline)
-  std::int64_t eviction_calls = 0;   ///< steps at which the method evicted or compressed
-  std::int64_t tokens_evicted = 0;   ///< tokens dropped, summed over streams
+  std::int64_t eviction_calls = 0;     ///< steps at which the method evicted or compressed
+  std::int64_t tokens_evicted = 0;     ///< tokens dropped, summed over streams
   /// Bytes moved to gather or compact the cache, counted where they are written. ThinKvCache: the
   /// bytes its backend wrote beyond what new tokens account for, cache-wide (0: CT reuses slots
   /// in place); the dense baselines: bytes copied to close the holes eviction leaves.
@@ -103,8 +103,7 @@ struct CacheReport {
     return fullkv_fp16_bytes > 0 ? static_cast<double>(held_bytes) / static_cast<double>(fullkv_fp16_bytes) : 0.0;
   }
   [[nodiscard]] double allocated_ratio() const noexcept {
-    return fullkv_fp16_bytes > 0 ? static_cast<double>(allocated_bytes) / static_cast<double>(fullkv_fp16_bytes)
-                                 : 0.0;
+    return fullkv_fp16_bytes > 0 ? static_cast<double>(allocated_bytes) / static_cast<double>(fullkv_fp16_bytes) : 0.0;
   }
 };
 
@@ -129,8 +128,7 @@ class TokenProtocol {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     if (at(seq).in_token) {
       return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) + ") at position " +
-                                                std::to_string(at(seq).position) +
-                                                " called twice without end_token"};
+                                                std::to_string(at(seq).position) + " called twice without end_token"};
     }
     return Status::ok();
   }
@@ -141,9 +139,9 @@ class TokenProtocol {
                                            " is out of range; allowed: 0.." + std::to_string(layers_ - 1)};
     }
     if (!at(seq).in_token) {
-      return {StatusCode::kInvalidArgument, std::string(call) + " layer " + std::to_string(layer) +
-                                                " of sequence " + std::to_string(seq) +
-                                                ": call begin_token(" + std::to_string(seq) + ") first"};
+      return {StatusCode::kInvalidArgument, std::string(call) + " layer " + std::to_string(layer) + " of sequence " +
+                                                std::to_string(seq) + ": call begin_token(" + std::to_string(seq) +
+                                                ") first"};
     }
     return Status::ok();
   }
@@ -152,18 +150,16 @@ class TokenProtocol {
     if (at(seq).appended[static_cast<std::size_t>(layer)]) {
       return {StatusCode::kInvalidArgument, "append: layer " + std::to_string(layer) + " of sequence " +
                                                 std::to_string(seq) + " was already appended at position " +
-                                                std::to_string(at(seq).position) +
-                                                " (each layer once per token)"};
+                                                std::to_string(at(seq).position) + " (each layer once per token)"};
     }
     return Status::ok();
   }
   [[nodiscard]] Status check_attend(int seq, int layer) const {
     THINKV_RETURN_IF_ERROR(check_layer(seq, layer, "attend"));
     if (!at(seq).appended[static_cast<std::size_t>(layer)]) {
-      return {StatusCode::kInvalidArgument, "attend: layer " + std::to_string(layer) + " of sequence " +
-                                                std::to_string(seq) + " at position " +
-                                                std::to_string(at(seq).position) +
-                                                " before its append (append the token's K/V first)"};
+      return {StatusCode::kInvalidArgument,
+              "attend: layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) + " at position " +
+                  std::to_string(at(seq).position) + " before its append (append the token's K/V first)"};
     }
     return Status::ok();
   }

@@ -31,8 +31,7 @@ inline Status check_kv_values(std::span<const float> k, std::span<const float> v
       std::snprintf(value, sizeof value, "%g", static_cast<double>(xc));
       const std::string name = std::string(kv == 0 ? "k" : "v") + "[" + std::to_string(c) + "] = " + value;
       if (!std::isfinite(xc)) {
-        return {StatusCode::kNonFinite,
-                name + " appended to " + where + " is not finite; the token was not stored"};
+        return {StatusCode::kNonFinite, name + " appended to " + where + " is not finite; the token was not stored"};
       }
       return {StatusCode::kNonFinite, name + " appended to " + where + " exceeds the largest magnitude " +
                                           "this cache stores (" + limit_name + "); the token was not stored"};

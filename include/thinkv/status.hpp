@@ -86,9 +86,9 @@ class BackendError : public std::runtime_error {
 };
 
 /// Returns from the enclosing function when `expr` (a Status) is not ok.
-#define THINKV_RETURN_IF_ERROR(expr)          \
-  do {                                        \
-    ::thinkv::Status thinkv_status_ = (expr); \
+#define THINKV_RETURN_IF_ERROR(expr)                    \
+  do {                                                  \
+    ::thinkv::Status thinkv_status_ = (expr);           \
     if (!thinkv_status_.is_ok()) return thinkv_status_; \
   } while (0)
 

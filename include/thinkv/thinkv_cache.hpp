@@ -79,9 +79,9 @@ struct ThinKvConfig {
   int num_sequences = 1;
   int num_layers = 1;
   int num_kv_heads = 1;
-  int num_q_heads = 1;       ///< a multiple of num_kv_heads (GQA)
+  int num_q_heads = 1;  ///< a multiple of num_kv_heads (GQA)
   int head_dim = 128;
-  int max_tokens = 4096;     ///< positions per sequence the pools are sized for
+  int max_tokens = 4096;  ///< positions per sequence the pools are sized for
   int group_size = 16;
   int block_size = 16;
   PrecisionMap precision{};  ///< used by kTbq and kThinKv (kFull and kTbe store BF16)
@@ -93,7 +93,7 @@ struct ThinKvConfig {
   SegmentSelection selection = SegmentSelection::kKmeans;  ///< kept tokens of a shrinking segment
   /// Blocks per precision pool; 0 = sized so that no stream can run out (see pool_blocks()).
   int pool_blocks = 0;
-  float softmax_scale = 0.0f;  ///< 0 = 1/sqrt(head_dim)
+  float softmax_scale = 0.0f;     ///< 0 = 1/sqrt(head_dim)
   bool trace_all_layers = false;  ///< record sparsity of every layer on every step (for traces)
   /// The first positions of every sequence that are never evicted, stored as R and not
   /// reclassified (the prompt, in the decode-stage setting ThinKV targets: thoughts are the
@@ -119,8 +119,8 @@ struct ThinKvConfig {
                  std::to_string(kMaxKvHeads));
     }
     if (num_q_heads < 1 || num_q_heads % num_kv_heads != 0) {
-      return bad("num_q_heads " + std::to_string(num_q_heads) +
-                 " must be a positive multiple of num_kv_heads " + std::to_string(num_kv_heads));
+      return bad("num_q_heads " + std::to_string(num_q_heads) + " must be a positive multiple of num_kv_heads " +
+                 std::to_string(num_kv_heads));
     }
     // Products in 64 bits: the streams (sequences x layers x KV heads) must fit the paged cache.
     const std::int64_t streams = std::int64_t{num_sequences} * num_layers * num_kv_heads;
@@ -137,30 +137,33 @@ struct ThinKvConfig {
     THINKV_RETURN_IF_ERROR(CacheConfig::check_group_size(group_size));
     THINKV_RETURN_IF_ERROR(CacheConfig::check_block_size(block_size));
     if (segment_len < group_size || segment_len % group_size != 0) {
-      return bad("segment_len " + std::to_string(segment_len) + " must be a positive multiple of "
-                 "group_size " + std::to_string(group_size));
+      return bad("segment_len " + std::to_string(segment_len) +
+                 " must be a positive multiple of "
+                 "group_size " +
+                 std::to_string(group_size));
     }
     if (segment_len < retention.levels().front()) {
-      return bad("segment_len " + std::to_string(segment_len) + " is below the first retention "
-                 "level " + std::to_string(retention.levels().front()) + " of " + retention.to_string());
+      return bad("segment_len " + std::to_string(segment_len) +
+                 " is below the first retention "
+                 "level " +
+                 std::to_string(retention.levels().front()) + " of " + retention.to_string());
     }
     if (classifier.needs_signal() && classifier.num_layers() != num_layers) {
-      return bad("the thought classifier was calibrated for " +
-                 std::to_string(classifier.num_layers()) + " layers; this model has " +
-                 std::to_string(num_layers) + " (recalibrate with `thinkv calibrate`)");
+      return bad("the thought classifier was calibrated for " + std::to_string(classifier.num_layers()) +
+                 " layers; this model has " + std::to_string(num_layers) + " (recalibrate with `thinkv calibrate`)");
     }
     THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
     if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale)) {
-      return bad("softmax_scale " + std::to_string(softmax_scale) +
-                 " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
+      return bad("softmax_scale " + std::to_string(softmax_scale) + " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
     }
     if (kmeans.max_iterations < 0 || kmeans.max_iterations > 1000) {
       return bad("kmeans.max_iterations " + std::to_string(kmeans.max_iterations) +
                  " is out of range; allowed: 0..1000 (0 = k-means++ seeding only)");
     }
     if (static_cast<int>(selection) > static_cast<int>(SegmentSelection::kLast)) {
-      return bad("selection " + std::to_string(static_cast<int>(selection)) + " is unknown; allowed: kmeans, first, last");
+      return bad("selection " + std::to_string(static_cast<int>(selection)) +
+                 " is unknown; allowed: kmeans, first, last");
     }
     if (token_budget < 0) return bad("token_budget " + std::to_string(token_budget) + " must be >= 0");
     if (pinned_prefix < 0 || pinned_prefix > max_tokens) {
@@ -172,8 +175,8 @@ struct ThinKvConfig {
     if (evicts(mode) && token_budget > 0 && token_budget < segment_len) {
       return bad("token_budget " + std::to_string(token_budget) + " is below segment_len " +
                  std::to_string(segment_len) + " (the open thought segment is never evicted, so it " +
-                 "alone can hold that many live tokens); allowed: 0 (no budget) or >= " +
-                 std::to_string(segment_len) + ", or lower segment_len");
+                 "alone can hold that many live tokens); allowed: 0 (no budget) or >= " + std::to_string(segment_len) +
+                 ", or lower segment_len");
     }
     return paged_config().validate();
   }
@@ -192,8 +195,9 @@ struct ThinKvConfig {
     // per thought type; holes never exceed what was once live, so this bound holds with eviction.
     const std::int64_t per_stream = (std::int64_t{max_tokens} + block_size - 1) / block_size + kNumThoughtTypes;
     const std::int64_t auto_blocks = per_stream * c.num_streams;
-    const int blocks = pool_blocks > 0 ? pool_blocks
-                                       : static_cast<int>(std::min<std::int64_t>(auto_blocks, (std::int64_t{1} << 31) / block_size));
+    const int blocks =
+        pool_blocks > 0 ? pool_blocks
+                        : static_cast<int>(std::min<std::int64_t>(auto_blocks, (std::int64_t{1} << 31) / block_size));
     for (Precision p : kAllPrecisions) {
       if (c.precision.uses(p)) c.pool_blocks[static_cast<int>(p)] = blocks;
     }
@@ -203,16 +207,16 @@ struct ThinKvConfig {
 
 /// Counters of a ThinKvCache (summed over sequences).
 struct ThinKvStats {
-  std::int64_t steps = 0;                 ///< end_token calls
-  std::int64_t eviction_calls = 0;        ///< plans with at least one step-down, applied
-  std::int64_t transition_events = 0;     ///< case-1 triggers
-  std::int64_t case1_steps = 0;           ///< segment step-downs made by case 1 (a new transition)
-  std::int64_t budget_unreachable = 0;    ///< steps over budget with every closed segment at the
-                                          ///< minimum (the open one is never evicted; design.md)
-  std::int64_t segment_steps = 0;         ///< segment step-downs applied (per sequence)
-  std::int64_t tokens_evicted = 0;        ///< slots evicted, all streams
-  std::int64_t kmeans_calls = 0;          ///< K-means selections run, all streams
-  std::int64_t refreshes = 0;             ///< thought refreshes
+  std::int64_t steps = 0;               ///< end_token calls
+  std::int64_t eviction_calls = 0;      ///< plans with at least one step-down, applied
+  std::int64_t transition_events = 0;   ///< case-1 triggers
+  std::int64_t case1_steps = 0;         ///< segment step-downs made by case 1 (a new transition)
+  std::int64_t budget_unreachable = 0;  ///< steps over budget with every closed segment at the
+                                        ///< minimum (the open one is never evicted; design.md)
+  std::int64_t segment_steps = 0;       ///< segment step-downs applied (per sequence)
+  std::int64_t tokens_evicted = 0;      ///< slots evicted, all streams
+  std::int64_t kmeans_calls = 0;        ///< K-means selections run, all streams
+  std::int64_t refreshes = 0;           ///< thought refreshes
 };
 
 template <kv_backend B = CpuKvBackend>
@@ -313,8 +317,8 @@ class ThinKvCache {
                                                 std::to_string(s.position) + " called twice without end_token"};
     }
     if (s.position >= config_.max_tokens) {
-      return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
-                                           std::to_string(config_.max_tokens)};
+      return {StatusCode::kOutOfRange,
+              "sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
     }
     const bool pinned = s.position < s.pinned;
     const ThoughtType type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
@@ -344,10 +348,10 @@ class ThinKvCache {
       }
     }
     if (need.records > available_records(s)) {
-      return {StatusCode::kPoolExhausted,
-              "begin_token(" + std::to_string(seq) + "): the key-scale record pool has " +
-                  std::to_string(available_records(s)) + " free records; this token's commits need " +
-                  std::to_string(need.records)};
+      return {StatusCode::kPoolExhausted, "begin_token(" + std::to_string(seq) + "): the key-scale record pool has " +
+                                              std::to_string(available_records(s)) +
+                                              " free records; this token's commits need " +
+                                              std::to_string(need.records)};
     }
     // Nothing can fail from here on.
     for (Precision p : kAllPrecisions) {
@@ -397,10 +401,8 @@ class ThinKvCache {
     const std::size_t n = static_cast<std::size_t>(config_.num_kv_heads) * config_.head_dim;
     if (k.size() != n || v.size() != n) {
       return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
-                                              std::to_string(k.size()) + " and v has " +
-                                              std::to_string(v.size()) +
-                                              " values; expected num_kv_heads * head_dim = " +
-                                              std::to_string(n)};
+                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
+                                              " values; expected num_kv_heads * head_dim = " + std::to_string(n)};
     }
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer)));
     SeqState& s = seq_(seq);
@@ -427,19 +429,18 @@ class ThinKvCache {
     for (Precision p : kAllPrecisions) {
       const std::size_t have = available_blocks(p, s);
       if (need_blocks[static_cast<int>(p)] > have) {
-        return {StatusCode::kPoolExhausted,
-                "append layer " + std::to_string(layer) + ": the " + std::string(to_string(p)) +
-                    " pool has " + std::to_string(have) + " free blocks; the layer's " +
-                    std::to_string(config_.num_kv_heads) + " KV heads need " +
-                    std::to_string(need_blocks[static_cast<int>(p)]) +
-                    " (raise pool_blocks, lower the token budget, or evict)"};
+        return {StatusCode::kPoolExhausted, "append layer " + std::to_string(layer) + ": the " +
+                                                std::string(to_string(p)) + " pool has " + std::to_string(have) +
+                                                " free blocks; the layer's " + std::to_string(config_.num_kv_heads) +
+                                                " KV heads need " + std::to_string(need_blocks[static_cast<int>(p)]) +
+                                                " (raise pool_blocks, lower the token budget, or evict)"};
       }
     }
     if (need_records > available_records(s)) {
-      return {StatusCode::kPoolExhausted,
-              "append layer " + std::to_string(layer) + ": the key-scale record pool has " +
-                  std::to_string(available_records(s)) + " free records; the layer's KV heads need " +
-                  std::to_string(need_records)};
+      return {StatusCode::kPoolExhausted, "append layer " + std::to_string(layer) + ": the key-scale record pool has " +
+                                              std::to_string(available_records(s)) +
+                                              " free records; the layer's KV heads need " +
+                                              std::to_string(need_records)};
     }
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       const auto hd = static_cast<std::size_t>(h) * d;
@@ -469,14 +470,13 @@ class ThinKvCache {
     const std::size_t n = static_cast<std::size_t>(config_.num_q_heads) * config_.head_dim;
     if (q.size() != n || out.size() != n) {
       return {StatusCode::kShapeMismatch, "attend layer " + std::to_string(layer) +
-                                              ": q and out need num_q_heads * head_dim = " +
-                                              std::to_string(n) + " floats"};
+                                              ": q and out need num_q_heads * head_dim = " + std::to_string(n) +
+                                              " floats"};
     }
     if (seq_(seq).appended[static_cast<std::size_t>(layer)] == 0) {
-      return {StatusCode::kInvalidArgument, "attend: layer " + std::to_string(layer) + " of sequence " +
-                                                std::to_string(seq) + " at position " +
-                                                std::to_string(seq_(seq).position) +
-                                                " before its append (append the token's K/V first)"};
+      return {StatusCode::kInvalidArgument,
+              "attend: layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) + " at position " +
+                  std::to_string(seq_(seq).position) + " before its append (append the token's K/V first)"};
     }
     for (std::size_t i = 0; i < n; ++i) {
       if (!std::isfinite(q[i])) {
@@ -526,8 +526,8 @@ class ThinKvCache {
       ThoughtType t{};
       THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
       ++stats_.refreshes;
-      const ThoughtType before = s.segments.size() >= 2 ? s.segments[s.segments.size() - 2].type
-                                                        : ThoughtType::kReasoning;
+      const ThoughtType before =
+          s.segments.size() >= 2 ? s.segments[s.segments.size() - 2].type : ThoughtType::kReasoning;
       if (t != s.type) {
         for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
           THINKV_RETURN_IF_ERROR(cache_.relabel_staged(st, t));
@@ -536,8 +536,7 @@ class ThinKvCache {
       }
       s.segments.back().type = t;
       // A new transition thought: a refresh that yields T after a segment that was not T.
-      new_transition = t == ThoughtType::kTransition && before != ThoughtType::kTransition &&
-                       s.segments.size() >= 2;
+      new_transition = t == ThoughtType::kTransition && before != ThoughtType::kTransition && s.segments.size() >= 2;
     }
     ++s.position;
     s.in_token = false;
@@ -655,8 +654,8 @@ class ThinKvCache {
     if (new_transition) ++stats_.transition_events;
     std::int64_t pinned_live = 0;
     for (const SegmentState& seg : s.segments) pinned_live += seg.pinned ? seg.size : 0;
-    const EvictionPlan plan = plan_eviction(s.segments, config_.retention, new_transition,
-                                            config_.token_budget, live_tokens(seq) - pinned_live);
+    const EvictionPlan plan = plan_eviction(s.segments, config_.retention, new_transition, config_.token_budget,
+                                            live_tokens(seq) - pinned_live);
     if (plan.budget_unreachable) ++stats_.budget_unreachable;
     if (plan.empty()) return Status::ok();
     ++stats_.eviction_calls;
@@ -667,8 +666,10 @@ class ThinKvCache {
     std::vector<std::pair<std::uint32_t, std::int32_t>> targets;
     for (const SegmentStep& st : plan.steps) {
       auto it = std::find_if(targets.begin(), targets.end(), [&](auto& t) { return t.first == st.segment; });
-      if (it == targets.end()) targets.emplace_back(st.segment, st.to_size);
-      else it->second = st.to_size;
+      if (it == targets.end())
+        targets.emplace_back(st.segment, st.to_size);
+      else
+        it->second = st.to_size;
     }
     const int d = config_.head_dim;
     std::vector<float> keys, kbuf(static_cast<std::size_t>(d)), vbuf(static_cast<std::size_t>(d));

@@ -37,14 +37,14 @@ inline std::ostream& operator<<(std::ostream& os, ThoughtType t) { return os << 
 /// Storage precision of a quantized page. Every quantized precision carries one FP8 E4M3 scale per
 /// group and an FP32 second-level scale per stream (see docs/formats.md); kBf16 carries none.
 enum class Precision : std::uint8_t {
-  kBf16 = 0,      ///< 16 bits, full-precision pages (FullKV) and the staging format
-  kFp8E4M3 = 1,   ///< 8 bits, OCP E4M3
-  kNvfp4 = 2,     ///< 4 bits, E2M1 codes
-  kTernary = 3,   ///< 2 bits, {-1, 0, +1}
+  kBf16 = 0,     ///< 16 bits, full-precision pages (FullKV) and the staging format
+  kFp8E4M3 = 1,  ///< 8 bits, OCP E4M3
+  kNvfp4 = 2,    ///< 4 bits, E2M1 codes
+  kTernary = 3,  ///< 2 bits, {-1, 0, +1}
 };
 inline constexpr int kNumPrecisions = 4;
-inline constexpr std::array<Precision, kNumPrecisions> kAllPrecisions = {
-    Precision::kBf16, Precision::kFp8E4M3, Precision::kNvfp4, Precision::kTernary};
+inline constexpr std::array<Precision, kNumPrecisions> kAllPrecisions = {Precision::kBf16, Precision::kFp8E4M3,
+                                                                         Precision::kNvfp4, Precision::kTernary};
 
 /// Bits of one stored element (excluding scales).
 THINKV_HD constexpr int bits_of(Precision p) noexcept {

@@ -17,7 +17,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const ThoughtClassifier c(f.thresholds, f.layers, f.tau, bands, f.num_layers);
     std::vector<float> sp(static_cast<std::size_t>(c.num_layers()), 0.5f);
     (void)c.classify(c.signal(sp));
-  } catch (const ConfigError&) {
-  }
+  } catch (const ConfigError&) {}
   return 0;
 }

@@ -13,12 +13,12 @@
 #include <string_view>
 
 /// Stops the process (a finding) when `cond` is false: an invariant of a successful parse broke.
-#define FUZZ_CHECK(cond)                                                               \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
+#define FUZZ_CHECK(cond)                                                                      \
+  do {                                                                                        \
+    if (!(cond)) {                                                                            \
       std::fprintf(stderr, "fuzz invariant failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
-      std::abort();                                                                    \
-    }                                                                                  \
+      std::abort();                                                                           \
+    }                                                                                         \
   } while (0)
 
 inline std::string_view as_text(const std::uint8_t* data, std::size_t size) {

@@ -12,7 +12,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Tokenizer t;
   if (!load_llama2c_tokenizer(f, vocab, t).is_ok()) return 0;
   FUZZ_CHECK(t.size() == vocab);
-  for (const std::string_view text : {std::string_view("Values: a=12, b=7.\nAnswer: 19"), as_text(data, std::min<std::size_t>(size, 256))}) {
+  for (const std::string_view text :
+       {std::string_view("Values: a=12, b=7.\nAnswer: 19"), as_text(data, std::min<std::size_t>(size, 256))}) {
     const std::vector<int> ids = t.encode(text, true, true);
     for (int id : ids) FUZZ_CHECK(id >= 0 && id < t.size());
     (void)t.decode(ids, t.bos_id);

@@ -10,13 +10,13 @@
 
 #include "thinkv/kernels/format_kernels.hpp"
 
-#define CHECK_CUDA(expr)                                                                        \
-  do {                                                                                          \
-    cudaError_t e_ = (expr);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
+#define CHECK_CUDA(expr)                                                                       \
+  do {                                                                                         \
+    cudaError_t e_ = (expr);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
       std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
 
 /// Exits 77 (ctest: skipped) with a message when there is no CUDA device; otherwise returns the

@@ -60,8 +60,7 @@ class DeviceCacheUpload {
     for (int s = 0; s < streams; ++s) {
       for (int kv = 0; kv < 2; ++kv) {
         for (Precision p : kAllPrecisions) {
-          s2[(static_cast<std::size_t>(s) * 2 + kv) * kNumPrecisions + static_cast<int>(p)] =
-              be.stream_scale(s, kv, p);
+          s2[(static_cast<std::size_t>(s) * 2 + kv) * kNumPrecisions + static_cast<int>(p)] = be.stream_scale(s, kv, p);
         }
       }
       for (int r = 0; r < table.staged_count(s); ++r) {

@@ -62,8 +62,8 @@ struct CacheBytes {
     for (int p = 0; p < kNumPrecisions; ++p) {
       for (std::uint32_t i = 0; i < pools.count[p]; ++i) {
         const auto page = be.page(pools.base[p] + i);
-        b.pages[static_cast<std::size_t>(p)].insert(b.pages[static_cast<std::size_t>(p)].end(),
-                                                    page.begin(), page.end());
+        b.pages[static_cast<std::size_t>(p)].insert(b.pages[static_cast<std::size_t>(p)].end(), page.begin(),
+                                                    page.end());
       }
     }
     const auto records = static_cast<std::uint32_t>(effective_record_capacity(cfg));
@@ -126,8 +126,7 @@ enum class GroupKind : int {
   kCount
 };
 inline const char* to_string(GroupKind k) {
-  static const char* const names[] = {"gaussian", "heavy-tail", "zero", "zero-keys",
-                                      "outlier", "tiny", "huge"};
+  static const char* const names[] = {"gaussian", "heavy-tail", "zero", "zero-keys", "outlier", "tiny", "huge"};
   return names[static_cast<int>(k)];
 }
 
@@ -155,7 +154,9 @@ inline void make_group(GroupKind kind, int g, int d, std::mt19937_64& rng, std::
       case GroupKind::kOutlier:
         for (auto& e : x) e = nd(rng) * sigma;
         // At a random element, or at the first or last one (loop-bound mistakes show there).
-        x[rng() % 3 == 0 ? 0 : rng() % 2 == 0 ? n - 1 : std::uniform_int_distribution<std::size_t>(0, n - 1)(rng)] =
+        x[rng() % 3 == 0   ? 0
+          : rng() % 2 == 0 ? n - 1
+                           : std::uniform_int_distribution<std::size_t>(0, n - 1)(rng)] =
             1e4f * sigma * (rng() % 2 ? 1.0f : -1.0f);
         break;
       case GroupKind::kTiny:
@@ -196,11 +197,11 @@ struct FlushScenario {
   FlushJobs jobs;                 // jobs[i] = plans[i]
   std::vector<GroupKind> kinds;   // kind of jobs[i]'s group
   std::vector<int> unflushed_streams;
-  std::int64_t saturations = 0;   // CPU scale_saturations of the flush
-  int reused_slots = 0;           // flush slots that reuse evicted slots
-  int multi_block_jobs = 0;       // jobs whose slots span more than one block
-  int unset_s2 = 0;               // (job, K/V) whose s2 was unset before the flush
-  std::string error;              // non-empty: the scenario could not be built (a CPU error)
+  std::int64_t saturations = 0;  // CPU scale_saturations of the flush
+  int reused_slots = 0;          // flush slots that reuse evicted slots
+  int multi_block_jobs = 0;      // jobs whose slots span more than one block
+  int unset_s2 = 0;              // (job, K/V) whose s2 was unset before the flush
+  std::string error;             // non-empty: the scenario could not be built (a CPU error)
 };
 
 namespace detail {
@@ -210,21 +211,18 @@ inline ThoughtType random_thought(std::mt19937_64& rng) {
 }
 
 /// Appends n tokens (group kinds random, thought types changing only at group boundaries).
-inline Status append_tokens(PagedKvCache<CpuKvBackend>& cache, int stream, int n,
-                            std::mt19937_64& rng) {
+inline Status append_tokens(PagedKvCache<CpuKvBackend>& cache, int stream, int n, std::mt19937_64& rng) {
   const int d = cache.config().head_dim;
   const int g = cache.config().group_size;
   std::vector<float> k, v;
-  ThoughtType t = cache.table().staged_count(stream) > 0 ? cache.table().staged_thought(stream)
-                                                         : random_thought(rng);
+  ThoughtType t = cache.table().staged_count(stream) > 0 ? cache.table().staged_thought(stream) : random_thought(rng);
   for (int i = 0; i < n; ++i) {
     const int row = cache.table().staged_count(stream);
     if (row == 0) {
       if (rng() % 3 == 0) t = random_thought(rng);
       // Mostly ordinary groups; now and then an all-zero one (s2 stays unset when all are).
       const int r = static_cast<int>(rng() % 10);
-      const GroupKind kind = r < 5 ? GroupKind::kGaussian : r < 8 ? GroupKind::kHeavyTail
-                                                                  : GroupKind::kZero;
+      const GroupKind kind = r < 5 ? GroupKind::kGaussian : r < 8 ? GroupKind::kHeavyTail : GroupKind::kZero;
       make_group(kind, g, d, rng, k, v);
     } else if (k.empty()) {  // the group started before this call
       make_group(GroupKind::kGaussian, g, d, rng, k, v);
@@ -236,8 +234,7 @@ inline Status append_tokens(PagedKvCache<CpuKvBackend>& cache, int stream, int n
   return Status::ok();
 }
 
-inline Status evict_share(PagedKvCache<CpuKvBackend>& cache, int stream, double share,
-                          std::mt19937_64& rng) {
+inline Status evict_share(PagedKvCache<CpuKvBackend>& cache, int stream, double share, std::mt19937_64& rng) {
   auto live = cache.table().live_slot_list(stream);
   std::shuffle(live.begin(), live.end(), rng);
   live.resize(static_cast<std::size_t>(static_cast<double>(live.size()) * share));
@@ -276,12 +273,16 @@ inline FlushScenario build_flush_scenario(const ScenarioSpec& spec, std::mt19937
   for (int s = 0; s < spec.streams; ++s) {
     if (rng() % 8 == 0) continue;
     if (Status st = detail::append_tokens(cache, s, ntok(rng), rng); !st.is_ok()) return fail("warm-up", st);
-    if (Status st = detail::evict_share(cache, s, 0.3 + 0.4 * std::uniform_real_distribution<double>(0, 1)(rng), rng); !st.is_ok()) return fail("evict", st);
+    if (Status st = detail::evict_share(cache, s, 0.3 + 0.4 * std::uniform_real_distribution<double>(0, 1)(rng), rng);
+        !st.is_ok())
+      return fail("evict", st);
     if (Status st = detail::append_tokens(cache, s, ntok(rng) / 2, rng); !st.is_ok()) return fail("refill", st);
     // Complete the open group, then leave holes for the flush to reuse.
     const int staged = cache.table().staged_count(s);
     if (Status st = detail::append_tokens(cache, s, (g - staged) % g, rng); !st.is_ok()) return fail("align", st);
-    if (Status st = detail::evict_share(cache, s, 0.5 * std::uniform_real_distribution<double>(0, 1)(rng), rng); !st.is_ok()) return fail("evict", st);
+    if (Status st = detail::evict_share(cache, s, 0.5 * std::uniform_real_distribution<double>(0, 1)(rng), rng);
+        !st.is_ok())
+      return fail("evict", st);
   }
 
   // The flush: a random subset of streams gets a full group (g - 1 tokens appended now, the last
@@ -304,7 +305,9 @@ inline FlushScenario build_flush_scenario(const ScenarioSpec& spec, std::mt19937
     const int s = order[n];
     if (n >= n_flush) {
       sc.unflushed_streams.push_back(s);
-      if (Status st = detail::append_tokens(cache, s, static_cast<int>(rng() % static_cast<unsigned>(g)), rng); !st.is_ok()) return fail("partial", st);
+      if (Status st = detail::append_tokens(cache, s, static_cast<int>(rng() % static_cast<unsigned>(g)), rng);
+          !st.is_ok())
+        return fail("partial", st);
       continue;
     }
     Pending pd;
@@ -328,11 +331,14 @@ inline FlushScenario build_flush_scenario(const ScenarioSpec& spec, std::mt19937
     // Cross-check against the CPU backend's own staging rows 0..g-2.
     std::vector<float> kr(static_cast<std::size_t>(d)), vr(kr.size());
     for (int i = 0; i + 1 < g; ++i) {
-      if (Status st = cache.backend().read_staged(s, i, kr.data(), vr.data()); !st.is_ok()) return fail("read_staged", st);
+      if (Status st = cache.backend().read_staged(s, i, kr.data(), vr.data()); !st.is_ok())
+        return fail("read_staged", st);
       for (int c = 0; c < d; ++c) {
         const std::size_t e = static_cast<std::size_t>(i) * static_cast<std::size_t>(d) + static_cast<std::size_t>(c);
-        if (encode_bf16(kr[static_cast<std::size_t>(c)]) != sc.staging[(static_cast<std::size_t>(s) * 2 + 0) * row_elems + e] ||
-            encode_bf16(vr[static_cast<std::size_t>(c)]) != sc.staging[(static_cast<std::size_t>(s) * 2 + 1) * row_elems + e]) {
+        if (encode_bf16(kr[static_cast<std::size_t>(c)]) !=
+                sc.staging[(static_cast<std::size_t>(s) * 2 + 0) * row_elems + e] ||
+            encode_bf16(vr[static_cast<std::size_t>(c)]) !=
+                sc.staging[(static_cast<std::size_t>(s) * 2 + 1) * row_elems + e]) {
           sc.error = "staging row " + std::to_string(i) + " of stream " + std::to_string(s) +
                      " differs from the CPU backend's";
           return sc;
@@ -350,9 +356,7 @@ inline FlushScenario build_flush_scenario(const ScenarioSpec& spec, std::mt19937
     if (Status st = cache.table().plan_commit(pd.stream, pd.thought, plan); !st.is_ok()) return fail("plan_commit", st);
     const Precision p = plan.precision;
     if (p != Precision::kBf16) {
-      for (int kv = 0; kv < 2; ++kv) {
-        sc.unset_s2 += cache.backend().stream_scale(pd.stream, kv, p) == 0.0f;
-      }
+      for (int kv = 0; kv < 2; ++kv) { sc.unset_s2 += cache.backend().stream_scale(pd.stream, kv, p) == 0.0f; }
     }
     const auto off = static_cast<std::size_t>(g - 1) * static_cast<std::size_t>(d);
     if (Status st = cache.append(pd.stream, std::span<const float>(pd.k.data() + off, static_cast<std::size_t>(d)),
@@ -390,7 +394,8 @@ inline FlushScenario build_flush_scenario(const ScenarioSpec& spec, std::mt19937
 /// bytes outside them.
 inline std::size_t bytes_changed_outside(const FlushScenario& sc) {
   std::array<std::vector<char>, kNumPrecisions> in_page;
-  for (int p = 0; p < kNumPrecisions; ++p) in_page[static_cast<std::size_t>(p)].assign(sc.before.pages[static_cast<std::size_t>(p)].size(), 0);
+  for (int p = 0; p < kNumPrecisions; ++p)
+    in_page[static_cast<std::size_t>(p)].assign(sc.before.pages[static_cast<std::size_t>(p)].size(), 0);
   std::vector<char> in_rec(sc.before.records.size(), 0);
   for (const CommitPlan& plan : sc.plans) {
     for (const ByteRange& r : destination_ranges(sc.config, plan)) {
@@ -453,13 +458,16 @@ inline std::size_t compare_bytes(const FlushScenario& sc, const CacheBytes& want
       if (in < bs * rb) {
         where = "K row of slot " + std::to_string(in / rb) + ", byte " + std::to_string(in % rb);
       } else if (in < 2 * bs * rb) {
-        where = "V row of slot " + std::to_string((in - bs * rb) / rb) + ", byte " + std::to_string((in - bs * rb) % rb);
+        where =
+            "V row of slot " + std::to_string((in - bs * rb) / rb) + ", byte " + std::to_string((in - bs * rb) % rb);
       } else {
-        where = "value scale " + std::to_string((in - 2 * bs * rb) % vsb) + " of slot " + std::to_string((in - 2 * bs * rb) / vsb);
+        where = "value scale " + std::to_string((in - 2 * bs * rb) % vsb) + " of slot " +
+                std::to_string((in - 2 * bs * rb) / vsb);
       }
       char buf[64];
       std::snprintf(buf, sizeof buf, ": want 0x%02X got 0x%02X", w[i], h[i]);
-      note("pool " + std::string(to_string(static_cast<Precision>(p))) + " page " + std::to_string(i / page) + " " + where + buf);
+      note("pool " + std::string(to_string(static_cast<Precision>(p))) + " page " + std::to_string(i / page) + " " +
+           where + buf);
     }
   }
   for (std::size_t i = 0; i < want.records.size() && i < got.records.size(); ++i) {

@@ -49,8 +49,7 @@ thinkv::ThoughtClassifier random_classifier(std::mt19937& rng, int bands, int nu
     if (t > 0.0f && t < 1.0f && std::find(th.begin(), th.end(), t) == th.end()) th.push_back(t);
   }
   std::sort(th.begin(), th.end());
-  std::vector<thinkv::ThoughtType> types = {thinkv::ThoughtType::kReasoning,
-                                            thinkv::ThoughtType::kExecution,
+  std::vector<thinkv::ThoughtType> types = {thinkv::ThoughtType::kReasoning, thinkv::ThoughtType::kExecution,
                                             thinkv::ThoughtType::kTransition};
   std::shuffle(types.begin(), types.end(), rng);
   types.resize(static_cast<std::size_t>(bands));
@@ -74,9 +73,8 @@ std::vector<float> signals(std::mt19937& rng, const thinkv::ThoughtClassifier& c
     s.push_back(std::nextafter(t, INFINITY));
   }
   const float inf = std::numeric_limits<float>::infinity();
-  for (float x :
-       {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(),
-        std::numeric_limits<float>::denorm_min(), std::nextafter(1.0f, 0.0f)}) {
+  for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::denorm_min(), std::nextafter(1.0f, 0.0f)}) {
     s.push_back(x);
   }
   std::shuffle(s.begin(), s.end(), rng);
@@ -107,8 +105,7 @@ void run_case(std::mt19937& rng, int bands, int num_layers, int n_random) {
   std::vector<std::uint8_t> got_type(s.size());
   std::vector<std::int32_t> got_band(s.size());
   CHECK_CUDA(cudaMemcpy(got_type.data(), dt, s.size(), cudaMemcpyDeviceToHost));
-  CHECK_CUDA(
-      cudaMemcpy(got_band.data(), db, s.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_band.data(), db, s.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaFree(ds));
   CHECK_CUDA(cudaFree(dt));
   CHECK_CUDA(cudaFree(db));
@@ -120,15 +117,13 @@ void run_case(std::mt19937& rng, int bands, int num_layers, int n_random) {
     const int want_band = thinkv::thought_band(d, x);
     // The host descriptor agrees with the policy it was lowered from (the device must match both).
     const bool host_ok = want_type == static_cast<std::uint8_t>(c.classify(x));
-    const bool dev_ok = got_type[static_cast<std::size_t>(i)] == want_type &&
-                        got_band[static_cast<std::size_t>(i)] == want_band;
+    const bool dev_ok =
+        got_type[static_cast<std::size_t>(i)] == want_type && got_band[static_cast<std::size_t>(i)] == want_band;
     if (!host_ok || !dev_ok) {
       if (bad < 5) {
-        std::printf(
-            "  signal %a (%g): device type %d band %d, host desc type %d band %d, policy type %d\n",
-            static_cast<double>(x), static_cast<double>(x), got_type[static_cast<std::size_t>(i)],
-            got_band[static_cast<std::size_t>(i)], want_type, want_band,
-            static_cast<int>(c.classify(x)));
+        std::printf("  signal %a (%g): device type %d band %d, host desc type %d band %d, policy type %d\n",
+                    static_cast<double>(x), static_cast<double>(x), got_type[static_cast<std::size_t>(i)],
+                    got_band[static_cast<std::size_t>(i)], want_type, want_band, static_cast<int>(c.classify(x)));
       }
       ++bad;
     }
@@ -138,8 +133,8 @@ void run_case(std::mt19937& rng, int bands, int num_layers, int n_random) {
     if (b > 0) text += "|" + std::to_string(c.thresholds()[static_cast<std::size_t>(b) - 1]) + "|";
     text += std::string(thinkv::to_string(c.band_types()[static_cast<std::size_t>(b)]));
   }
-  std::printf("%s classify bands %s, |L*| = %zu of %d layers: %d signals, %d mismatches\n",
-              bad ? "FAIL" : "ok  ", text.c_str(), c.layers().size(), num_layers, n, bad);
+  std::printf("%s classify bands %s, |L*| = %zu of %d layers: %d signals, %d mismatches\n", bad ? "FAIL" : "ok  ",
+              text.c_str(), c.layers().size(), num_layers, n, bad);
   failures += bad != 0;
 }
 

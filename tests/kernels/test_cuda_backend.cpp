@@ -132,13 +132,15 @@ void compare_tokens(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<Cu
     for (auto slot : cpu.table().live_slot_list(s)) {
       REQUIRE(cpu.backend().read_token(cpu.table(), slot, k1.data(), v1.data()).is_ok());
       REQUIRE(gpu.backend().read_token(gpu.table(), slot, k2.data(), v2.data()).is_ok());
-      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 || std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
+      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 ||
+             std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
       ++n;
     }
     for (int r = 0; r < cpu.table().staged_count(s); ++r) {
       REQUIRE(cpu.backend().read_staged(s, r, k1.data(), v1.data()).is_ok());
       REQUIRE(gpu.backend().read_staged(s, r, k2.data(), v2.data()).is_ok());
-      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 || std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
+      bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 ||
+             std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
       ++n;
     }
   }

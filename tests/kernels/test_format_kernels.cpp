@@ -25,8 +25,7 @@ void run_case(thinkv::Precision p, int g, int num_groups, float spread, std::mt1
   const float s2 = thinkv::choose_stream_scale(p, thinkv::group_amax(x.data(), 1, g));
   std::vector<std::uint8_t> want_codes(x.size()), want_scales(num_groups);
   for (int i = 0; i < num_groups; ++i) {
-    want_scales[i] = thinkv::quantize_group(p, x.data() + i * g, 1, g, s2,
-                                            want_codes.data() + i * g, 1);
+    want_scales[i] = thinkv::quantize_group(p, x.data() + i * g, 1, g, s2, want_codes.data() + i * g, 1);
   }
   float* dx = nullptr;
   std::uint8_t *dc = nullptr, *ds = nullptr;
@@ -54,9 +53,8 @@ void run_case(thinkv::Precision p, int g, int num_groups, float spread, std::mt1
   int bad = 0;
   for (std::size_t i = 0; i < x.size(); ++i) bad += got_codes[i] != want_codes[i];
   for (int i = 0; i < num_groups; ++i) bad += got_scales[i] != want_scales[i];
-  std::printf("%s quantize_groups %-9s g=%2d groups=%6d spread=%g: %d mismatches\n",
-              bad ? "FAIL" : "ok  ", std::string(thinkv::to_string(p)).c_str(), g, num_groups,
-              static_cast<double>(spread), bad);
+  std::printf("%s quantize_groups %-9s g=%2d groups=%6d spread=%g: %d mismatches\n", bad ? "FAIL" : "ok  ",
+              std::string(thinkv::to_string(p)).c_str(), g, num_groups, static_cast<double>(spread), bad);
   failures += bad != 0;
   CHECK_CUDA(cudaFree(dx));
   CHECK_CUDA(cudaFree(dc));
@@ -68,8 +66,7 @@ void run_case(thinkv::Precision p, int g, int num_groups, float spread, std::mt1
 int main() {
   const unsigned seed = gpu_test_start();
   std::mt19937 rng(seed);
-  for (thinkv::Precision p :
-       {thinkv::Precision::kFp8E4M3, thinkv::Precision::kNvfp4, thinkv::Precision::kTernary}) {
+  for (thinkv::Precision p : {thinkv::Precision::kFp8E4M3, thinkv::Precision::kNvfp4, thinkv::Precision::kTernary}) {
     for (int g : {8, 16, 32}) {
       for (float spread : {1e-3f, 1.0f, 300.0f}) run_case(p, g, 20000, spread, rng);
     }

@@ -38,11 +38,11 @@ using thinkv::kNumPrecisions;
 using thinkv::Precision;
 using Cache = thinkv::PagedKvCache<>;
 
-#define REQUIRE_OK(expr)                                                                        \
-  do {                                                                                          \
-    const thinkv::Status s_ = (expr);                                                           \
-    INFO(#expr << " -> " << s_.to_string());                                                    \
-    REQUIRE(s_.is_ok());                                                                        \
+#define REQUIRE_OK(expr)                     \
+  do {                                       \
+    const thinkv::Status s_ = (expr);        \
+    INFO(#expr << " -> " << s_.to_string()); \
+    REQUIRE(s_.is_ok());                     \
   } while (0)
 
 struct Shape {
@@ -142,8 +142,8 @@ void download(std::vector<T>& host, const T* dev, std::size_t n) {
 }
 
 /// The CPU dequantization of one slot (CpuKvBackend::read_token's expression, from the page bytes).
-void dequant_slot(Precision p, const std::uint8_t* page, int bs, int d, int g, int slot,
-                  const std::uint8_t* rec, float s2k, float s2v, float* k, float* v) {
+void dequant_slot(Precision p, const std::uint8_t* page, int bs, int d, int g, int slot, const std::uint8_t* rec,
+                  float s2k, float s2v, float* k, float* v) {
   const int rb = (d * thinkv::bits_of(p) + 7) / 8;
   const std::uint8_t* kr = page + static_cast<std::size_t>(slot) * rb;
   const std::uint8_t* vr = page + static_cast<std::size_t>(bs + slot) * rb;
@@ -235,7 +235,8 @@ Plan make_plan(const Cache& cache, bool bad_entries, std::mt19937& rng) {
         want = live;
         for (int j = 0; j < n; ++j) plan.indices.push_back(take(p));
         if (pool >= 0 && n > 0 && wrong_pool > 0 && used_pools.size() > 1) {
-          const int other = used_pools[(std::find(used_pools.begin(), used_pools.end(), p) - used_pools.begin() + 1) % used_pools.size()];
+          const int other = used_pools[(std::find(used_pools.begin(), used_pools.end(), p) - used_pools.begin() + 1) %
+                                       used_pools.size()];
           plan.indices.back() = take(other);
           want = -1;
           --wrong_pool;
@@ -334,8 +335,8 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
   Buffers before;
   DeviceBuffers sep;
   for (int p = 0; p < kNumPrecisions; ++p) {
-    const std::size_t bytes = static_cast<std::size_t>(pools.count[p]) *
-                              static_cast<std::size_t>(lay.page_bytes(static_cast<Precision>(p)));
+    const std::size_t bytes =
+        static_cast<std::size_t>(pools.count[p]) * static_cast<std::size_t>(lay.page_bytes(static_cast<Precision>(p)));
     if (bytes == 0) continue;
     if (in_place) {
       download(before.pages[p], view.pages[p], bytes);
@@ -378,8 +379,8 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
   CHECK_CUDA(cudaMemcpy(dstreams, plan.streams.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dindptr, plan.indptr.data(), (n + 1) * sizeof(std::int32_t), cudaMemcpyHostToDevice));
   if (!plan.indices.empty()) {
-    CHECK_CUDA(cudaMemcpy(dindices, plan.indices.data(), plan.indices.size() * sizeof(std::uint32_t),
-                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(
+        cudaMemcpy(dindices, plan.indices.data(), plan.indices.size() * sizeof(std::uint32_t), cudaMemcpyHostToDevice));
   }
   CHECK_CUDA(cudaMemset(dlive, 0x5A, n * sizeof(std::int32_t)));
   prm.streams = dstreams;
@@ -424,11 +425,12 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
     const std::size_t nd = static_cast<std::size_t>(plan.indptr[i + 1] - plan.indptr[i]);
     const std::size_t n_out = std::min(live, nd * static_cast<std::size_t>(bs));
     for (std::size_t pos = 0; pos < n_out; ++pos) {
-      const std::uint32_t db = plan.indices[static_cast<std::size_t>(plan.indptr[i]) + pos / static_cast<std::size_t>(bs)];
+      const std::uint32_t db =
+          plan.indices[static_cast<std::size_t>(plan.indptr[i]) + pos / static_cast<std::size_t>(bs)];
       const int slot = static_cast<int>(pos % static_cast<std::size_t>(bs));
       const Precision p = pools.precision_of(db);
-      const std::uint8_t* page = got.pages[static_cast<int>(p)].data() +
-                                 pools.local_index(db) * static_cast<std::size_t>(lay.page_bytes(p));
+      const std::uint8_t* page =
+          got.pages[static_cast<int>(p)].data() + pools.local_index(db) * static_cast<std::size_t>(lay.page_bytes(p));
       const std::uint32_t r = got.record[static_cast<std::size_t>(db) * bs + slot];
       const bool quant = p != Precision::kBf16;
       if (quant && r >= static_cast<std::uint32_t>(t.record_capacity())) {
@@ -436,19 +438,18 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
         continue;
       }
       dequant_slot(p, page, bs, d, g, slot, quant ? cache.backend().record_scales(r).data() : nullptr,
-                   cache.backend().stream_scale(s, 0, p), cache.backend().stream_scale(s, 1, p), dk.data(),
-                   dv.data());
+                   cache.backend().stream_scale(s, 0, p), cache.backend().stream_scale(s, 1, p), dk.data(), dv.data());
       value_diff += std::memcmp(dk.data(), k.data() + pos * d, dk.size() * sizeof(float)) != 0;
       value_diff += std::memcmp(dv.data(), v.data() + pos * d, dv.size() * sizeof(float)) != 0;
       ++copied;
     }
   }
-  std::printf("%s %s listed=%zu skipped=%zu tokens=%zu splits=%d: diffs pages %zu fill %zu mask %zu "
-              "records %zu live %zu values %zu\n",
-              (page_diff | fill_diff | mask_diff | rec_diff | live_diff | value_diff) ? "FAIL" : "ok  ",
-              in_place ? "in place" : "separate", n, skipped, copied,
-              thinkv::kernels::gather_compaction_splits(prm), page_diff, fill_diff, mask_diff, rec_diff,
-              live_diff, value_diff);
+  std::printf(
+      "%s %s listed=%zu skipped=%zu tokens=%zu splits=%d: diffs pages %zu fill %zu mask %zu "
+      "records %zu live %zu values %zu\n",
+      (page_diff | fill_diff | mask_diff | rec_diff | live_diff | value_diff) ? "FAIL" : "ok  ",
+      in_place ? "in place" : "separate", n, skipped, copied, thinkv::kernels::gather_compaction_splits(prm), page_diff,
+      fill_diff, mask_diff, rec_diff, live_diff, value_diff);
   CHECK(page_diff == 0);
   CHECK(fill_diff == 0);
   CHECK(mask_diff == 0);
@@ -508,8 +509,7 @@ TEST_CASE("gather compaction in place into free blocks of the same cache leaves 
   }
 }
 
-TEST_CASE("gather compaction skips streams that span pools or name bad blocks and only those",
-          "[gpu][gather]") {
+TEST_CASE("gather compaction skips streams that span pools or name bad blocks and only those", "[gpu][gather]") {
   std::mt19937 rng(gpu_test_start());
   const Shape shapes[] = {
       {"Llama-3-8B D=128 g=16 B=16 mixed", 128, 16, 16, 12, 200, 1000, 0},
@@ -598,7 +598,8 @@ TEST_CASE("gather compaction refuses bad parameters before launching", "[gpu][ga
       {"src num_streams 0", [](GatherCompactionParams& p) { p.src.num_streams = 0; }},
       {"pool map not consecutive", [](GatherCompactionParams& p) { p.src.pool_base[2] = 5; }},
       {"total_blocks not the pools' sum", [](GatherCompactionParams& p) { p.src.total_blocks = 2; }},
-      {"2^31 slots", [](GatherCompactionParams& p) {
+      {"2^31 slots",
+       [](GatherCompactionParams& p) {
          p.block_size = 4096;
          p.src.pool_count[0] = 1u << 19;
          p.src.pool_base[1] = p.src.pool_base[2] = p.src.pool_base[3] = 1u << 19;

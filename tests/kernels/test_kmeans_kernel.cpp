@@ -98,16 +98,15 @@ void add_grid(Batch& b, const std::vector<int>& ks, int n_cap, int extra, std::m
     }
   }
   for (int e = 0; e < extra; ++e) {
-    b.segs.push_back({tt::uniform_int(rng, 1, std::min(n_cap, b.max_points)),
-                      tt::uniform_int(rng, 1, b.max_k), draw_seed(rng)});
+    b.segs.push_back(
+        {tt::uniform_int(rng, 1, std::min(n_cap, b.max_points)), tt::uniform_int(rng, 1, b.max_k), draw_seed(rng)});
   }
 }
 
 /// Fills every segment's n rows (rows >= n stay NaN: the kernel must not read them).
 void fill_points(Batch& b, Data data, std::mt19937_64& rng) {
   const int d = b.d;
-  b.points.assign(b.segs.size() * static_cast<std::size_t>(b.max_points) * d,
-                  std::numeric_limits<float>::quiet_NaN());
+  b.points.assign(b.segs.size() * static_cast<std::size_t>(b.max_points) * d, std::numeric_limits<float>::quiet_NaN());
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::student_t_distribution<float> heavy_tail(3.0f);
   for (std::size_t s = 0; s < b.segs.size(); ++s) {
@@ -116,7 +115,8 @@ void fill_points(Batch& b, Data data, std::mt19937_64& rng) {
     // A few distinct rows for the duplicate / identical kinds, and the heavy channels.
     std::vector<float> pool(static_cast<std::size_t>(4) * d);
     for (auto& v : pool) v = nd(rng);
-    std::vector<float> channel_scale(static_cast<std::size_t>(d), 1.0f), channel_bias(static_cast<std::size_t>(d), 0.0f);
+    std::vector<float> channel_scale(static_cast<std::size_t>(d), 1.0f),
+        channel_bias(static_cast<std::size_t>(d), 0.0f);
     for (int c = 0; c < std::max(1, d / 32); ++c) {
       const int j = tt::uniform_int(rng, 0, d - 1);
       channel_scale[static_cast<std::size_t>(j)] = 20.0f + 30.0f * static_cast<float>(tt::uniform01(rng));
@@ -133,7 +133,8 @@ void fill_points(Batch& b, Data data, std::mt19937_64& rng) {
           case Data::kDuplicates: v = pool[static_cast<std::size_t>(pick) * d + j]; break;
           case Data::kIdentical: v = pool[static_cast<std::size_t>(j)]; break;
           case Data::kHeavy:
-            v = heavy_tail(rng) * channel_scale[static_cast<std::size_t>(j)] + channel_bias[static_cast<std::size_t>(j)];
+            v = heavy_tail(rng) * channel_scale[static_cast<std::size_t>(j)] +
+                channel_bias[static_cast<std::size_t>(j)];
             break;
           case Data::kGrid: v = static_cast<float>(tt::uniform_int(rng, -1, 1)); break;
           case Data::kExtreme: {
@@ -166,8 +167,8 @@ std::vector<int> expected_row(const Batch& b, std::size_t s) {
   thinkv::KmeansOptions o;
   o.max_iterations = b.iterations;
   o.seed = b.shared_seed ? b.seed : sg.seed;
-  const std::vector<int> kept = thinkv::kmeans_select(
-      b.points.data() + s * static_cast<std::size_t>(b.max_points) * b.d, sg.n, b.d, sg.k, o);
+  const std::vector<int> kept =
+      thinkv::kmeans_select(b.points.data() + s * static_cast<std::size_t>(b.max_points) * b.d, sg.n, b.d, sg.k, o);
   std::copy(kept.begin(), kept.end(), row.begin());
   return row;
 }
@@ -222,14 +223,12 @@ int run_batch(const Batch& b, const char* what) {
         gs += " " + std::to_string(g[t]);
         ws += " " + std::to_string(want[static_cast<std::size_t>(t)]);
       }
-      UNSCOPED_INFO(what << " d=" << b.d << " segment " << s << " n=" << b.segs[s].n
-                         << " k=" << b.segs[s].k << " iterations=" << b.iterations
-                         << "\n  gpu:" << gs << "\n  cpu:" << ws);
+      UNSCOPED_INFO(what << " d=" << b.d << " segment " << s << " n=" << b.segs[s].n << " k=" << b.segs[s].k
+                         << " iterations=" << b.iterations << "\n  gpu:" << gs << "\n  cpu:" << ws);
     }
   }
   std::printf("%s %-10s d=%3d segments=%4zu max_points=%3d max_k=%2d iterations=%2d: %d rows differ\n",
-              bad_segments ? "FAIL" : "ok  ", what, b.d, S, b.max_points, b.max_k, b.iterations,
-              bad_segments);
+              bad_segments ? "FAIL" : "ok  ", what, b.d, S, b.max_points, b.max_k, b.iterations, bad_segments);
   return bad_segments;
 }
 
@@ -237,23 +236,21 @@ const std::vector<int> kAllK = {1, 4, 8, 16, 32, 64};
 
 }  // namespace
 
-TEST_CASE("kmeans kernel equals kmeans_select: Gaussian points, (n, K) edges, every head_dim",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel equals kmeans_select: Gaussian points, (n, K) edges, every head_dim", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
   for (int d : {8, 64, 128, 256}) {
     Batch b;
     b.d = d;
     const bool big_d = d >= 128;
-    add_grid(b, small && big_d ? std::vector<int>{1, 4, 8} : kAllK, small ? (big_d ? 37 : 64) : 128,
-             small ? 2 : 12, rng);
+    add_grid(b, small && big_d ? std::vector<int>{1, 4, 8} : kAllK, small ? (big_d ? 37 : 64) : 128, small ? 2 : 12,
+             rng);
     fill_points(b, Data::kGauss, rng);
     CHECK(run_batch(b, name_of(Data::kGauss)) == 0);
   }
 }
 
-TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, grid ties",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, grid ties", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
   for (Data data : {Data::kDuplicates, Data::kIdentical, Data::kGrid}) {
@@ -268,8 +265,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, gri
   }
 }
 
-TEST_CASE("kmeans kernel equals kmeans_select: key-like points with large channels",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel equals kmeans_select: key-like points with large channels", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
   for (int d : {64, 128, 256}) {
@@ -289,8 +285,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: key-like points with large channe
   }
 }
 
-TEST_CASE("kmeans kernel equals kmeans_select: overflowing and non-finite inputs",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel equals kmeans_select: overflowing and non-finite inputs", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
   for (int d : {8, 64}) {
@@ -302,8 +297,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: overflowing and non-finite inputs
   }
 }
 
-TEST_CASE("kmeans kernel equals kmeans_select: row capacity, max_k, iterations, shared seed",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel equals kmeans_select: row capacity, max_k, iterations, shared seed", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
   struct Shape {
@@ -311,11 +305,10 @@ TEST_CASE("kmeans kernel equals kmeans_select: row capacity, max_k, iterations, 
     bool shared_seed;
   };
   const Shape shapes[] = {
-      {64, 40, 16, 10, false},   // row stride 64 (not 128), narrow output rows
-      {8, 33, 64, 3, true},      // odd capacity, one seed for all segments
-      {128, 100, 32, 0, false},  // no Lloyd iteration: k-means++ centres select directly
-      {8, 128, 64, 1, false},
-      {64, 96, 24, 50, true},    // run to convergence
+      {64, 40, 16, 10, false},                           // row stride 64 (not 128), narrow output rows
+      {8, 33, 64, 3, true},                              // odd capacity, one seed for all segments
+      {128, 100, 32, 0, false},                          // no Lloyd iteration: k-means++ centres select directly
+      {8, 128, 64, 1, false},   {64, 96, 24, 50, true},  // run to convergence
       {256, 64, 8, 10, false},
   };
   for (const Shape& sh : shapes) {
@@ -341,29 +334,28 @@ TEST_CASE("kmeans kernel: many segments in one launch", "[gpu][kmeans]") {
   const int segments = small ? 24 : 192;
   for (int s = 0; s < segments; ++s) {
     const int n = small ? tt::uniform_int(rng, 1, 40) : (tt::chance(rng, 0.7) ? 128 : tt::uniform_int(rng, 1, 128));
-    const int k = small ? tt::uniform_int(rng, 1, 8) : std::vector<int>{4, 8, 16, 32, 64}[static_cast<std::size_t>(tt::uniform_int(rng, 0, 4))];
+    const int k = small ? tt::uniform_int(rng, 1, 8)
+                        : std::vector<int>{4, 8, 16, 32, 64}[static_cast<std::size_t>(tt::uniform_int(rng, 0, 4))];
     b.segs.push_back({n, k, draw_seed(rng)});
   }
   fill_points(b, tt::chance(rng, 0.5) ? Data::kHeavy : Data::kGauss, rng);
   CHECK(run_batch(b, "batch") == 0);
 }
 
-TEST_CASE("kmeans kernel: invalid device rows are all -1, the others unaffected",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel: invalid device rows are all -1, the others unaffected", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   Batch b;
   b.d = 64;
   b.max_points = 50;
   b.max_k = 20;
-  b.segs = {{0, 4, 1}, {51, 4, 2}, {20, 0, 3}, {20, 21, 4}, {-7, 2, 5}, {20, -1, 6},
-            {20, 5, 7}, {50, 20, 8}, {3, 20, 9}, {1, 1, 10}};
+  b.segs = {{0, 4, 1},   {51, 4, 2}, {20, 0, 3},  {20, 21, 4}, {-7, 2, 5},
+            {20, -1, 6}, {20, 5, 7}, {50, 20, 8}, {3, 20, 9},  {1, 1, 10}};
   for (auto& s : b.segs) s.seed = draw_seed(rng);
   fill_points(b, Data::kGauss, rng);
   CHECK(run_batch(b, "invalid") == 0);  // expected_row gives -1 rows for the invalid ones
 }
 
-TEST_CASE("kmeans kernel: check_kmeans_select refuses bad parameters, nothing is launched",
-          "[gpu][kmeans]") {
+TEST_CASE("kmeans kernel: check_kmeans_select refuses bad parameters, nothing is launched", "[gpu][kmeans]") {
   const int S = 4;
   DeviceArray<float> pts(static_cast<std::size_t>(S) * 128 * 256);
   DeviceArray<int> n(S), k(S), kept(static_cast<std::size_t>(S) * 64);

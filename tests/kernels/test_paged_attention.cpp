@@ -15,11 +15,11 @@
 //    bound stays ~10x below what one dropped or extra token changes (~1/n of max|out|). The
 //    measured worst ratio err / max|cpu| is printed per case.
 //  - Sparsity: the sparsity passes (separate from the main pass) recompute the scores
-//    bit-identically by construction (channels summed in order with __fmul_rn/__fadd_rn on the GPU; the host reference is compiled as ISO C++ without -march,
-//    so no FMA contraction either) and the max is order-independent, so the counts should be
-//    exactly equal. The test still allows a difference of at most the number of tokens whose
-//    s - m lies within 4 ulps of the threshold (computed here from the CPU's own scores), and
-//    prints both the observed difference and that count, so an exactness regression shows.
+//    bit-identically by construction (channels summed in order with __fmul_rn/__fadd_rn on the GPU; the host reference
+//    is compiled as ISO C++ without -march, so no FMA contraction either) and the max is order-independent, so the
+//    counts should be exactly equal. The test still allows a difference of at most the number of tokens whose s - m
+//    lies within 4 ulps of the threshold (computed here from the CPU's own scores), and prints both the observed
+//    difference and that count, so an exactness regression shows.
 
 #include <cuda_runtime.h>
 
@@ -43,13 +43,13 @@ namespace {
 
 int failures = 0;
 
-#define CHECK_OK(expr)                                                                 \
-  do {                                                                                 \
-    thinkv::Status s_ = (expr);                                                        \
-    if (!s_.is_ok()) {                                                                 \
+#define CHECK_OK(expr)                                                                         \
+  do {                                                                                         \
+    thinkv::Status s_ = (expr);                                                                \
+    if (!s_.is_ok()) {                                                                         \
       std::printf("FAIL %s:%d %s -> %s\n", __FILE__, __LINE__, #expr, s_.to_string().c_str()); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
 
 struct Case {
@@ -57,10 +57,10 @@ struct Case {
   int head_dim, group_size, block_size, num_q_heads, num_kv_heads, layers;
   thinkv::PrecisionMap map;
   int min_tokens, max_tokens;
-  float q_spread;  // scales queries: larger = peakier softmax, more sparse tokens
-  float softmax_scale;  // 0 = 1/sqrt(head_dim)
-  int num_splits = 0;   // split-K chunks per KV head (0 = automatic)
-  float v_scale = 1.0f; // scales values: far from 1, the FP16 pass changes its output unit
+  float q_spread;               // scales queries: larger = peakier softmax, more sparse tokens
+  float softmax_scale;          // 0 = 1/sqrt(head_dim)
+  int num_splits = 0;           // split-K chunks per KV head (0 = automatic)
+  float v_scale = 1.0f;         // scales values: far from 1, the FP16 pass changes its output unit
   long long max_positions = 0;  // split-plan hint: 0 none, -1 the longest stream's true positions, else this value
   bool bad_streams = false;     // also relaunch with out-of-range stream ids for the first and last KV heads
 };
@@ -135,7 +135,8 @@ void run_case(const Case& cs, std::mt19937& rng) {
     append_tokens(cache, s, ntok(rng) / 2 + 1, rng, cs.v_scale);
     evict_random(cache, s, 0.1, rng);
     const int staged = cache.table().staged_count(s);
-    append_tokens(cache, s, (cs.group_size - staged) % cs.group_size + 1 + static_cast<int>(rng() % (cs.group_size - 1)), rng,
+    append_tokens(cache, s,
+                  (cs.group_size - staged) % cs.group_size + 1 + static_cast<int>(rng() % (cs.group_size - 1)), rng,
                   cs.v_scale);
   }
   std::int64_t reused = cache.table().stats().slots_reused;
@@ -161,8 +162,7 @@ void run_case(const Case& cs, std::mt19937& rng) {
   CHECK_OK(cache.attend(args));
 
   // Tokens within 4 ulps of the sparsity threshold, from the CPU's own scores.
-  const float scale =
-      cs.softmax_scale > 0.0f ? cs.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = cs.softmax_scale > 0.0f ? cs.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   const int group = cs.num_q_heads / cs.num_kv_heads;
   std::vector<int> near(static_cast<std::size_t>(cs.num_q_heads), 0), ntokens(near.size(), 0);
   for (int h = 0; h < cs.num_kv_heads; ++h) {
@@ -175,11 +175,14 @@ void run_case(const Case& cs, std::mt19937& rng) {
       float m = -INFINITY;
       for (int j = 0; j < n; ++j) {
         float s = 0.0f;
-        for (int c = 0; c < d; ++c) s += q[static_cast<std::size_t>(qh) * d + c] * k[static_cast<std::size_t>(j) * d + c];
+        for (int c = 0; c < d; ++c)
+          s += q[static_cast<std::size_t>(qh) * d + c] * k[static_cast<std::size_t>(j) * d + c];
         sc[static_cast<std::size_t>(j)] = s * scale;
         m = std::fmax(m, sc[static_cast<std::size_t>(j)]);
       }
-      for (int j = 0; j < n; ++j) near[static_cast<std::size_t>(qh)] += ulp_distance(sc[static_cast<std::size_t>(j)] - m, kSparsityLogThreshold) <= 4;
+      for (int j = 0; j < n; ++j)
+        near[static_cast<std::size_t>(qh)] +=
+            ulp_distance(sc[static_cast<std::size_t>(j)] - m, kSparsityLogThreshold) <= 4;
       ntokens[static_cast<std::size_t>(qh)] = n;
     }
   }
@@ -212,8 +215,8 @@ void run_case(const Case& cs, std::mt19937& rng) {
   if (cs.max_positions < 0) {  // the true hint: the longest of this launch's streams
     prm.max_positions = 0;
     for (const std::int32_t s : kv_streams) {
-      const long long pos = static_cast<long long>(cache.table().blocks(s).size()) * cs.block_size +
-                            cache.table().staged_count(s);
+      const long long pos =
+          static_cast<long long>(cache.table().blocks(s).size()) * cs.block_size + cache.table().staged_count(s);
       prm.max_positions = std::max(prm.max_positions, pos);
     }
   }
@@ -320,16 +323,18 @@ void run_case(const Case& cs, std::mt19937& rng) {
         }
       }
     }
-    std::printf("%s %-34s out-of-range stream ids for KV heads 0 and %d: NaN rows there, the rest unchanged (%d mismatches)\n",
-                bad_stream_fail == 0 ? "ok  " : "FAIL", cs.name, nkv - 1, bad_stream_fail);
+    std::printf(
+        "%s %-34s out-of-range stream ids for KV heads 0 and %d: NaN rows there, the rest unchanged (%d mismatches)\n",
+        bad_stream_fail == 0 ? "ok  " : "FAIL", cs.name, nkv - 1, bad_stream_fail);
   }
   const bool ok = finite && max_err <= tol && sp_bad == 0 && same_bits && bad_stream_fail == 0;
   std::printf(
-      "%s %-34s map=%-7s splits=%-3d (%-3d without sparsity) tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of max|out| %.3g, tol %.3g)"
+      "%s %-34s map=%-7s splits=%-3d (%-3d without sparsity) tokens/head~%d reused=%lld  max|err|=%.3g (%.3g of "
+      "max|out| %.3g, tol %.3g)"
       "  sparsity: %d sparse, max count diff %d (near-threshold allowance %d)%s\n",
       ok ? "ok  " : "FAIL", cs.name, cs.map.to_string().c_str(), splits, splits_nosp, ntokens[0],
-      static_cast<long long>(reused), max_err, max_err / max_ref, max_ref, tol, sparse_total,
-      sp_diff_max, near_max, same_bits ? "" : "  [output differs with sparsity off]");
+      static_cast<long long>(reused), max_err, max_err / max_ref, max_ref, tol, sparse_total, sp_diff_max, near_max,
+      same_bits ? "" : "  [output differs with sparsity off]");
   failures += !ok;
   CHECK_CUDA(cudaFree(dq));
   CHECK_CUDA(cudaFree(dout));
@@ -434,9 +439,9 @@ int main() {
   const unsigned seed = gpu_test_start();
   std::mt19937 rng(seed);
   check_refusals();
+  using thinkv::kFullKvMap;
   using thinkv::kR4E4T2;
   using thinkv::kR8E4T2;
-  using thinkv::kFullKvMap;
   for (const thinkv::PrecisionMap& map : {kR4E4T2, kR8E4T2, kFullKvMap}) {
     // name, D, g, B, Hq, Hkv, layers, map, tokens min..max, q spread
     run_case({"stories260K D=8 g=8 8q/4kv B=16", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f}, rng);
@@ -481,7 +486,8 @@ int main() {
     // 129-256 positions on 8 KV heads: 2 chunks with sparsity, 1 without (no merge to pay for).
     run_case({"hint=true short D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 60, 100, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
     run_case({"hint=1e7 D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 10000000}, rng);
-    run_case({"hint=true D=8 8q/4kv B=16 (waves plan)", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 0, 1.0f, -1}, rng);
+    run_case({"hint=true D=8 8q/4kv B=16 (waves plan)", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f, 0, 1.0f, -1},
+             rng);
     // Out-of-range stream ids (tensor-core pass and the head_dim-8 pass).
     run_case({"bad ids D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 200, 800, 1.0f, 0.0f, 0, 1.0f, -1, true}, rng);
     run_case({"bad ids D=8 8q/4kv B=16", 8, 8, 16, 8, 4, 1, map, 100, 400, 1.0f, 0.0f, 0, 1.0f, 0, true}, rng);

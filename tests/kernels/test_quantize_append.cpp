@@ -39,11 +39,11 @@ using thinkv::kernels::QuantizeAppendJob;
 using thinkv::kernels::QuantizeAppendParams;
 using thinkv::kernels::QuantizeAppendView;
 
-#define REQUIRE_CUDA(expr)                                                \
-  do {                                                                    \
-    const cudaError_t e_ = (expr);                                        \
-    INFO(#expr << " -> " << cudaGetErrorString(e_));                      \
-    REQUIRE(e_ == cudaSuccess);                                           \
+#define REQUIRE_CUDA(expr)                           \
+  do {                                               \
+    const cudaError_t e_ = (expr);                   \
+    INFO(#expr << " -> " << cudaGetErrorString(e_)); \
+    REQUIRE(e_ == cudaSuccess);                      \
   } while (0)
 
 /// The run's seed (printed once by gpu_test_start) mixed with the test case's name.
@@ -70,8 +70,7 @@ class DeviceFlush {
   }
 
   /// Uploads `bytes` as the cache state, the scenario's staging, and `jobs`; zeroes the counters.
-  cudaError_t upload(const test::FlushScenario& sc, const test::CacheBytes& bytes,
-                     const test::FlushJobs& jobs) {
+  cudaError_t upload(const test::FlushScenario& sc, const test::CacheBytes& bytes, const test::FlushJobs& jobs) {
     const CacheConfig& cfg = sc.config;
     QuantizeAppendView& v = params_.cache;
     v.num_streams = cfg.num_streams;
@@ -115,14 +114,21 @@ class DeviceFlush {
     for (int p = 0; p < kNumPrecisions; ++p) {
       auto& h = out.pages[static_cast<std::size_t>(p)];
       if (!h.empty()) {
-        if (cudaError_t e = cudaMemcpy(h.data(), v.pages[p], h.size(), cudaMemcpyDeviceToHost); e != cudaSuccess) return e;
+        if (cudaError_t e = cudaMemcpy(h.data(), v.pages[p], h.size(), cudaMemcpyDeviceToHost); e != cudaSuccess)
+          return e;
       }
     }
     if (!out.records.empty()) {
-      if (cudaError_t e = cudaMemcpy(out.records.data(), v.key_scales, out.records.size(), cudaMemcpyDeviceToHost); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaMemcpy(out.records.data(), v.key_scales, out.records.size(), cudaMemcpyDeviceToHost);
+          e != cudaSuccess)
+        return e;
     }
-    if (cudaError_t e = cudaMemcpy(out.s2.data(), v.s2, out.s2.size() * sizeof(float), cudaMemcpyDeviceToHost); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaMemcpy(&saturations, params_.scale_saturations, sizeof saturations, cudaMemcpyDeviceToHost); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaMemcpy(out.s2.data(), v.s2, out.s2.size() * sizeof(float), cudaMemcpyDeviceToHost);
+        e != cudaSuccess)
+      return e;
+    if (cudaError_t e = cudaMemcpy(&saturations, params_.scale_saturations, sizeof saturations, cudaMemcpyDeviceToHost);
+        e != cudaSuccess)
+      return e;
     return cudaMemcpy(&rejected, params_.rejected_jobs, sizeof rejected, cudaMemcpyDeviceToHost);
   }
 
@@ -157,15 +163,16 @@ test::FlushJobs shuffled(const test::FlushJobs& in, int g, std::mt19937_64& rng)
   test::FlushJobs out;
   for (std::size_t i : order) {
     out.jobs.push_back(in.jobs[i]);
-    for (int t = 0; t < g; ++t) out.dest_slots.push_back(in.dest_slots[i * static_cast<std::size_t>(g) + static_cast<std::size_t>(t)]);
+    for (int t = 0; t < g; ++t)
+      out.dest_slots.push_back(in.dest_slots[i * static_cast<std::size_t>(g) + static_cast<std::size_t>(t)]);
   }
   return out;
 }
 
 /// Builds the scenario, runs the flush twice (complementary poisons) and compares every byte.
 /// `extra` jobs (refused by the kernel) may be appended to the launch; `want_rejected` of them.
-void run_flush(const test::ScenarioSpec& spec, std::mt19937_64& rng,
-               const test::FlushJobs* extra = nullptr, unsigned want_rejected = 0) {
+void run_flush(const test::ScenarioSpec& spec, std::mt19937_64& rng, const test::FlushJobs* extra = nullptr,
+               unsigned want_rejected = 0) {
   test::FlushScenario sc = test::build_flush_scenario(spec, rng);
   INFO("scenario " << spec.name << " map " << spec.map.to_string());
   INFO("scenario error: " << sc.error);
@@ -192,7 +199,8 @@ void run_flush(const test::ScenarioSpec& spec, std::mt19937_64& rng,
     }
     host.cache.total_blocks = base;
     host.cache.key_scales = &dummy;
-    host.cache.num_records = static_cast<std::uint32_t>(sc.before.records.size() / static_cast<std::size_t>(sc.config.head_dim));
+    host.cache.num_records =
+        static_cast<std::uint32_t>(sc.before.records.size() / static_cast<std::size_t>(sc.config.head_dim));
     host.cache.s2 = &dummy_f;
     host.cache.staging = &dummy_h;
     host.num_jobs = jobs.size();
@@ -218,12 +226,13 @@ void run_flush(const test::ScenarioSpec& spec, std::mt19937_64& rng,
     std::string report;
     const std::size_t bad = test::compare_bytes(sc, sc.after, got, report);
     const bool ok = bad == 0 && static_cast<long long>(saturations) == sc.saturations && rejected == want_rejected;
-    std::printf("%s %-34s map=%-10s poison=0x%02X streams=%d jobs=%d (+%d refused) reused=%d multi-block=%d "
-                "unset-s2=%d saturations=%llu/%lld kinds g/h/z/zk/o/t/H=%d/%d/%d/%d/%d/%d/%d mismatches=%zu\n",
-                ok ? "ok  " : "FAIL", spec.name, spec.map.to_string().c_str(), poison, spec.streams,
-                sc.jobs.size(), static_cast<int>(want_rejected), sc.reused_slots, sc.multi_block_jobs,
-                sc.unset_s2, saturations, static_cast<long long>(sc.saturations), kind_count[0],
-                kind_count[1], kind_count[2], kind_count[3], kind_count[4], kind_count[5], kind_count[6], bad);
+    std::printf(
+        "%s %-34s map=%-10s poison=0x%02X streams=%d jobs=%d (+%d refused) reused=%d multi-block=%d "
+        "unset-s2=%d saturations=%llu/%lld kinds g/h/z/zk/o/t/H=%d/%d/%d/%d/%d/%d/%d mismatches=%zu\n",
+        ok ? "ok  " : "FAIL", spec.name, spec.map.to_string().c_str(), poison, spec.streams, sc.jobs.size(),
+        static_cast<int>(want_rejected), sc.reused_slots, sc.multi_block_jobs, sc.unset_s2, saturations,
+        static_cast<long long>(sc.saturations), kind_count[0], kind_count[1], kind_count[2], kind_count[3],
+        kind_count[4], kind_count[5], kind_count[6], bad);
     INFO("poison 0x" << std::hex << static_cast<int>(poison) << std::dec << ", first mismatches:\n" << report);
     CHECK(bad == 0);
     CHECK(static_cast<long long>(saturations) == sc.saturations);
@@ -259,8 +268,7 @@ TEST_CASE("quantize-append: small and odd and extreme shapes", "[gpu][quantize_a
   }
 }
 
-TEST_CASE("quantize-append: refused jobs write nothing and the others still flush exactly",
-          "[gpu][quantize_append]") {
+TEST_CASE("quantize-append: refused jobs write nothing and the others still flush exactly", "[gpu][quantize_append]") {
   auto rng = case_rng("refused");
   const int streams = small_run() ? 16 : 48;
   // Built twice from the same generator state: once to learn the scenario's layout (which streams
@@ -281,7 +289,8 @@ TEST_CASE("quantize-append: refused jobs write nothing and the others still flus
     base[p] = total;
     total += static_cast<std::uint32_t>(probe.config.pool_blocks[static_cast<std::size_t>(p)]);
   }
-  const auto records = static_cast<std::uint32_t>(probe.before.records.size() / static_cast<std::size_t>(spec.head_dim));
+  const auto records =
+      static_cast<std::uint32_t>(probe.before.records.size() / static_cast<std::size_t>(spec.head_dim));
   test::FlushJobs extra;
   auto add = [&](QuantizeAppendJob j, std::vector<std::uint32_t> slots) {
     extra.jobs.push_back(j);
@@ -456,8 +465,8 @@ TEST_CASE("check_quantize_append_jobs refuses bad job lists", "[gpu][quantize_ap
   jobs[2].precision = Precision::kNvfp4;
   jobs[2].record = 0;
   // Job 0: FP8 slots 0..7; job 1: NVFP4 slots 8..15; job 2: NVFP4 slots 16..23 (not in order).
-  std::vector<std::uint32_t> slots = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                      23, 16, 22, 17, 21, 18, 20, 19};
+  std::vector<std::uint32_t> slots = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11,
+                                      12, 13, 14, 15, 23, 16, 22, 17, 21, 18, 20, 19};
   p.num_jobs = 3;
   p.jobs = jobs.data();
   p.dest_slots = slots.data();

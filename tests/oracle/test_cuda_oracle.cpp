@@ -65,12 +65,8 @@ std::uint16_t nv_encode_fp16(float x) {
   return r.x;
 }
 float half_raw_to_float(__half_raw h) { return __half2float(__half(h)); }
-float nv_decode_e4m3(std::uint8_t c) {
-  return half_raw_to_float(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3));
-}
-float nv_decode_e2m1(std::uint8_t c) {
-  return half_raw_to_float(__nv_cvt_fp4_to_halfraw(c, __NV_E2M1));
-}
+float nv_decode_e4m3(std::uint8_t c) { return half_raw_to_float(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3)); }
+float nv_decode_e2m1(std::uint8_t c) { return half_raw_to_float(__nv_cvt_fp4_to_halfraw(c, __NV_E2M1)); }
 float nv_decode_bf16(std::uint16_t h) {
   __nv_bfloat16_raw r;
   r.x = h;
@@ -101,14 +97,13 @@ void push_with_neighbours(std::vector<float>& v, float x) {
 
 void push_specials(std::vector<float>& v) {
   for (std::uint32_t b :
-       {0x00000000u, 0x80000000u,                          // +-0
-        0x7F800000u, 0xFF800000u,                          // +-Inf
-        0x7FC00000u, 0xFFC00000u, 0x7FFFFFFFu, 0xFFFFFFFFu,  // quiet NaNs
-        0x7F800001u, 0xFF800001u, 0x7FA00000u, 0xFFA00000u,  // signalling NaNs
-        0x7FBFFFFFu, 0x7FC00001u, 0xFFC12345u,
-        0x00000001u, 0x80000001u, 0x00400000u, 0x80400000u,  // float subnormals
+       {0x00000000u, 0x80000000u,                                                                   // +-0
+        0x7F800000u, 0xFF800000u,                                                                   // +-Inf
+        0x7FC00000u, 0xFFC00000u, 0x7FFFFFFFu, 0xFFFFFFFFu,                                         // quiet NaNs
+        0x7F800001u, 0xFF800001u, 0x7FA00000u, 0xFFA00000u,                                         // signalling NaNs
+        0x7FBFFFFFu, 0x7FC00001u, 0xFFC12345u, 0x00000001u, 0x80000001u, 0x00400000u, 0x80400000u,  // float subnormals
         0x007FFFFFu, 0x807FFFFFu, 0x00800000u, 0x80800000u,  // largest subnormal, FLT_MIN
-        0x7F7FFFFFu, 0xFF7FFFFFu}) {                       // +-FLT_MAX
+        0x7F7FFFFFu, 0xFF7FFFFFu}) {                         // +-FLT_MAX
     v.push_back(bits_to_float(b));
   }
 }
@@ -172,8 +167,8 @@ void check_encoder(const std::vector<float>& inputs, Ours ours, Theirs theirs) {
       ++mismatches;
     }
   }
-  INFO("inputs: " << inputs.size() << ", first mismatch: x bits " << hex(first_bits) << " ours "
-                  << hex(first_ours) << " nvidia " << hex(first_theirs));
+  INFO("inputs: " << inputs.size() << ", first mismatch: x bits " << hex(first_bits) << " ours " << hex(first_ours)
+                  << " nvidia " << hex(first_theirs));
   CHECK(mismatches == 0);
 }
 
@@ -208,8 +203,7 @@ TEST_CASE("BF16 decode matches __bfloat162float on all 65536 codes", "[oracle][b
   CHECK(mismatches == 0);
 }
 
-TEST_CASE("FP16 decode (bit-placement dequant's reference) matches __half2float on all 65536 codes",
-          "[oracle][fp16]") {
+TEST_CASE("FP16 decode (bit-placement dequant's reference) matches __half2float on all 65536 codes", "[oracle][fp16]") {
   int bad = 0;
   for (std::uint32_t c = 0; c < 65536; ++c) {
     __half_raw raw;
@@ -222,13 +216,11 @@ TEST_CASE("FP16 decode (bit-placement dequant's reference) matches __half2float 
   CHECK(bad == 0);
 }
 
-TEST_CASE("E4M3 encode matches __nv_cvt_float_to_fp8(SATFINITE, E4M3) bit for bit",
-          "[oracle][e4m3]") {
+TEST_CASE("E4M3 encode matches __nv_cvt_float_to_fp8(SATFINITE, E4M3) bit for bit", "[oracle][e4m3]") {
   const auto ours = [](float x) { return thinkv::encode_e4m3(x); };
   SECTION("codes, midpoints, +-1 ulp, subnormals, saturation, specials") {
     check_encoder(grid_inputs(256, thinkv::decode_e4m3,
-                              {464.0f, 480.0f, 496.0f, 512.0f, 1e6f, 0x1p-10f, 0x1p-11f,
-                               0x1.8p-10f, 0x1p-7f, 0x1p-6f}),
+                              {464.0f, 480.0f, 496.0f, 512.0f, 1e6f, 0x1p-10f, 0x1p-11f, 0x1.8p-10f, 0x1p-7f, 0x1p-6f}),
                   ours, nv_encode_e4m3);
   }
   SECTION("random floats") {
@@ -241,18 +233,16 @@ TEST_CASE("E4M3 encode matches __nv_cvt_float_to_fp8(SATFINITE, E4M3) bit for bi
     CHECK(thinkv::encode_e4m3(bits_to_float(0xFFC00000u)) == 0x7F);  // NaN sign dropped
     CHECK(nv_encode_e4m3(bits_to_float(0xFFC00000u)) == 0x7F);
     CHECK(nv_encode_e4m3(-std::numeric_limits<float>::infinity()) == 0xFE);
-    CHECK(nv_encode_e4m3(464.0f) == 0x7E);  // tie rounds to even (448)
+    CHECK(nv_encode_e4m3(464.0f) == 0x7E);     // tie rounds to even (448)
     CHECK(nv_encode_e4m3(-0x1p-11f) == 0x80);  // underflow keeps the sign
   }
 }
 
-TEST_CASE("E2M1 encode matches __nv_cvt_float_to_fp4(E2M1, cudaRoundNearest) bit for bit",
-          "[oracle][e2m1]") {
+TEST_CASE("E2M1 encode matches __nv_cvt_float_to_fp4(E2M1, cudaRoundNearest) bit for bit", "[oracle][e2m1]") {
   const auto ours = [](float x) { return thinkv::encode_e2m1(x); };
   SECTION("codes, midpoints, +-1 ulp, subnormals, saturation, specials") {
-    check_encoder(grid_inputs(16, thinkv::decode_e2m1,
-                              {6.5f, 7.0f, 8.0f, 12.0f, 1e6f, 0.25f, 0.125f, 0.75f}),
-                  ours, nv_encode_e2m1);
+    check_encoder(grid_inputs(16, thinkv::decode_e2m1, {6.5f, 7.0f, 8.0f, 12.0f, 1e6f, 0.25f, 0.125f, 0.75f}), ours,
+                  nv_encode_e2m1);
   }
   SECTION("random floats") {
     INFO("seed " << test_seed() << " (set THINKV_TEST_SEED to reproduce)");
@@ -276,8 +266,7 @@ TEST_CASE("BF16 encode matches __float2bfloat16_rn bit for bit", "[oracle][bf16]
     for (std::uint32_t sign = 0; sign < 2; ++sign) {
       for (std::uint32_t e = 0; e < 256; ++e) {
         for (std::uint32_t hi : {0x00u, 0x01u, 0x7Eu, 0x7Fu, 0x40u, 0x41u}) {  // bf16 mantissa
-          for (std::uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu,
-                                   bits_dist(rng) & 0xFFFFu}) {
+          for (std::uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu, bits_dist(rng) & 0xFFFFu}) {
             in.push_back(bits_to_float((sign << 31) | (e << 23) | (hi << 16) | lo));
           }
         }
@@ -322,8 +311,8 @@ TEST_CASE("FP16 encode matches __float2half_rn bit for bit", "[oracle][fp16]") {
         }
       }
     }
-    for (float x : {65504.0f, 65519.0f, 65519.996f, 65520.0f, 65536.0f, 0x1p-24f, 0x1p-25f,
-                    0x1.8p-25f, 0x1.0000002p-25f, 0x1p-14f, 0x1.ff8p-15f, 0x1.ffcp-15f}) {
+    for (float x : {65504.0f, 65519.0f, 65519.996f, 65520.0f, 65536.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f,
+                    0x1.0000002p-25f, 0x1p-14f, 0x1.ff8p-15f, 0x1.ffcp-15f}) {
       push_with_neighbours(in, x);
     }
     push_specials(in);
@@ -349,8 +338,7 @@ TEST_CASE("FP16 encode matches __float2half_rn bit for bit", "[oracle][fp16]") {
   }
 }
 
-TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibble)",
-          "[oracle][packing]") {
+TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibble)", "[oracle][packing]") {
   INFO("seed " << test_seed() << " (set THINKV_TEST_SEED to reproduce)");
   std::mt19937_64 rng(test_seed() + 4);
   std::uniform_real_distribution<float> dist(-7.0f, 7.0f);
@@ -359,13 +347,10 @@ TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibb
     float x[kN];
     for (float& v : x) v = dist(rng);
     std::uint8_t row[kN / 2] = {};
-    for (int i = 0; i < kN; ++i) {
-      thinkv::store_code(thinkv::Precision::kNvfp4, row, i, thinkv::encode_e2m1(x[i]));
-    }
+    for (int i = 0; i < kN; ++i) { thinkv::store_code(thinkv::Precision::kNvfp4, row, i, thinkv::encode_e2m1(x[i])); }
     for (int j = 0; j < kN / 2; ++j) {
       const float2 pair = make_float2(x[2 * j], x[2 * j + 1]);
-      const auto nv = static_cast<std::uint8_t>(
-          __nv_cvt_float2_to_fp4x2(pair, __NV_E2M1, cudaRoundNearest));
+      const auto nv = static_cast<std::uint8_t>(__nv_cvt_float2_to_fp4x2(pair, __NV_E2M1, cudaRoundNearest));
       INFO("trial " << trial << " byte " << j);
       REQUIRE(row[j] == nv);
       const __half2_raw h2 = __nv_cvt_fp4x2_to_halfraw2(row[j], __NV_E2M1);
@@ -375,14 +360,13 @@ TEST_CASE("NVFP4 packing matches __nv_cvt_float2_to_fp4x2 (element 2j = low nibb
       hi.x = h2.y;
       CHECK(same_float(half_raw_to_float(lo),
                        thinkv::decode_e2m1(thinkv::load_code(thinkv::Precision::kNvfp4, row, 2 * j))));
-      CHECK(same_float(half_raw_to_float(hi), thinkv::decode_e2m1(thinkv::load_code(
-                                                  thinkv::Precision::kNvfp4, row, 2 * j + 1))));
+      CHECK(same_float(half_raw_to_float(hi),
+                       thinkv::decode_e2m1(thinkv::load_code(thinkv::Precision::kNvfp4, row, 2 * j + 1))));
     }
   }
 }
 
-TEST_CASE("exhaustive: all 2^32 floats through E4M3, E2M1, BF16 and FP16 encoders",
-          "[.exhaustive][oracle]") {
+TEST_CASE("exhaustive: all 2^32 floats through E4M3, E2M1, BF16 and FP16 encoders", "[.exhaustive][oracle]") {
   std::uint64_t bad_e4m3 = 0;
   std::uint64_t bad_e2m1 = 0;
   std::uint64_t bad_bf16 = 0;

@@ -54,8 +54,8 @@ struct ErrorStats {
   double max_rel = 0;         // max |err| / max|v|
   long compared = 0;
   void print(const char* what) const {
-    std::printf("%s: %ld outputs, max |err|/max|v| = %.3g, max |err|/bound = %.3g\n", what, compared,
-                max_rel, max_over_bound);
+    std::printf("%s: %ld outputs, max |err|/max|v| = %.3g, max |err|/bound = %.3g\n", what, compared, max_rel,
+                max_over_bound);
   }
 };
 
@@ -73,9 +73,9 @@ std::string compare_row(const float* out, const float* q, const std::vector<floa
     ++es.compared;
     if (!(err <= bound) || (moderate && !(err <= 1e-4 * vmax))) {
       return "channel " + std::to_string(c) + ": got " + std::to_string(out[c]) + ", float64 " +
-             std::to_string(want[static_cast<std::size_t>(c)]) + ", err " + std::to_string(err) +
-             ", bound " + std::to_string(bound) + ", max|v| " + std::to_string(vmax) +
-             ", tokens " + std::to_string(k.size() / static_cast<std::size_t>(d));
+             std::to_string(want[static_cast<std::size_t>(c)]) + ", err " + std::to_string(err) + ", bound " +
+             std::to_string(bound) + ", max|v| " + std::to_string(vmax) + ", tokens " +
+             std::to_string(k.size() / static_cast<std::size_t>(d));
     }
   }
   return {};
@@ -246,7 +246,8 @@ TEST_CASE("PagedKvCache::attend matches float64 attention over the model's live 
         const int nkv = uniform_int(rng, 1, 4);
         std::vector<std::int32_t> kv;
         for (int h = 0; h < nkv; ++h) kv.push_back(uniform_int(rng, 0, streams - 1));  // repeats allowed
-        const float sc = chance(rng, 0.5) ? 0.0f : static_cast<float>(std::uniform_real_distribution<double>(0.02, 0.3)(rng));
+        const float sc =
+            chance(rng, 0.5) ? 0.0f : static_cast<float>(std::uniform_real_distribution<double>(0.02, 0.3)(rng));
         CAPTURE(staged, ratio, nkv, sc);
         check_attend(c, m, rng, kv, ratio * nkv, sc, es);
       }
@@ -381,7 +382,8 @@ TEST_CASE("PagedKvCache::attend: invalid arguments fail before the output is wri
   };
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   const Case cases[] = {
-      {"q heads not a multiple of kv heads", 3, 2, 0, 1, false, false, false, 0, StatusCode::kShapeMismatch, "multiple"},
+      {"q heads not a multiple of kv heads", 3, 2, 0, 1, false, false, false, 0, StatusCode::kShapeMismatch,
+       "multiple"},
       {"5 q heads over 2", 5, 2, 0, 1, false, false, false, 0, StatusCode::kShapeMismatch, "num_q_heads 5"},
       {"no kv heads", 2, 0, 0, 1, false, false, false, 0, StatusCode::kShapeMismatch, "num_kv_heads 0"},
       {"no q heads", 0, 1, 0, 1, false, false, false, 0, StatusCode::kShapeMismatch, "num_q_heads 0"},

@@ -130,7 +130,8 @@ TEST_CASE("DynamicBackend over BackendModel<CpuKvBackend> is bit-identical to Cp
         const int n = chance(rng, 0.5) ? g - static_cast<int>(m.S(s).staged.size()) : 1;
         for (int i = 0; i < n; ++i) {
           auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
-          if (chance(rng, 0.01)) k[static_cast<std::size_t>(uniform_int(rng, 0, d - 1))] = std::numeric_limits<float>::infinity();
+          if (chance(rng, 0.01))
+            k[static_cast<std::size_t>(uniform_int(rng, 0, d - 1))] = std::numeric_limits<float>::infinity();
           Diff diff;
           const bool fills = static_cast<int>(m.S(s).staged.size()) + 1 == g;
           const Status sa = tt::append_both(a, m, s, k, v, th, 0, diff);
@@ -198,9 +199,7 @@ TEST_CASE("PagedKvCache<DynamicBackend> without a backend throws a clear error",
   try {
     PagedKvCache<DynamicBackend> c(cfg);
     FAIL("constructed a cache over an empty DynamicBackend");
-  } catch (const std::exception& e) {
-    CHECK_THAT(std::string(e.what()), Contains("DynamicBackend holds no backend"));
-  }
+  } catch (const std::exception& e) { CHECK_THAT(std::string(e.what()), Contains("DynamicBackend holds no backend")); }
   CHECK_THROWS_AS(PagedKvCache<DynamicBackend>(cfg, DynamicBackend(nullptr)), std::invalid_argument);
 }
 

@@ -78,7 +78,8 @@ int check_attention(const CacheShape& sh, const std::vector<float>& q, const std
       const auto want = tt::attend64(qh, k, v, d, static_cast<float>(default_scale(sh)));
       const double bound = tt::attention_error_bound(qh, k, v, d, static_cast<float>(default_scale(sh)));
       for (int c = 0; c < d; ++c) {
-        const double err = std::fabs(out[static_cast<std::size_t>((h * group + g) * d + c)] - want[static_cast<std::size_t>(c)]);
+        const double err =
+            std::fabs(out[static_cast<std::size_t>((h * group + g) * d + c)] - want[static_cast<std::size_t>(c)]);
         worst = std::max(worst, err / std::max(bound, 1e-30));
         if (err > bound) ++bad;
       }
@@ -153,7 +154,9 @@ void run_dense_against_model(DenseKvConfig cfg, int steps, std::mt19937_64& rng)
           for (int h = 0; h < sh.num_kv_heads; ++h) {
             auto& toks = model[static_cast<std::size_t>(stream(seq, l, h))];
             for (int g = 0; g < group; ++g) {
-              const auto p = probs64(t.q[static_cast<std::size_t>(l)].data() + static_cast<std::size_t>(h * group + g) * d, toks, d, scale);
+              const auto p =
+                  probs64(t.q[static_cast<std::size_t>(l)].data() + static_cast<std::size_t>(h * group + g) * d, toks,
+                          d, scale);
               for (std::size_t j = 0; j < toks.size(); ++j) toks[j].score += p[j];
             }
           }
@@ -175,9 +178,7 @@ void run_dense_against_model(DenseKvConfig cfg, int steps, std::mt19937_64& rng)
           const int budget = cfg.token_budget + pinned;
           const int n = static_cast<int>(toks.size());
           switch (cfg.method) {
-            case DenseMethod::kFullKv:
-              REQUIRE(kept == positions_of(toks));
-              break;
+            case DenseMethod::kFullKv: REQUIRE(kept == positions_of(toks)); break;
             case DenseMethod::kStreamingLlm: {
               std::vector<std::int32_t> want;
               const int keep_first = std::min(std::max(cfg.sink_tokens, cfg.pinned_prefix), pos + 1);
@@ -234,9 +235,12 @@ void run_dense_against_model(DenseKvConfig cfg, int steps, std::mt19937_64& rng)
                   if (i == j) continue;
                   double dot = 0, ni = 0, nj = 0;
                   for (int c = 0; c < d; ++c) {
-                    dot += static_cast<double>(toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)]) * toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)];
-                    ni += static_cast<double>(toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)]) * toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)];
-                    nj += static_cast<double>(toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)]) * toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)];
+                    dot += static_cast<double>(toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)]) *
+                           toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)];
+                    ni += static_cast<double>(toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)]) *
+                          toks[static_cast<std::size_t>(i)].k[static_cast<std::size_t>(c)];
+                    nj += static_cast<double>(toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)]) *
+                          toks[static_cast<std::size_t>(j)].k[static_cast<std::size_t>(c)];
                   }
                   red[static_cast<std::size_t>(j)] += dot / std::sqrt(ni * nj);
                 }
@@ -249,7 +253,8 @@ void run_dense_against_model(DenseKvConfig cfg, int steps, std::mt19937_64& rng)
               double max_evicted = -INFINITY, min_kept = INFINITY;
               for (int j = 0; j < n; ++j) {
                 const MToken& m = toks[static_cast<std::size_t>(j)];
-                const double z = lambda * imp[static_cast<std::size_t>(j)] - (1 - lambda) * red[static_cast<std::size_t>(j)] / rsum;
+                const double z =
+                    lambda * imp[static_cast<std::size_t>(j)] - (1 - lambda) * red[static_cast<std::size_t>(j)] / rsum;
                 if (m.pos >= newest_from || m.pos < cfg.pinned_prefix) {
                   REQUIRE(kept_set.count(m.pos) == 1);  // the window and the pinned prefix are always kept
                 } else if (kept_set.count(m.pos)) {
@@ -291,9 +296,13 @@ void run_dense_against_model(DenseKvConfig cfg, int steps, std::mt19937_64& rng)
     reported += r.tokens_evicted;
     CHECK(r.positions == steps);
     std::int64_t live = 0;
-    for (int st = 0; st < sh.streams_per_sequence(); ++st) live += static_cast<std::int64_t>(model[static_cast<std::size_t>(seq * sh.streams_per_sequence() + st)].size());
+    for (int st = 0; st < sh.streams_per_sequence(); ++st)
+      live += static_cast<std::int64_t>(model[static_cast<std::size_t>(seq * sh.streams_per_sequence() + st)].size());
     CHECK(r.live_tokens == live);
-    CHECK(r.held_bytes == live * cache.slot_bytes() + (cfg.method == DenseMethod::kRkv ? std::int64_t{sh.num_layers} * cfg.rkv_window * static_cast<std::int64_t>(sh.q_size()) * 4 : 0));
+    CHECK(r.held_bytes == live * cache.slot_bytes() + (cfg.method == DenseMethod::kRkv
+                                                           ? std::int64_t{sh.num_layers} * cfg.rkv_window *
+                                                                 static_cast<std::int64_t>(sh.q_size()) * 4
+                                                           : 0));
     CHECK(r.fullkv_fp16_bytes == std::int64_t{steps} * sh.streams_per_sequence() * sh.head_dim * 4);
     if (cfg.method == DenseMethod::kRkv && evictions > 0) CHECK(r.gather_bytes > 0);
     if (cfg.method != DenseMethod::kRkv) CHECK(r.gather_bytes == 0);
@@ -416,9 +425,9 @@ void check_refusals_change_nothing(const Config& cfg, std::mt19937_64& rng) {
   CHECK(a.begin_token(1).code() == StatusCode::kOutOfRange);
   REQUIRE(a.begin_token(0).is_ok());
   REQUIRE(b.begin_token(0).is_ok());
-  CHECK(a.begin_token(0).code() == StatusCode::kInvalidArgument);  // twice
+  CHECK(a.begin_token(0).code() == StatusCode::kInvalidArgument);            // twice
   CHECK(a.attend(0, 0, t.q[0], oa).code() == StatusCode::kInvalidArgument);  // before its append
-  CHECK(a.end_token(0).code() == StatusCode::kInvalidArgument);  // no layer appended
+  CHECK(a.end_token(0).code() == StatusCode::kInvalidArgument);              // no layer appended
   // Bad K/V: NaN, Inf, beyond FP16, wrong shapes, a layer out of range.
   for (float bad : {std::nanf(""), INFINITY, -70000.0f}) {
     std::vector<float> k = t.k[0];
@@ -441,7 +450,8 @@ void check_refusals_change_nothing(const Config& cfg, std::mt19937_64& rng) {
   REQUIRE(b.attend(0, 0, t.q[0], ob).is_ok());
   REQUIRE(tt::same_bits(oa, ob));
   for (int l = 1; l < sh.num_layers; ++l) {
-    for (C* c : {&a, &b}) REQUIRE(c->append(0, l, t.k[static_cast<std::size_t>(l)], t.v[static_cast<std::size_t>(l)]).is_ok());
+    for (C* c : {&a, &b})
+      REQUIRE(c->append(0, l, t.k[static_cast<std::size_t>(l)], t.v[static_cast<std::size_t>(l)]).is_ok());
     REQUIRE(a.attend(0, l, t.q[static_cast<std::size_t>(l)], oa).is_ok());
     REQUIRE(b.attend(0, l, t.q[static_cast<std::size_t>(l)], ob).is_ok());
     REQUIRE(tt::same_bits(oa, ob));
@@ -523,8 +533,10 @@ TEST_CASE("KIVI quantizes keys per channel and values per token behind an FP16 r
           const std::size_t st = static_cast<std::size_t>(l * sh.num_kv_heads + h);
           std::vector<float> k(static_cast<std::size_t>(d)), v(static_cast<std::size_t>(d));
           for (int c = 0; c < d; ++c) {
-            k[static_cast<std::size_t>(c)] = fp16_round(t.k[static_cast<std::size_t>(l)][static_cast<std::size_t>(h * d + c)]);
-            v[static_cast<std::size_t>(c)] = fp16_round(t.v[static_cast<std::size_t>(l)][static_cast<std::size_t>(h * d + c)]);
+            k[static_cast<std::size_t>(c)] =
+                fp16_round(t.k[static_cast<std::size_t>(l)][static_cast<std::size_t>(h * d + c)]);
+            v[static_cast<std::size_t>(c)] =
+                fp16_round(t.v[static_cast<std::size_t>(l)][static_cast<std::size_t>(h * d + c)]);
           }
           raw_k[st].push_back(k);
           raw_v[st].push_back(v);
@@ -535,9 +547,12 @@ TEST_CASE("KIVI quantizes keys per channel and values per token behind an FP16 r
             for (int g0 = n - R; g0 < n; g0 += G) {
               for (int c = 0; c < d; ++c) {
                 std::vector<float> x;
-                for (int i = 0; i < G; ++i) x.push_back(raw_k[st][static_cast<std::size_t>(g0 + i)][static_cast<std::size_t>(c)]);
+                for (int i = 0; i < G; ++i)
+                  x.push_back(raw_k[st][static_cast<std::size_t>(g0 + i)][static_cast<std::size_t>(c)]);
                 const auto q = kivi_model_group(x, bits);
-                for (int i = 0; i < G; ++i) att_k[st][static_cast<std::size_t>(g0 + i)][static_cast<std::size_t>(c)] = q[static_cast<std::size_t>(i)];
+                for (int i = 0; i < G; ++i)
+                  att_k[st][static_cast<std::size_t>(g0 + i)][static_cast<std::size_t>(c)] =
+                      q[static_cast<std::size_t>(i)];
               }
             }
           }
@@ -562,8 +577,10 @@ TEST_CASE("KIVI quantizes keys per channel and values per token behind an FP16 r
           for (int j = 0; j < n; j += 7) {
             cache.read_token(0, l, h, j, ck, cv);
             for (int c = 0; c < d; ++c) {
-              REQUIRE(ck[static_cast<std::size_t>(c)] == Approx(att_k[st][static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]).margin(1e-6));
-              REQUIRE(cv[static_cast<std::size_t>(c)] == Approx(att_v[st][static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]).margin(1e-6));
+              REQUIRE(ck[static_cast<std::size_t>(c)] ==
+                      Approx(att_k[st][static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]).margin(1e-6));
+              REQUIRE(cv[static_cast<std::size_t>(c)] ==
+                      Approx(att_v[st][static_cast<std::size_t>(j)][static_cast<std::size_t>(c)]).margin(1e-6));
             }
           }
         }

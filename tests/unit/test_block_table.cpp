@@ -13,9 +13,9 @@
 
 using namespace thinkv;
 using Catch::Matchers::Contains;
+using tt::chance;
 using tt::CtModel;
 using tt::Diff;
-using tt::chance;
 using tt::uniform01;
 using tt::uniform_int;
 
@@ -25,8 +25,8 @@ constexpr ThoughtType R = ThoughtType::kReasoning;
 constexpr ThoughtType E = ThoughtType::kExecution;
 constexpr ThoughtType T = ThoughtType::kTransition;
 
-CacheConfig table_config(int g, int bs, std::array<int, 4> pools, PrecisionMap map = kR4E4T2,
-                         int streams = 2, int records = 0) {
+CacheConfig table_config(int g, int bs, std::array<int, 4> pools, PrecisionMap map = kR4E4T2, int streams = 2,
+                         int records = 0) {
   CacheConfig c;
   c.num_streams = streams;
   c.head_dim = 32;
@@ -39,9 +39,8 @@ CacheConfig table_config(int g, int bs, std::array<int, 4> pools, PrecisionMap m
 }
 
 bool same_plan(const CommitPlan& a, const CommitPlan& b) {
-  return a.stream == b.stream && a.thought == b.thought && a.precision == b.precision &&
-         a.slots == b.slots && a.new_blocks == b.new_blocks && a.record == b.record &&
-         a.reused_slots == b.reused_slots;
+  return a.stream == b.stream && a.thought == b.thought && a.precision == b.precision && a.slots == b.slots &&
+         a.new_blocks == b.new_blocks && a.record == b.record && a.reused_slots == b.reused_slots;
 }
 
 std::string slots_str(const std::vector<SlotRef>& v) {
@@ -154,14 +153,14 @@ TEST_CASE("BlockTable: placement order is holes, then unwritten slots, then fres
   CHECK(t.block_fill(base + 1) == 4);
   evict_both(t, m, 0, {{base + 1, 2}, {base, 5}, {base, 1}});
   CommitPlan p3 = push_group(t, m, 0, R, 3);
-  const std::vector<SlotRef> want3 = {{base, 1}, {base, 5}, {base + 1, 2}, {base + 1, 4},
+  const std::vector<SlotRef> want3 = {{base, 1},     {base, 5},     {base + 1, 2}, {base + 1, 4},
                                       {base + 1, 5}, {base + 1, 6}, {base + 1, 7}, {base + 1, 8}};
   CHECK(slots_str(p3.slots) == slots_str(want3));
   CHECK(p3.reused_slots == 3);
   CHECK(p3.new_blocks.empty());
   CommitPlan p4 = push_group(t, m, 0, R, 4);
   const std::vector<SlotRef> want4 = {{base + 1, 9}, {base + 1, 10}, {base + 1, 11}, {base + 2, 0},
-                                      {base + 2, 1}, {base + 2, 2}, {base + 2, 3}, {base + 2, 4}};
+                                      {base + 2, 1}, {base + 2, 2},  {base + 2, 3},  {base + 2, 4}};
   CHECK(slots_str(p4.slots) == slots_str(want4));
   CHECK(p4.new_blocks == std::vector<std::uint32_t>{base + 2});
   CHECK(p4.reused_slots == 0);
@@ -382,8 +381,8 @@ TEST_CASE("BlockTable: evict is all-or-nothing", "[block_table][errors]") {
     }
   }
   SECTION("duplicate slot") {
-    for (const auto& batch : {std::vector<SlotRef>{live0[2], live0[2]},
-                              std::vector<SlotRef>{live0[0], live0[4], live0[5], live0[4]}}) {
+    for (const auto& batch :
+         {std::vector<SlotRef>{live0[2], live0[2]}, std::vector<SlotRef>{live0[0], live0[4], live0[5], live0[4]}}) {
       const Status st = t.evict(0, batch);
       CHECK(st.code() == StatusCode::kInvalidArgument);
       CHECK_THAT(st.message(), Contains("twice"));
@@ -396,9 +395,7 @@ TEST_CASE("BlockTable: evict is all-or-nothing", "[block_table][errors]") {
       TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
     }
   }
-  SECTION("the same slots evicted correctly afterwards") {
-    evict_both(t, m, 0, {live0[0], live0[3]});
-  }
+  SECTION("the same slots evicted correctly afterwards") { evict_both(t, m, 0, {live0[0], live0[3]}); }
 }
 
 TEST_CASE("BlockTable: pool exhaustion", "[block_table][errors]") {
@@ -550,13 +547,16 @@ TEST_CASE("BlockTable: randomized invariants against an independent model", "[bl
         if (chance(rng, 0.1)) {  // poison the batch: nothing may change
           const int kind = uniform_int(rng, 0, 3);
           SlotRef bad{};
-          if (kind == 0) bad = batch[0];                                       // duplicate
-          if (kind == 1) bad = {m.total_blocks() + 3, 0};                      // no such block
+          if (kind == 0) bad = batch[0];                                          // duplicate
+          if (kind == 1) bad = {m.total_blocks() + 3, 0};                         // no such block
           if (kind == 2) bad = {t.blocks(s)[0], static_cast<std::uint32_t>(bs)};  // no such slot
-          if (kind == 3) {                                                     // not live / not ours
+          if (kind == 3) {                                                        // not live / not ours
             bad = {m.total_blocks(), 0};
             for (std::uint32_t b = 0; b < m.total_blocks(); ++b)
-              if (t.block_owner(b) != s) { bad = {b, 0}; break; }
+              if (t.block_owner(b) != s) {
+                bad = {b, 0};
+                break;
+              }
             for (const auto& mb : m.S(s).blocks)
               for (int i = 0; i < mb.fill; ++i)
                 if (mb.slots[i].evicted) bad = {mb.real, static_cast<std::uint32_t>(i)};

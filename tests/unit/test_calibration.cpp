@@ -74,7 +74,10 @@ struct Mixture {
       const double g = (std::sqrt(5.0) - 1) / 2;
       for (int it = 0; it < 100; ++it) {
         const double c = b - g * (b - a), d = a + g * (b - a);
-        if (pdf(c) < pdf(d)) b = d; else a = c;
+        if (pdf(c) < pdf(d))
+          b = d;
+        else
+          a = c;
       }
       out.push_back((a + b) / 2);
     }
@@ -92,13 +95,11 @@ Mixture trimodal(std::mt19937_64& rng, double sd_lo = 0.04, double sd_hi = 0.06)
 Mixture unimodal(std::mt19937_64& rng) {
   return {{0.3 + 0.4 * tt::uniform01(rng)}, {0.05 + 0.07 * tt::uniform01(rng)}, {1.0}};
 }
-Mixture bimodal(std::mt19937_64& rng) {
-  return {{0.3, 0.75}, {0.05 + 0.01 * tt::uniform01(rng), 0.05}, {0.6, 0.4}};
-}
+Mixture bimodal(std::mt19937_64& rng) { return {{0.3, 0.75}, {0.05 + 0.01 * tt::uniform01(rng), 0.05}, {0.6, 0.4}}; }
 
 /// A trace: layer l draws from layers[l]; `prompts` prompts of [min_steps, max_steps] steps.
-SparsityTrace make_trace(std::mt19937_64& rng, const std::vector<Mixture>& layers, int prompts,
-                         int min_steps = 500, int max_steps = 2000) {
+SparsityTrace make_trace(std::mt19937_64& rng, const std::vector<Mixture>& layers, int prompts, int min_steps = 500,
+                         int max_steps = 2000) {
   SparsityTrace t;
   t.model = "synthetic";
   t.num_layers = static_cast<int>(layers.size());
@@ -244,7 +245,8 @@ TEST_CASE("calibration: mode finding rule", "[calibration][modes]") {
   auto c2 = find_modes(grid([&](double x) { return g(x, 0.40, 0.05) + 0.9 * g(x, 0.62, 0.05); }));
   CHECK(c2.modes.size() == 2);
   // The constants are parameters: a stricter ratio merges c2 as well.
-  CHECK(find_modes(grid([&](double x) { return g(x, 0.40, 0.05) + 0.9 * g(x, 0.62, 0.05); }), 0.05, 0.1).modes.size() == 1);
+  CHECK(find_modes(grid([&](double x) { return g(x, 0.40, 0.05) + 0.9 * g(x, 0.62, 0.05); }), 0.05, 0.1).modes.size() ==
+        1);
 
   // Three modes, with exactly-zero density between two of them: the valley is the middle of the gap.
   auto z = grid([&](double x) { return x < 0.3 ? g(x, 0.15, 0.03) : x > 0.7 ? g(x, 0.85, 0.03) + 0.0 : 0.0; });
@@ -277,9 +279,12 @@ TEST_CASE("calibration: recovers the thresholds and picks the trimodal layers", 
   // 8 layers: 2 and 5 trimodal, the others decoys with one or two modes.
   std::vector<Mixture> layers;
   for (int l = 0; l < 8; ++l) {
-    if (l == 2 || l == 5) layers.push_back(trimodal(rng));
-    else if (l % 2 == 0) layers.push_back(bimodal(rng));
-    else layers.push_back(unimodal(rng));
+    if (l == 2 || l == 5)
+      layers.push_back(trimodal(rng));
+    else if (l % 2 == 0)
+      layers.push_back(bimodal(rng));
+    else
+      layers.push_back(unimodal(rng));
   }
   const SparsityTrace t = make_trace(rng, layers, 12);
   CalibrationResult r;
@@ -299,7 +304,8 @@ TEST_CASE("calibration: recovers the thresholds and picks the trimodal layers", 
   CHECK(r.layers == std::vector<int>{2, 5});
   check_thresholds(r, layers);
   CHECK(r.num_types == 3);
-  CHECK(r.band_types == std::array<ThoughtType, 3>{ThoughtType::kExecution, ThoughtType::kReasoning, ThoughtType::kTransition});
+  CHECK(r.band_types ==
+        std::array<ThoughtType, 3>{ThoughtType::kExecution, ThoughtType::kReasoning, ThoughtType::kTransition});
   CHECK(r.method == "kde-silverman");
   CHECK(r.model == "synthetic");
   CHECK(r.num_layers == 8);
@@ -331,9 +337,12 @@ TEST_CASE("calibration: with more trimodal layers than max_layers, the best ones
   const std::set<int> sharp = {1, 4, 7, 10}, blurred = {3, 8};
   std::vector<Mixture> layers;
   for (int l = 0; l < 12; ++l) {
-    if (sharp.count(l)) layers.push_back(trimodal(rng, 0.04, 0.04));
-    else if (blurred.count(l)) layers.push_back(trimodal(rng, 0.065, 0.065));
-    else layers.push_back(l % 2 ? unimodal(rng) : bimodal(rng));
+    if (sharp.count(l))
+      layers.push_back(trimodal(rng, 0.04, 0.04));
+    else if (blurred.count(l))
+      layers.push_back(trimodal(rng, 0.065, 0.065));
+    else
+      layers.push_back(l % 2 ? unimodal(rng) : bimodal(rng));
   }
   const SparsityTrace t = make_trace(rng, layers, 10);
   CalibrationResult r;
@@ -419,7 +428,8 @@ TEST_CASE("calibration: too few steps per prompt is an error", "[calibration]") 
   CalibrationResult r;
   const Status s = run(t, r);
   REQUIRE_FALSE(s.is_ok());
-  CHECK_THAT(s.message(), Contains("1 of 4 prompts have fewer than 32 decode steps, too few for a density estimate: 'p2' (20)"));
+  CHECK_THAT(s.message(),
+             Contains("1 of 4 prompts have fewer than 32 decode steps, too few for a density estimate: 'p2' (20)"));
   CHECK_THAT(s.message(), Contains("record longer traces"));
 }
 
@@ -554,7 +564,8 @@ TEST_CASE("calibration: a NaN in a trace file stops the calibration at the reade
   SparsityTrace back;
   const Status s = read_sparsity_trace(in, "trace.csv", back);
   REQUIRE_FALSE(s.is_ok());
-  CHECK(s.message() == "trace.csv:17: layer 1 sparsity 'nan' is not a number in [0,1]; the trace is corrupt — re-record it");
+  CHECK(s.message() ==
+        "trace.csv:17: layer 1 sparsity 'nan' is not a number in [0,1]; the trace is corrupt — re-record it");
 }
 
 TEST_CASE("calibration: 2-type fallback when asked", "[calibration]") {
@@ -714,34 +725,47 @@ TEST_CASE("calibration file: corrupt and mismatched files are rejected naming th
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {replaced(v, "\"thinkv-calibration\"", "\"other\""), "calib.json: field 'format' is \"other\", expected \"thinkv-calibration\""},
-      {replaced(v, "\"version\": 1", "\"version\": 2"), "calib.json: field 'version' is 2; this thinkv reads version 1 (the file was written by a newer thinkv"},
-      {replaced(v, "\"version\": 1", "\"version\": \"1\""), "calib.json: field 'version' is a string, expected a number"},
+      {replaced(v, "\"thinkv-calibration\"", "\"other\""),
+       "calib.json: field 'format' is \"other\", expected \"thinkv-calibration\""},
+      {replaced(v, "\"version\": 1", "\"version\": 2"),
+       "calib.json: field 'version' is 2; this thinkv reads version 1 (the file was written by a newer thinkv"},
+      {replaced(v, "\"version\": 1", "\"version\": \"1\""),
+       "calib.json: field 'version' is a string, expected a number"},
       {replaced(v, "\"version\": 1,", ""), "calib.json: missing field 'version'"},
       {replaced(v, "\"format\": \"thinkv-calibration\",", ""), "calib.json: missing field 'format'"},
       {replaced(v, "\"name\": \"m\", ", ""), "calib.json: missing field 'model.name'"},
       {replaced(v, ", \"num_layers\": 32", ""), "calib.json: missing field 'model.num_layers'"},
-      {replaced(v, "\"num_layers\": 32", "\"num_layers\": 0"), "calib.json: field 'model.num_layers' is 0, expected an integer in [1, 256]"},
+      {replaced(v, "\"num_layers\": 32", "\"num_layers\": 0"),
+       "calib.json: field 'model.num_layers' is 0, expected an integer in [1, 256]"},
       {replaced(v, "\"thresholds\": [0.41, 0.7],", ""), "calib.json: missing field 'thresholds'"},
-      {replaced(v, "[0.41, 0.7]", "[0.7, 0.41]"), "calib.json: field 'thresholds' [0.7, 0.41] must be strictly ascending numbers in (0,1)"},
-      {replaced(v, "[0.41, 0.7]", "[0.41, 0.41]"), "calib.json: field 'thresholds' [0.41, 0.41] must be strictly ascending"},
-      {replaced(v, "[0.41, 0.7]", "[0.41, 1.5]"), "calib.json: field 'thresholds' [0.41, 1.5] must be strictly ascending numbers in (0,1)"},
+      {replaced(v, "[0.41, 0.7]", "[0.7, 0.41]"),
+       "calib.json: field 'thresholds' [0.7, 0.41] must be strictly ascending numbers in (0,1)"},
+      {replaced(v, "[0.41, 0.7]", "[0.41, 0.41]"),
+       "calib.json: field 'thresholds' [0.41, 0.41] must be strictly ascending"},
+      {replaced(v, "[0.41, 0.7]", "[0.41, 1.5]"),
+       "calib.json: field 'thresholds' [0.41, 1.5] must be strictly ascending numbers in (0,1)"},
       {replaced(v, "[0.41, 0.7]", "[0, 0.7]"), "calib.json: field 'thresholds' [0, 0.7] must be"},
       {replaced(v, "[0.41, 0.7]", "[0.41]"), "calib.json: field 'thresholds' has 1 values, but 3 thought types need 2"},
       {replaced(v, "[0.41, 0.7]", "[0.41, \"x\"]"), "calib.json: field 'thresholds[1]' is a string, expected a number"},
       {replaced(v, "[0.41, 0.7]", "0.41"), "calib.json: field 'thresholds' is a number, expected a array"},
-      {replaced(v, "[3, 17, 20]", "[3, 32]"), "calib.json: field 'layers' names layer 32, outside [0, 32) for a model with 32 layers"},
+      {replaced(v, "[3, 17, 20]", "[3, 32]"),
+       "calib.json: field 'layers' names layer 32, outside [0, 32) for a model with 32 layers"},
       {replaced(v, "[3, 17, 20]", "[-1]"), "calib.json: field 'layers' names layer -1, outside [0, 32)"},
       {replaced(v, "[3, 17, 20]", "[3, 3]"), "calib.json: field 'layers' names layer 3 twice"},
       {replaced(v, "[3, 17, 20]", "[]"), "calib.json: field 'layers' is empty"},
       {replaced(v, "[3, 17, 20]", "[3.5]"), "calib.json: field 'layers[0]' is 3.5, expected a layer index"},
-      {replaced(v, "\"tau\": 128", "\"tau\": 0"), "calib.json: field 'tau' is 0, expected an integer in [1, 1073741824]"},
+      {replaced(v, "\"tau\": 128", "\"tau\": 0"),
+       "calib.json: field 'tau' is 0, expected an integer in [1, 1073741824]"},
       {replaced(v, "\"tau\": 128,", ""), "calib.json: missing field 'tau'"},
-      {replaced(v, "\"num_types\": 3", "\"num_types\": 4"), "calib.json: field 'num_types' is 4, expected an integer in [2, 3]"},
+      {replaced(v, "\"num_types\": 3", "\"num_types\": 4"),
+       "calib.json: field 'num_types' is 4, expected an integer in [2, 3]"},
       {replaced(v, "[\"E\", \"R\", \"T\"]", "[\"E\", \"R\", \"R\"]"), "calib.json: field 'band_types' names R twice"},
-      {replaced(v, "[\"E\", \"R\", \"T\"]", "[\"E\", \"R\", \"X\"]"), "calib.json: field 'band_types[2]' is \"X\", expected \"E\", \"R\" or \"T\""},
-      {replaced(v, "[\"E\", \"R\", \"T\"]", "[\"E\", \"R\"]"), "calib.json: field 'band_types' has 2 entries, expected num_types = 3"},
-      {replaced(v, "\"steps\": 12000", "\"steps\": -5"), "calib.json: field 'provenance.steps' is -5, expected an integer in [0,"},
+      {replaced(v, "[\"E\", \"R\", \"T\"]", "[\"E\", \"R\", \"X\"]"),
+       "calib.json: field 'band_types[2]' is \"X\", expected \"E\", \"R\" or \"T\""},
+      {replaced(v, "[\"E\", \"R\", \"T\"]", "[\"E\", \"R\"]"),
+       "calib.json: field 'band_types' has 2 entries, expected num_types = 3"},
+      {replaced(v, "\"steps\": 12000", "\"steps\": -5"),
+       "calib.json: field 'provenance.steps' is -5, expected an integer in [0,"},
       {replaced(v, ", \"tool\": \"thinkv calibrate\"", ""), "calib.json: missing field 'provenance.tool'"},
       {v.substr(0, v.size() / 2), "calib.json:9:18: expected a JSON value, found end of input"},  // truncated
       {"\x89PNG\r\n\x1a\n garbage", "calib.json:1:1: expected a JSON value, found byte 0x89"},
@@ -801,7 +825,8 @@ TEST_CASE("calibration file: check_model", "[calibration][file]") {
   CHECK(check_model(f, 32, "").is_ok());
   Status s = check_model(f, 5, "m");
   REQUIRE_FALSE(s.is_ok());
-  CHECK(s.message() == "calib.json was calibrated for a model with 32 layers; this model has 5 — recalibrate with `thinkv calibrate`");
+  CHECK(s.message() ==
+        "calib.json was calibrated for a model with 32 layers; this model has 5 — recalibrate with `thinkv calibrate`");
   s = check_model(f, 32, "other");
   REQUIRE_FALSE(s.is_ok());
   CHECK_THAT(s.message(), StartsWith("calib.json was calibrated for model 'm'; this model is 'other'"));

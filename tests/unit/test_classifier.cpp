@@ -24,13 +24,10 @@ std::string error_of(const std::vector<float>& th, const std::vector<int>& layer
                      const std::vector<ThoughtType>& bands, int num_layers) {
   try {
     ThoughtClassifier c(th, layers, tau, bands, num_layers);
-  } catch (const thinkv::ConfigError& e) {
-    return e.what();
-  }
+  } catch (const thinkv::ConfigError& e) { return e.what(); }
   return "";
 }
-const std::vector<ThoughtType> kERT = {ThoughtType::kExecution, ThoughtType::kReasoning,
-                                       ThoughtType::kTransition};
+const std::vector<ThoughtType> kERT = {ThoughtType::kExecution, ThoughtType::kReasoning, ThoughtType::kTransition};
 }  // namespace
 
 static_assert(std::is_trivially_copyable_v<thinkv::ThoughtClassifierDesc>);
@@ -83,9 +80,9 @@ TEST_CASE("classifier validation names the bad value", "[classifier]") {
         std::string::npos);
   CHECK(error_of({0.3f, 0.6f}, {1, 1}, 128, kERT, 4).find("listed twice") != std::string::npos);
   CHECK(error_of({0.3f, 0.6f}, {1}, 0, kERT, 4).find("tau 0") != std::string::npos);
-  CHECK(error_of({0.3f, 0.6f}, {1}, 128,
-                 {ThoughtType::kExecution, ThoughtType::kExecution, ThoughtType::kTransition}, 4)
-            .find("both map to thought type E") != std::string::npos);
+  CHECK(
+      error_of({0.3f, 0.6f}, {1}, 128, {ThoughtType::kExecution, ThoughtType::kExecution, ThoughtType::kTransition}, 4)
+          .find("both map to thought type E") != std::string::npos);
   CHECK(error_of({0.3f, 0.6f}, {}, 128, kERT, 4).find("empty") != std::string::npos);
   CHECK(error_of({0.3f, 0.6f}, {0}, 128, kERT, 4).empty());
 }
@@ -148,8 +145,7 @@ TEST_CASE("tracker holds the type between refreshes and counts", "[classifier]")
   CHECK(st.refresh_ns >= 0);
 }
 
-TEST_CASE("tracker-driven decoding never mixes thought types in a quantization group",
-          "[classifier][cache]") {
+TEST_CASE("tracker-driven decoding never mixes thought types in a quantization group", "[classifier][cache]") {
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
@@ -161,7 +157,7 @@ TEST_CASE("tracker-driven decoding never mixes thought types in a quantization g
   cfg.head_dim = d;
   cfg.group_size = g;
   cfg.block_size = 16;
-  cfg.precision = thinkv::kR8E4T2;  // R fp8, E nvfp4, T ternary
+  cfg.precision = thinkv::kR8E4T2;       // R fp8, E nvfp4, T ternary
   cfg.pool_blocks = {0, 128, 128, 128};  // enough for 600 tokens x 3 streams of one type
   thinkv::PagedKvCache<> cache(cfg);
   const auto cls = ThoughtClassifier::three_types(0.3f, 0.6f, {0}, tau, 1);
@@ -194,15 +190,13 @@ TEST_CASE("tracker-driven decoding never mixes thought types in a quantization g
       INFO("stream " << s << " position " << pos);
       CHECK(cache.table().block_thought(r.block) == expected.at(pos));
       CHECK(expected.at(pos) == expected.at(pos - pos % tau));
-      CHECK(cache.table().block_precision(r.block) ==
-            cfg.precision.precision_of(expected.at(pos)));
+      CHECK(cache.table().block_precision(r.block) == cfg.precision.precision_of(expected.at(pos)));
     }
   }
   CHECK(tr.stats().refreshes == (600 - 1) / tau);  // positions tau, 2 tau, ... < 600
 }
 
 #include "thinkv/thought/calibration_file.hpp"
-
 
 TEST_CASE("a calibration file becomes the classifier it describes", "[classifier][calibration]") {
   thinkv::CalibrationFile f;

@@ -42,8 +42,7 @@ fs::path models_dir() {
 
 bool have_models() {
   const fs::path d = models_dir();
-  for (const char* f :
-       {"stories260K.bin", "stories260K_q80.bin", "stories260K.gguf", "tok512.bin"}) {
+  for (const char* f : {"stories260K.bin", "stories260K_q80.bin", "stories260K.gguf", "tok512.bin"}) {
     if (!fs::is_regular_file(d / f)) return false;
   }
   return true;
@@ -81,14 +80,12 @@ ThinKvConfig config_for(const Model& m, CacheMode mode, int max_tokens, int budg
   return k;
 }
 
-std::vector<int> greedy(const Model& m, CacheMode mode, int steps,
-                        const std::vector<int>& prompt = {1}) {
+std::vector<int> greedy(const Model& m, CacheMode mode, int steps, const std::vector<int>& prompt = {1}) {
   RunOptions ro;
   ro.steps = steps;
   ro.stop_at_bos_eos = false;
   RunStats st;
-  const Status s =
-      run_sequence(m, config_for(m, mode, static_cast<int>(prompt.size()) + steps), prompt, ro, st);
+  const Status s = run_sequence(m, config_for(m, mode, static_cast<int>(prompt.size()) + steps), prompt, ro, st);
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   return st.tokens;
@@ -96,8 +93,7 @@ std::vector<int> greedy(const Model& m, CacheMode mode, int steps,
 
 /// Mean KL(a || b) of next-token distributions, both teacher-forced on a's greedy tokens, FullKV.
 double mean_kl_between(const Model& a, const Model& b, int steps) {
-  ThinKvCache<> ca(config_for(a, CacheMode::kFull, steps + 1)),
-      cb(config_for(b, CacheMode::kFull, steps + 1));
+  ThinKvCache<> ca(config_for(a, CacheMode::kFull, steps + 1)), cb(config_for(b, CacheMode::kFull, steps + 1));
   Transformer ta(a), tb(b);
   std::vector<float> la(static_cast<std::size_t>(a.config.vocab_size)), lb(la.size());
   int tok = 1;
@@ -125,8 +121,7 @@ struct TempDir {
   fs::path path;
   TempDir() {
     std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("thinkv_test_decoder_" + std::to_string(rd()) + std::to_string(rd()));
+    path = fs::temp_directory_path() / ("thinkv_test_decoder_" + std::to_string(rd()) + std::to_string(rd()));
     fs::create_directories(path);
   }
   ~TempDir() {
@@ -318,17 +313,13 @@ struct TinyLlama {
       toks.push_back(i == 0   ? "<unk>"
                      : i == 1 ? "<s>"
                      : i == 2 ? "</s>"
-                              : std::string(1, static_cast<char>('a' + (i - 3) % 26)) +
-                                    (i >= 29 ? "x" : ""));
+                              : std::string(1, static_cast<char>('a' + (i - 3) % 26)) + (i >= 29 ? "x" : ""));
     g.kv_str("tokenizer.ggml.model", "llama");
     g.kv_str_array("tokenizer.ggml.tokens", toks);
-    g.kv_f32_array("tokenizer.ggml.scores",
-                   std::vector<float>(static_cast<std::size_t>(vocab), 0.0f));
-    g.kv_i32_array("tokenizer.ggml.token_type",
-                   std::vector<std::int32_t>(static_cast<std::size_t>(vocab), 1));
+    g.kv_f32_array("tokenizer.ggml.scores", std::vector<float>(static_cast<std::size_t>(vocab), 0.0f));
+    g.kv_i32_array("tokenizer.ggml.token_type", std::vector<std::int32_t>(static_cast<std::size_t>(vocab), 1));
     const auto D = static_cast<std::uint64_t>(dim), H = static_cast<std::uint64_t>(hidden),
-               V = static_cast<std::uint64_t>(vocab),
-               K = static_cast<std::uint64_t>(kv_heads * dim / heads);
+               V = static_cast<std::uint64_t>(vocab), K = static_cast<std::uint64_t>(kv_heads * dim / heads);
     auto mt = [&](std::uint64_t ne0) { return ne0 % 32 == 0 ? mat_type : kGgmlF32; };
     g.tensor("token_embd.weight", {D, V}, mt(D), rand(D * V, 0.5f));
     g.tensor("output_norm.weight", {D}, kGgmlF32, ones(D));
@@ -349,16 +340,14 @@ struct TinyLlama {
 };
 
 /// A synthetic llama2.c v0 checkpoint of the given header with random weights.
-std::string llama2c_v0(int dim, int hidden, int layers, int heads, int kv_heads, int vocab,
-                       int seq) {
+std::string llama2c_v0(int dim, int hidden, int layers, int heads, int kv_heads, int vocab, int seq) {
   std::string b;
   for (int v : {dim, hidden, layers, heads, kv_heads, vocab, seq}) put<std::int32_t>(b, v);
   const int hd = dim / heads, kv = kv_heads * hd, V = vocab < 0 ? -vocab : vocab;
   const std::size_t floats = static_cast<std::size_t>(V) * dim + layers * dim + layers * dim * dim +
                              2 * layers * kv * dim + layers * dim * dim + layers * dim +
                              3 * static_cast<std::size_t>(layers) * hidden * dim + dim +
-                             static_cast<std::size_t>(seq) * hd +
-                             (vocab < 0 ? static_cast<std::size_t>(V) * dim : 0);
+                             static_cast<std::size_t>(seq) * hd + (vocab < 0 ? static_cast<std::size_t>(V) * dim : 0);
   std::mt19937 rng(7);
   std::normal_distribution<float> d(0.0f, 0.1f);
   for (std::size_t i = 0; i < floats; ++i) put(b, d(rng));
@@ -385,9 +374,7 @@ std::vector<int> runc_encode(const Tokenizer& t, const std::string& text) {
     const auto c = static_cast<unsigned char>(text[i]);
     if ((c & 0xC0) != 0x80) buf.clear();
     buf += text[i];
-    if (i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80 &&
-        buf.size() < 4)
-      continue;
+    if (i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80 && buf.size() < 4) continue;
     const int id = t.lookup(buf);
     if (id != -1) {
       toks.push_back(id);
@@ -400,8 +387,8 @@ std::vector<int> runc_encode(const Tokenizer& t, const std::string& text) {
     float best = -1e10f;
     int best_id = -1, best_idx = -1;
     for (std::size_t i = 0; i + 1 < toks.size(); ++i) {
-      const int id = t.lookup(t.vocab[static_cast<std::size_t>(toks[i])] +
-                              t.vocab[static_cast<std::size_t>(toks[i + 1])]);
+      const int id =
+          t.lookup(t.vocab[static_cast<std::size_t>(toks[i])] + t.vocab[static_cast<std::size_t>(toks[i + 1])]);
       if (id != -1 && t.scores[static_cast<std::size_t>(id)] > best) {
         best = t.scores[static_cast<std::size_t>(id)];
         best_id = id;
@@ -421,8 +408,7 @@ std::vector<int> runc_encode(const Tokenizer& t, const std::string& text) {
 /// L* has a finite sparsity in [0,1] and the other layers none (NaN: not computed); on other
 /// steps no layer has one; stats().refreshes counts exactly the refresh steps so far. Returns the
 /// run's statistics; `max_signal` gets the largest L* sparsity seen.
-RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifier, int steps,
-                               float& max_signal) {
+RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifier, int steps, float& max_signal) {
   CacheOptions o;
   o.mode = CacheMode::kThinKv;
   o.max_tokens = steps + 1;
@@ -453,27 +439,27 @@ RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifi
       if (refresh && in_lstar) {
         if (!(std::isfinite(x) && x >= 0.0f && x <= 1.0f)) {
           ++bad;
-          FAIL_CHECK("step " << step << " (position " << pos << "), layer " << l
-                             << " of L*: sparsity " << x << " is not a value in [0,1]");
+          FAIL_CHECK("step " << step << " (position " << pos << "), layer " << l << " of L*: sparsity " << x
+                             << " is not a value in [0,1]");
         } else {
           max_signal = std::max(max_signal, x);
         }
       } else if (!std::isnan(x)) {
         ++bad;
         FAIL_CHECK("step " << step << " (position " << pos << "), layer " << l
-                           << (refresh ? " (not in L*)" : " (not a refresh step)") << ": sparsity "
-                           << x << " was computed");
+                           << (refresh ? " (not in L*)" : " (not a refresh step)") << ": sparsity " << x
+                           << " was computed");
       }
     }
     if (c.stats().refreshes != refresh_steps) {
       ++bad;
-      FAIL_CHECK("position " << pos << ": stats().refreshes " << c.stats().refreshes << ", but "
-                             << refresh_steps << " refresh steps so far");
+      FAIL_CHECK("position " << pos << ": stats().refreshes " << c.stats().refreshes << ", but " << refresh_steps
+                             << " refresh steps so far");
     }
     if (c.tracker(0).stats().refreshes != refresh_steps) {
       ++bad;
-      FAIL_CHECK("position " << pos << ": tracker(0).stats().refreshes "
-                             << c.tracker(0).stats().refreshes << ", expected " << refresh_steps);
+      FAIL_CHECK("position " << pos << ": tracker(0).stats().refreshes " << c.tracker(0).stats().refreshes
+                             << ", expected " << refresh_steps);
     }
     return bad > 20 ? Status(StatusCode::kInternal, "too many failures") : Status::ok();
   };
@@ -550,8 +536,7 @@ TEST_CASE("Q8_0 export stays close to the FP32 model", "[model][decoder][q8]") {
   CHECK(q8.format == "llama2c-v2-q8_0");
   CHECK(q8.weight_type == WeightType::kQ8_0);
   const double kl = mean_kl_between(f32, q8, 200);
-  std::printf("mean KL(F32 || Q8_0 llama2.c export) over 200 teacher-forced steps: %.6f nats\n",
-              kl);
+  std::printf("mean KL(F32 || Q8_0 llama2.c export) over 200 teacher-forced steps: %.6f nats\n", kl);
   // Measured 0.000315 nats; bound ~2x. Weight-only Q8_0 (groups of 32, FP32 scales) moves each
   // weight by at most half a step (1/254 of its group's max); a layout bug (wrong scale, a group
   // straddling two rows mishandled) garbles the model and gives KL of order 1 nat.
@@ -578,12 +563,10 @@ TEST_CASE("GGUF F16 and Q8_0 weights stay close to F32 (synthetic conversions of
       std::vector<float> v(static_cast<std::size_t>(m.rows * m.cols));
       for (std::int64_t r = 0; r < m.rows; ++r) m.row(r, v.data() + r * m.cols);
       const std::uint32_t t = (type == kGgmlQ8_0 && m.cols % 32 != 0) ? kGgmlF16 : type;
-      g.tensor(name, {static_cast<std::uint64_t>(m.cols), static_cast<std::uint64_t>(m.rows)}, t,
-               v);
+      g.tensor(name, {static_cast<std::uint64_t>(m.cols), static_cast<std::uint64_t>(m.rows)}, t, v);
     };
     auto vec = [&](const std::string& name, const float* p) {
-      g.tensor(name, {static_cast<std::uint64_t>(c.dim)}, kGgmlF32,
-               std::vector<float>(p, p + c.dim));
+      g.tensor(name, {static_cast<std::uint64_t>(c.dim)}, kGgmlF32, std::vector<float>(p, p + c.dim));
     };
     mat("token_embd.weight", f32.tok_embeddings);
     vec("output_norm.weight", f32.final_norm);
@@ -661,9 +644,7 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
   // A broken cache: every key stored as zero (the cache forgets what each token is about; all
   // attention becomes uniform over the values).
   RunOptions bo = fo;
-  bo.kv_hook = [](int, std::int32_t, std::span<float> k, std::span<float>) {
-    std::fill(k.begin(), k.end(), 0.0f);
-  };
+  bo.kv_hook = [](int, std::int32_t, std::span<float> k, std::span<float>) { std::fill(k.begin(), k.end(), 0.0f); };
   Fidelity broken;
   REQUIRE(measure_fidelity(m, full, cfg, prompt, steps, bo, nullptr, broken).is_ok());
   // The same metric on FullKV against itself is exactly 0.
@@ -675,8 +656,8 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
       "max KL %.3f, "
       "first divergence %d\nbroken (zero keys): agreement %.3f, mean KL %.4f, first divergence "
       "%d\n",
-      cfg.token_budget, steps, good.token_agreement, good.mean_kl, good.max_kl,
-      good.first_divergence, broken.token_agreement, broken.mean_kl, broken.first_divergence);
+      cfg.token_budget, steps, good.token_agreement, good.mean_kl, good.max_kl, good.first_divergence,
+      broken.token_agreement, broken.mean_kl, broken.first_divergence);
   CHECK(self.mean_kl == 0.0);
   CHECK(self.token_agreement == 1.0);
   CHECK(self.first_divergence == -1);
@@ -716,15 +697,13 @@ TEST_CASE("the decoder produces the sparsity signal on refresh steps of a calibr
   const int steps = 100, tau = 16;  // refresh at positions 16, 32, ..., 96: six refreshes
   float max_signal = 0.0f;
   const RunStats cal = check_sparsity_signal(
-      m, ThoughtClassifier::three_types(0.3f, 0.6f, {1, 3}, tau, m.config.n_layers), steps,
-      max_signal);
+      m, ThoughtClassifier::three_types(0.3f, 0.6f, {1, 3}, tau, m.config.n_layers), steps, max_signal);
   CHECK(cal.cache_stats.refreshes == 6);
   // The signal is real attention: the model's rows are far from uniform after 16 tokens
   // (the traces of `thinkv trace` put the mean sparsity of these layers at 0.7-0.9).
   CHECK(max_signal > 0.1f);
   // Every token labelled (the refreshes relabel; the counts still cover all tokens).
-  CHECK(cal.thought_stats.tokens[0] + cal.thought_stats.tokens[1] + cal.thought_stats.tokens[2] ==
-        steps);
+  CHECK(cal.thought_stats.tokens[0] + cal.thought_stats.tokens[1] + cal.thought_stats.tokens[2] == steps);
 
   // Uncalibrated (every token R): no refresh, no sparsity computed on any step.
   float unused = 0.0f;
@@ -737,8 +716,7 @@ TEST_CASE("the decoder produces the sparsity signal on refresh steps of a calibr
 // ---- tokenizer
 // --------------------------------------------------------------------------------------
 
-TEST_CASE("tokenizer: encode/decode round trip on ASCII text, heap merges equal run.c's",
-          "[model][tokenizer]") {
+TEST_CASE("tokenizer: encode/decode round trip on ASCII text, heap merges equal run.c's", "[model][tokenizer]") {
   if (skip_without_models()) return;
   const Model m = load_or_fail(model_path("stories260K.bin"));
   Tokenizer tok;
@@ -794,13 +772,12 @@ Tokenizer byte_bpe_tokenizer() {
     t.vocab.push_back(piece);
   }
   const std::string G = "\xC4\xA0";  // U+0120, the byte-level piece of ' '
-  for (const std::string& p : {std::string("He"), std::string("Hel"), std::string("Hell"),
-                               std::string("Hello"), G + "w", G + "wo", G + "wor", G + "worl",
-                               G + "world", std::string("<|begin|>"), std::string("<think>")}) {
+  for (const std::string& p :
+       {std::string("He"), std::string("Hel"), std::string("Hell"), std::string("Hello"), G + "w", G + "wo", G + "wor",
+        G + "worl", G + "world", std::string("<|begin|>"), std::string("<think>")}) {
     t.vocab.push_back(p);
   }
-  t.merges = {"H e",     "He l",     "Hel l",     "Hell o",    G + " w",
-              G + "w o", G + "wo r", G + "wor l", G + "worl d"};
+  t.merges = {"H e", "He l", "Hel l", "Hell o", G + " w", G + "w o", G + "wo r", G + "wor l", G + "worl d"};
   t.scores.assign(t.vocab.size(), 0.0f);
   t.types.assign(t.vocab.size(), 1);
   t.types[t.vocab.size() - 2] = 3;  // control
@@ -813,8 +790,7 @@ Tokenizer byte_bpe_tokenizer() {
 
 TEST_CASE("byte-level BPE tokenizer (gguf 'gpt2', Llama 3 style)", "[tokenizer]") {
   const Tokenizer t = byte_bpe_tokenizer();
-  const int hello = t.lookup("Hello"), world = t.lookup("\xC4\xA0world"),
-            think = t.lookup("<think>");
+  const int hello = t.lookup("Hello"), world = t.lookup("\xC4\xA0world"), think = t.lookup("<think>");
   REQUIRE(hello >= 0);
   REQUIRE(world >= 0);
   CHECK(t.encode("Hello world", true, false) == std::vector<int>{t.bos_id, hello, world});
@@ -822,10 +798,9 @@ TEST_CASE("byte-level BPE tokenizer (gguf 'gpt2', Llama 3 style)", "[tokenizer]"
   CHECK(t.decode_piece(hello, world) == " world");
   CHECK(t.decode_piece(0, think) == "<think>");
   // Byte-level pieces make every text reversible, UTF-8 and control bytes included.
-  for (const std::string& text :
-       {std::string("Hello world"), std::string("don't 123456 x  y\n\n\tz"),
-        std::string("caf\xC3\xA9 \xE2\x80\x94 \xF0\x9F\x98\x80!"), std::string("a\x01b"),
-        std::string("  lead and trail  "), std::string("<think>x</think>")}) {
+  for (const std::string& text : {std::string("Hello world"), std::string("don't 123456 x  y\n\n\tz"),
+                                  std::string("caf\xC3\xA9 \xE2\x80\x94 \xF0\x9F\x98\x80!"), std::string("a\x01b"),
+                                  std::string("  lead and trail  "), std::string("<think>x</think>")}) {
     INFO("text: " << text);
     const std::vector<int> ids = t.encode(text, true, false);
     CHECK(t.decode(std::vector<int>(ids.begin() + 1, ids.end()), t.bos_id) == text);
@@ -848,12 +823,10 @@ TEST_CASE("tokenizer file: truncated and mismatched files are refused", "[tokeni
     const Status s = load_llama2c_tokenizer(dir.write("cut.bin", b.substr(0, cut)), 4, t);
     expect_refused(s, {"cut.bin", "truncated", "offset"});
   }
-  expect_refused(load_llama2c_tokenizer(dir.write("more.bin", b), 3, t),
-                 {"more tokens than the model"});
+  expect_refused(load_llama2c_tokenizer(dir.write("more.bin", b), 3, t), {"more tokens than the model"});
   std::string bad = b;
   bad[8] = 100;  // length of token 0 > max_token_length
-  expect_refused(load_llama2c_tokenizer(dir.write("bad.bin", bad), 4, t),
-                 {"length 100", "offset 8"});
+  expect_refused(load_llama2c_tokenizer(dir.write("bad.bin", bad), 4, t), {"length 100", "offset 8"});
 }
 
 // ---- corrupt and unsupported model files (synthetic)
@@ -887,9 +860,8 @@ TEST_CASE("synthetic tiny GGUF llama: the sparsity signal on refresh steps, none
   REQUIRE(s.is_ok());
   const int steps = 60, tau = 8;  // refresh at positions 8, 16, ..., 56: seven refreshes
   float max_signal = 0.0f;
-  const RunStats cal = check_sparsity_signal(
-      m, ThoughtClassifier::three_types(0.3f, 0.6f, {1}, tau, m.config.n_layers), steps,
-      max_signal);
+  const RunStats cal = check_sparsity_signal(m, ThoughtClassifier::three_types(0.3f, 0.6f, {1}, tau, m.config.n_layers),
+                                             steps, max_signal);
   CHECK(cal.cache_stats.refreshes == 7);
   float unused = 0.0f;
   const RunStats unc = check_sparsity_signal(m, ThoughtClassifier{}, steps, unused);
@@ -922,8 +894,7 @@ TEST_CASE("GGUF with a 'gpt2' tokenizer loads its merges", "[files][gguf][tokeni
   CHECK(m.tokenizer->encode("Hello world", true, false) == ref.encode("Hello world", true, false));
 }
 
-TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt headers are refused",
-          "[files][gguf]") {
+TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt headers are refused", "[files][gguf]") {
   TempDir dir;
   Model m;
   TinyLlama tiny;
@@ -952,8 +923,7 @@ TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt hea
     for (auto& t : g.tensors) {
       if (t.name == "blk.0.attn_q.weight") t.type = 12;  // Q4_K
     }
-    expect_refused(load_bytes(dir, "q4k.gguf", g.build(), m),
-                   {"blk.0.attn_q.weight", "Q4_K", "not supported"});
+    expect_refused(load_bytes(dir, "q4k.gguf", g.build(), m), {"blk.0.attn_q.weight", "Q4_K", "not supported"});
     for (auto& t : g.tensors) {
       if (t.name == "blk.0.attn_q.weight") t.type = 200;
     }
@@ -968,14 +938,12 @@ TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt hea
     for (auto& x : g.tensors) {
       if (x.name == "blk.0.attn_q.weight") x.type = kGgmlQ8_0;
     }
-    expect_refused(load_bytes(dir, "q8row.gguf", g.build(), m),
-                   {"blk.0.attn_q.weight", "row length 40"});
+    expect_refused(load_bytes(dir, "q8row.gguf", g.build(), m), {"blk.0.attn_q.weight", "row length 40"});
   }
   SECTION("unknown metadata value type") {
     GgufBuilder g = TinyLlama{}.gguf();
     g.kv_raw("custom.weird", 99, "xxxx");
-    expect_refused(load_bytes(dir, "kvtype.gguf", g.build(), m),
-                   {"custom.weird", "unknown value type 99"});
+    expect_refused(load_bytes(dir, "kvtype.gguf", g.build(), m), {"custom.weird", "unknown value type 99"});
   }
   SECTION("unknown keys of every known type are read and ignored") {
     GgufBuilder g = TinyLlama{}.gguf();
@@ -1023,16 +991,14 @@ TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt hea
     h.kv += g.kv;
     h.n_kv += g.n_kv;
     h.tensors = g.tensors;
-    expect_refused(load_bytes(dir, "align.gguf", h.build(), m),
-                   {"general.alignment", "power of two"});
+    expect_refused(load_bytes(dir, "align.gguf", h.build(), m), {"general.alignment", "power of two"});
   }
   SECTION("missing tensor") {
     GgufBuilder g = TinyLlama{}.gguf();
     g.tensors.erase(std::remove_if(g.tensors.begin(), g.tensors.end(),
                                    [](const auto& t) { return t.name == "blk.0.ffn_up.weight"; }),
                     g.tensors.end());
-    expect_refused(load_bytes(dir, "missing.gguf", g.build(), m),
-                   {"blk.0.ffn_up.weight", "missing"});
+    expect_refused(load_bytes(dir, "missing.gguf", g.build(), m), {"blk.0.ffn_up.weight", "missing"});
   }
   SECTION("truncated anywhere: refused with a message, never a crash") {
     int refused = 0;
@@ -1049,8 +1015,7 @@ TEST_CASE("GGUF: wrong magic, version, architecture, tensor type and corrupt hea
   }
 }
 
-TEST_CASE("GGUF: metadata counts are bounded by fixed limits, not only by the bytes left",
-          "[files][gguf]") {
+TEST_CASE("GGUF: metadata counts are bounded by fixed limits, not only by the bytes left", "[files][gguf]") {
   TempDir dir;
   Model m;
   const GgufBuilder base = TinyLlama{}.gguf();
@@ -1076,16 +1041,14 @@ TEST_CASE("GGUF: metadata counts are bounded by fixed limits, not only by the by
     // each); a corrupt count in a multi-GB file would ask for far more.
     const std::uint64_t n = gguf_detail::kMaxArrayElements + 1;
     const Status s = load_bytes(dir, "big.gguf", with_u8_array("x.big", n, n), m);
-    expect_refused(s, {"big.gguf", "x.big", std::to_string(n),
-                       "offset " + std::to_string(count_offset), "corrupt"});
+    expect_refused(s, {"big.gguf", "x.big", std::to_string(n), "offset " + std::to_string(count_offset), "corrupt"});
   }
   SECTION("counts that no file could hold: refused before any allocation, never bad_alloc") {
     for (std::uint64_t n : {std::uint64_t{1} << 33, std::uint64_t{1} << 62, ~std::uint64_t{0}}) {
       INFO("count " << n);
       Status s;
       REQUIRE_NOTHROW(s = load_bytes(dir, "huge.gguf", with_u8_array("x.big", n, 64), m));
-      expect_refused(
-          s, {"huge.gguf", "x.big", std::to_string(n), "offset " + std::to_string(count_offset)});
+      expect_refused(s, {"huge.gguf", "x.big", std::to_string(n), "offset " + std::to_string(count_offset)});
     }
   }
   SECTION("a metadata count above its limit, with the bytes present") {
@@ -1105,8 +1068,7 @@ TEST_CASE("GGUF: metadata counts are bounded by fixed limits, not only by the by
   }
 }
 
-TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files are refused",
-          "[files][llama2c]") {
+TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files are refused", "[files][llama2c]") {
   TempDir dir;
   Model m;
   const std::string v0 = llama2c_v0(16, 32, 2, 2, 1, 12, 8);
@@ -1118,8 +1080,8 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   REQUIRE(load_bytes(dir, "sep.bin", v0sep, m).is_ok());
   CHECK_FALSE(m.config.tied_output);
 
-  for (std::size_t cut : {std::size_t{0}, std::size_t{3}, std::size_t{27}, std::size_t{28},
-                          std::size_t{100}, v0.size() / 2, v0.size() - 1}) {
+  for (std::size_t cut : {std::size_t{0}, std::size_t{3}, std::size_t{27}, std::size_t{28}, std::size_t{100},
+                          v0.size() / 2, v0.size() - 1}) {
     INFO("cut at " << cut);
     expect_refused(load_bytes(dir, "cut.bin", v0.substr(0, cut), m), {"cut.bin"});
   }
@@ -1145,8 +1107,7 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   expect_refused(load_bytes(dir, "v1.bin", header(1), m), {"v1.bin", "version 1 is not supported"});
   expect_refused(load_bytes(dir, "v3.bin", header(3), m), {"version 3 is not supported"});
   expect_refused(load_bytes(dir, "v2.bin", header(2), m), {"v2.bin", "truncated"});
-  expect_refused(load_bytes(dir, "v2short.bin", header(2).substr(0, 30), m),
-                 {"v2short.bin", "offset"});
+  expect_refused(load_bytes(dir, "v2short.bin", header(2).substr(0, 30), m), {"v2short.bin", "offset"});
   // A corrupt header field is reported as such, not as a cut-short file.
   std::string odd = header(2);
   const std::int32_t seven = 7;
@@ -1157,16 +1118,15 @@ TEST_CASE("llama2.c: truncated, padded, unsupported-version and corrupt files ar
   CHECK(gs.message().find("truncated") == std::string::npos);
 }
 
-TEST_CASE("a llama2.c model without its tokenizer: the message says where to get tok512.bin",
-          "[files][tokenizer]") {
+TEST_CASE("a llama2.c model without its tokenizer: the message says where to get tok512.bin", "[files][tokenizer]") {
   TempDir dir;
   Model m;
   const std::string path = dir.write("lonely.bin", llama2c_v0(16, 32, 2, 2, 1, 12, 8));
   REQUIRE(load_model(path, m).is_ok());
   Tokenizer tok;
   const Status s = load_tokenizer_for(m, "", tok);
-  expect_refused(s, {"lonely.bin", "tok12.bin", "tokenizer.bin", "--tokenizer", "tok512.bin",
-                     "karpathy/tinyllamas", "SOURCES.md"});
+  expect_refused(s, {"lonely.bin", "tok12.bin", "tokenizer.bin", "--tokenizer", "tok512.bin", "karpathy/tinyllamas",
+                     "SOURCES.md"});
 }
 
 TEST_CASE("real model files: truncated copies are refused", "[model][files]") {
@@ -1185,8 +1145,7 @@ TEST_CASE("real model files: truncated copies are refused", "[model][files]") {
   }
 }
 
-TEST_CASE("half-precision conversions: the fast F16 path equals the reference for every input",
-          "[decoder]") {
+TEST_CASE("half-precision conversions: the fast F16 path equals the reference for every input", "[decoder]") {
   int mismatches = 0;
   for (std::uint32_t i = 0; i < 65536; ++i) {
     const auto h = static_cast<std::uint16_t>(i);
@@ -1294,8 +1253,7 @@ TEST_CASE("tokenizer: a vocabulary without BOS/EOS ids is refused, not read out 
                  {"tokenizer.ggml.bos_token_id = 1000 is outside the vocabulary of 40 tokens"});
 }
 
-TEST_CASE("llama2.c: a v0 header with vocab_size INT_MIN is refused without overflow",
-          "[files][regression]") {
+TEST_CASE("llama2.c: a v0 header with vocab_size INT_MIN is refused without overflow", "[files][regression]") {
   TempDir dir;
   std::string b;
   for (std::int32_t v : {64, 172, 5, 8, 4, std::numeric_limits<std::int32_t>::min(), 512}) put<std::int32_t>(b, v);

@@ -12,11 +12,9 @@ using thinkv::SegmentState;
 using thinkv::ThoughtType;
 
 namespace {
-constexpr ThoughtType R = ThoughtType::kReasoning, E = ThoughtType::kExecution,
-                      T = ThoughtType::kTransition;
+constexpr ThoughtType R = ThoughtType::kReasoning, E = ThoughtType::kExecution, T = ThoughtType::kTransition;
 
-SegmentState seg(std::uint32_t id, ThoughtType t, int start, int size, int level = 0,
-                 bool closed = true) {
+SegmentState seg(std::uint32_t id, ThoughtType t, int start, int size, int level = 0, bool closed = true) {
   SegmentState s;
   s.id = id;
   s.type = t;
@@ -58,8 +56,7 @@ TEST_CASE("retained size follows the schedule and never goes below the minimum",
 
 TEST_CASE("case 1: a new transition steps every earlier segment down once", "[tbe]") {
   const RetentionSchedule r;
-  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, E, 128, 128, 2),
-                                    seg(2, T, 256, 1, 0, /*closed=*/false)};
+  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, E, 128, 128, 2), seg(2, T, 256, 1, 0, /*closed=*/false)};
   const auto p = thinkv::plan_eviction(segs, r, true, 0, live(segs));
   REQUIRE(p.steps.size() == 2);
   CHECK(p.steps[0] == thinkv::SegmentStep{0, 1, 128, 64});
@@ -72,8 +69,7 @@ TEST_CASE("case 1: a new transition steps every earlier segment down once", "[tb
   for (const auto& s : p.steps) CHECK(s.segment != 2);
 }
 
-TEST_CASE("case 1: several transitions in a row walk down the schedule and stop at the minimum",
-          "[tbe]") {
+TEST_CASE("case 1: several transitions in a row walk down the schedule and stop at the minimum", "[tbe]") {
   const RetentionSchedule r;
   std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, E, 128, 128)};
   const std::vector<int> want = {64, 32, 16, 8, 4};
@@ -91,8 +87,8 @@ TEST_CASE("case 1: several transitions in a row walk down the schedule and stop 
 
 TEST_CASE("case 2: least important type first, oldest first, until within budget", "[tbe]") {
   const RetentionSchedule r;
-  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, T, 128, 128), seg(2, E, 256, 128),
-                                    seg(3, T, 384, 128), seg(4, R, 512, 10, 0, false)};
+  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, T, 128, 128), seg(2, E, 256, 128), seg(3, T, 384, 128),
+                                    seg(4, R, 512, 10, 0, false)};
   // 522 live, budget 400: T@128 -> 64 (458), T@128 -> 32 (426), T@128 -> 16 (410),
   // T@128 -> 8 (402), T@128 -> 4 (398 <= 400).
   const auto p = thinkv::plan_eviction(segs, r, false, 400, live(segs));
@@ -112,8 +108,7 @@ TEST_CASE("case 2: least important type first, oldest first, until within budget
 
 TEST_CASE("case 1 then case 2 in one plan when the transition alone misses the budget", "[tbe]") {
   const RetentionSchedule r;
-  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, E, 128, 128),
-                                    seg(2, T, 256, 1, 0, false)};
+  std::vector<SegmentState> segs = {seg(0, R, 0, 128), seg(1, E, 128, 128), seg(2, T, 256, 1, 0, false)};
   const auto p = thinkv::plan_eviction(segs, r, true, 60, live(segs));
   // case 1: 64 + 64 + 1 = 129; case 2: E 64->32 (97), E 32->16 (81), E 16->8 (73),
   // E 8->4 (69), then R 64->32 (37 <= 60).

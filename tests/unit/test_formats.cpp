@@ -25,8 +25,7 @@ using thinkv::bits_to_float;
 using thinkv::float_to_bits;
 using thinkv::Precision;
 
-constexpr std::array<Precision, 3> kQuantized = {Precision::kFp8E4M3, Precision::kNvfp4,
-                                                 Precision::kTernary};
+constexpr std::array<Precision, 3> kQuantized = {Precision::kFp8E4M3, Precision::kNvfp4, Precision::kTernary};
 
 std::uint64_t test_seed() {
   static const std::uint64_t seed = [] {
@@ -121,8 +120,7 @@ static_assert(thinkv::choose_stream_scale(Precision::kNvfp4, 6.0f * 8.0f) == 1.0
 // ---- round-trip statistics ----------------------------------------------------------------------
 
 enum class Dist { kGaussian, kStudentT3, kLaplace, kOutlier };
-constexpr std::array<Dist, 4> kDists = {Dist::kGaussian, Dist::kStudentT3, Dist::kLaplace,
-                                        Dist::kOutlier};
+constexpr std::array<Dist, 4> kDists = {Dist::kGaussian, Dist::kStudentT3, Dist::kLaplace, Dist::kOutlier};
 const char* dist_name(Dist d) {
   switch (d) {
     case Dist::kGaussian: return "gaussian";
@@ -169,8 +167,7 @@ GroupResult quantize_and_check(Precision p, const float* x, int n, float s2) {
   const double dS = S;
   GroupResult r;
   r.saturated = thinkv::group_scale_saturates(p, amax, s2);
-  INFO("precision " << p << " n " << n << " s2 " << s2 << " amax " << amax << " scale code "
-                    << int(sc));
+  INFO("precision " << p << " n " << n << " s2 " << s2 << " amax " << amax << " scale code " << int(sc));
   REQUIRE(sc != thinkv::kE4M3NanCode);
   REQUIRE((sc & 0x80) == 0);  // scales are non-negative
   if (p != Precision::kTernary) {
@@ -251,8 +248,7 @@ struct Nmse {
 
 // Runs `streams` streams of `groups_per_stream` groups: s2 is chosen from the stream's first group
 // (amax of a group at scale sigma), later groups are drawn at sigma * rel.
-Nmse run_streams(std::mt19937_64& rng, Precision p, Dist d, int n, float rel, int streams,
-                 int groups_per_stream) {
+Nmse run_streams(std::mt19937_64& rng, Precision p, Dist d, int n, float rel, int streams, int groups_per_stream) {
   Nmse out;
   std::uniform_real_distribution<float> log_sigma(-4.0f, 4.0f);
   float x[thinkv::kMaxGroupSize];
@@ -317,7 +313,7 @@ TEST_CASE("E4M3 encode: nearest-even, saturating, specials", "[formats][e4m3]") 
   CHECK(thinkv::encode_e4m3(std::numeric_limits<float>::signaling_NaN()) == 0x7F);
   CHECK(thinkv::encode_e4m3(0.0f) == 0x00);
   CHECK(thinkv::encode_e4m3(-0.0f) == 0x80);
-  CHECK(thinkv::encode_e4m3(0x1p-10f) == 0x00);   // tie between 0 and 2^-9 -> 0 (even)
+  CHECK(thinkv::encode_e4m3(0x1p-10f) == 0x00);  // tie between 0 and 2^-9 -> 0 (even)
   CHECK(thinkv::encode_e4m3(-0x1p-10f) == 0x80);
   CHECK(thinkv::encode_e4m3(std::nextafter(0x1p-10f, 1.0f)) == 0x01);
   CHECK(thinkv::encode_e4m3(3 * 0x1p-10f) == 0x02);  // tie 1 vs 2 units -> 2 (even)
@@ -441,9 +437,7 @@ TEST_CASE("branch-free E4M3 and E2M1 encoders equal their branchy definitions", 
   CHECK(compare_encoders(4099, rng() % 4099) == 0);
 }
 
-TEST_CASE("branch-free encoders: every float", "[.exhaustive][formats][encode]") {
-  CHECK(compare_encoders(1, 0) == 0);
-}
+TEST_CASE("branch-free encoders: every float", "[.exhaustive][formats][encode]") { CHECK(compare_encoders(1, 0) == 0); }
 
 // ==== BF16 =======================================================================================
 
@@ -510,8 +504,7 @@ TEST_CASE("packing: little-end-first bit layout and round trip", "[formats][pack
       const int bits = thinkv::bits_of(p);
       for (int trial = 0; trial < 200; ++trial) {
         const int n = 1 + static_cast<int>(rng() % 64);
-        std::vector<std::uint8_t> row(static_cast<std::size_t>(thinkv::packed_row_bytes(p, n)) + 1,
-                                      0xA5);
+        std::vector<std::uint8_t> row(static_cast<std::size_t>(thinkv::packed_row_bytes(p, n)) + 1, 0xA5);
         std::vector<std::uint8_t> want(static_cast<std::size_t>(n));
         for (int i = 0; i < n; ++i) {
           want[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(rng() & ((1u << bits) - 1u));
@@ -524,8 +517,7 @@ TEST_CASE("packing: little-end-first bit layout and round trip", "[formats][pack
         const int idx = static_cast<int>(rng() % static_cast<std::uint64_t>(n));
         thinkv::store_code(p, row.data(), idx, 0);
         for (int i = 0; i < n; ++i) {
-          REQUIRE(thinkv::load_code(p, row.data(), i) ==
-                  (i == idx ? 0 : want[static_cast<std::size_t>(i)]));
+          REQUIRE(thinkv::load_code(p, row.data(), i) == (i == idx ? 0 : want[static_cast<std::size_t>(i)]));
         }
       }
     }
@@ -545,8 +537,7 @@ TEST_CASE("choose_stream_scale: power of two with d in 8..16", "[formats][scale]
   }
   CHECK(thinkv::choose_stream_scale(Precision::kBf16, 3.0f) == 1.0f);
   CHECK(thinkv::choose_stream_scale(Precision::kFp8E4M3, 448.0f * 8.0f) == 1.0f);
-  CHECK(thinkv::choose_stream_scale(Precision::kFp8E4M3, std::nextafter(448.0f * 8.0f, 0.0f)) ==
-        0.5f);
+  CHECK(thinkv::choose_stream_scale(Precision::kFp8E4M3, std::nextafter(448.0f * 8.0f, 0.0f)) == 0.5f);
   CHECK(thinkv::choose_stream_scale(Precision::kTernary, 16.0f) == 2.0f);
   std::mt19937_64 rng(test_seed() + 4);
   for (Precision p : kQuantized) {
@@ -712,8 +703,7 @@ TEST_CASE("ternary scale is the L2 optimum", "[formats][ternary]") {
       // scale alpha and the nearest-of-{-alpha, 0, +alpha} rule (the optimal assignment for a fixed
       // scale), the error must be the optimum.
       const float alpha = thinkv::ternary_optimal_scale(x, 1, n);
-      INFO(dist_name(d) << " n " << n << " alpha " << alpha << " brute force " << best_alpha
-                        << " k " << best_k);
+      INFO(dist_name(d) << " n " << n << " alpha " << alpha << " brute force " << best_alpha << " k " << best_k);
       const auto sse_at = [&](double scale) {
         double e2 = 0.0;
         for (double m : mags) {
@@ -811,8 +801,9 @@ TEST_CASE("the kernel's pieces of quantize_group give its results bit for bit", 
         for (int i = 0; i < n; ++i) x[i] = 0.0f;
       }
       const float want = thinkv::ternary_optimal_scale(x, 1, n);
-      const float got = n == 8 ? network_ternary_scale<8>(x) : n == 16 ? network_ternary_scale<16>(x)
-                                                                         : network_ternary_scale<32>(x);
+      const float got = n == 8    ? network_ternary_scale<8>(x)
+                        : n == 16 ? network_ternary_scale<16>(x)
+                                  : network_ternary_scale<32>(x);
       INFO(dist_name(d) << " trial " << trial << " n " << n);
       REQUIRE(float_to_bits(got) == float_to_bits(want));
       for (Precision p : {Precision::kFp8E4M3, Precision::kNvfp4, Precision::kTernary}) {
@@ -852,8 +843,8 @@ TEST_CASE("round-trip bounds and NMSE on random groups", "[formats][roundtrip]")
     for (Dist d : kDists) {
       // Same-scale streams at g = 16: per-element bounds + NMSE against the documented numbers.
       const Nmse same = run_streams(rng, p, d, 16, 1.0f, 250, 16);
-      INFO(p << " " << dist_name(d) << " g=16 mean NMSE " << same.mean() << " over "
-             << same.groups << " groups, saturated " << same.saturated);
+      INFO(p << " " << dist_name(d) << " g=16 mean NMSE " << same.mean() << " over " << same.groups
+             << " groups, saturated " << same.saturated);
       CHECK(same.mean() <= nmse_limit(p, d));
       // A heavy-tailed (Student-t, 3 dof) group can exceed a small first group by more than the
       // 28x headroom; Gaussian, Laplace and outlier streams essentially never do.
@@ -871,8 +862,7 @@ TEST_CASE("round-trip bounds and NMSE on random groups", "[formats][roundtrip]")
       }
       for (float rel : {0.01f, 0.1f, 4.0f, 20.0f}) {
         const Nmse scaled = run_streams(rng, p, d, 16, rel, 60, 8);
-        INFO("relative scale " << rel << " mean NMSE " << scaled.mean() << " saturated "
-                               << scaled.saturated);
+        INFO("relative scale " << rel << " mean NMSE " << scaled.mean() << " saturated " << scaled.saturated);
         if (rel <= 4.0f) CHECK(scaled.mean() <= 2.0 * nmse_limit(p, d));
       }
     }
@@ -892,8 +882,7 @@ TEST_CASE("report: NMSE table for docs/formats.md", "[.report]") {
       }
       for (float rel : {0.01f, 0.1f, 4.0f, 20.0f}) {
         const Nmse r = run_streams(rng, p, d, 16, rel, 500, 16);
-        std::printf("  rel%g %.3g (%d/%d)", static_cast<double>(rel), r.mean(), r.saturated,
-                    r.saturated + r.groups);
+        std::printf("  rel%g %.3g (%d/%d)", static_cast<double>(rel), r.mean(), r.saturated, r.saturated + r.groups);
       }
       std::printf("\n");
     }
@@ -937,8 +926,8 @@ TEST_CASE("report: NMSE table for docs/formats.md", "[.report]") {
       opt += sse_ours / energy;
       ++groups;
     }
-    std::printf("ternary g=16 %-22s TWN %.3g  L2-optimal (unrounded scale) %.3g\n", dist_name(d),
-                twn / groups, opt / groups);
+    std::printf("ternary g=16 %-22s TWN %.3g  L2-optimal (unrounded scale) %.3g\n", dist_name(d), twn / groups,
+                opt / groups);
   }
 }
 
@@ -948,15 +937,15 @@ TEST_CASE("FP16 bit placement of E4M3 and E2M1 codes is exact (the attention ker
   int checked = 0;
   for (unsigned lo = 0; lo < 256; ++lo) {
     for (unsigned hi = 0; hi < 256; ++hi) {
-      if ((lo & 0x7F) == 0x7F || (hi & 0x7F) == 0x7F) continue;  // NaN codes: never stored
+      if ((lo & 0x7F) == 0x7F || (hi & 0x7F) == 0x7F) continue;                        // NaN codes: never stored
       const std::uint32_t h = thinkv::e4m3x2_to_fp16x2(lo | (hi << 8) | 0xABCD0000u);  // upper bytes ignored
       const float flo = thinkv::decode_fp16(static_cast<std::uint16_t>(h & 0xFFFF));
       const float fhi = thinkv::decode_fp16(static_cast<std::uint16_t>(h >> 16));
       const float want_lo = thinkv::decode_e4m3(static_cast<std::uint8_t>(lo)) / thinkv::kE4M3Fp16Unscale;
       const float want_hi = thinkv::decode_e4m3(static_cast<std::uint8_t>(hi)) / thinkv::kE4M3Fp16Unscale;
       if (float_to_bits(flo) != float_to_bits(want_lo) || float_to_bits(fhi) != float_to_bits(want_hi)) {
-        FAIL("E4M3 codes " << lo << ", " << hi << ": FP16 gives " << flo << ", " << fhi << ", want " << want_lo
-                           << ", " << want_hi);
+        FAIL("E4M3 codes " << lo << ", " << hi << ": FP16 gives " << flo << ", " << fhi << ", want " << want_lo << ", "
+                           << want_hi);
       }
       ++checked;
     }
@@ -968,8 +957,10 @@ TEST_CASE("FP16 bit placement of E4M3 and E2M1 codes is exact (the attention ker
       const std::uint32_t h = thinkv::e2m1x2_to_fp16x2(lo | (hi << 4) | 0xFFFFFF00u);  // other nibbles ignored
       const float flo = thinkv::decode_fp16(static_cast<std::uint16_t>(h & 0xFFFF));
       const float fhi = thinkv::decode_fp16(static_cast<std::uint16_t>(h >> 16));
-      CHECK(float_to_bits(flo) == float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(lo)) / thinkv::kE2M1Fp16Unscale));
-      CHECK(float_to_bits(fhi) == float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(hi)) / thinkv::kE2M1Fp16Unscale));
+      CHECK(float_to_bits(flo) ==
+            float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(lo)) / thinkv::kE2M1Fp16Unscale));
+      CHECK(float_to_bits(fhi) ==
+            float_to_bits(thinkv::decode_e2m1(static_cast<std::uint8_t>(hi)) / thinkv::kE2M1Fp16Unscale));
     }
   }
   // decode_fp16 itself: a few hand-checked patterns (the oracle test compares all 65,536).
@@ -993,7 +984,7 @@ bool fp16_exact(double x) {
   const double q = std::ldexp(x, 24);  // in units of the smallest subnormal
   if (q != std::floor(q)) return false;
   int e = 0;
-  (void)std::frexp(x, &e);  // x = f * 2^e, f in [0.5, 1)
+  (void)std::frexp(x, &e);                 // x = f * 2^e, f in [0.5, 1)
   const double m = std::ldexp(x, 11 - e);  // 11 significant bits: an integer
   return m == std::floor(m);
 }
@@ -1013,20 +1004,21 @@ TEST_CASE("FP16 products of the tensor-core attention pass are exact", "[formats
   int checked = 0;
   for (std::uint8_t sc : scale_codes) {
     const double s = thinkv::decode_e4m3(sc);
-    REQUIRE(fp16_exact(s));                          // the hardware E4M3 -> FP16 conversion is exact
-    REQUIRE(fp16_exact(s * 0x1p-4));                 // FP8's scale x 2^-4
-    for (unsigned c = 0; c < 16; ++c) {              // NVFP4: value x 2^-14 x scale
+    REQUIRE(fp16_exact(s));              // the hardware E4M3 -> FP16 conversion is exact
+    REQUIRE(fp16_exact(s * 0x1p-4));     // FP8's scale x 2^-4
+    for (unsigned c = 0; c < 16; ++c) {  // NVFP4: value x 2^-14 x scale
       const double v = thinkv::decode_e2m1(static_cast<std::uint8_t>(c));
       if (!fp16_exact(v * 0x1p-14 * s)) FAIL("E2M1 code " << c << " x scale code " << int{sc} << " not exact in FP16");
       ++checked;
     }
-    for (unsigned c = 0; c < 4; ++c) {               // ternary: +-2^-14 / 0 x scale
+    for (unsigned c = 0; c < 4; ++c) {  // ternary: +-2^-14 / 0 x scale
       const double v = thinkv::decode_element(thinkv::Precision::kTernary, static_cast<std::uint8_t>(c));
-      if (!fp16_exact(v * 0x1p-14 * s)) FAIL("ternary code " << c << " x scale code " << int{sc} << " not exact in FP16");
+      if (!fp16_exact(v * 0x1p-14 * s))
+        FAIL("ternary code " << c << " x scale code " << int{sc} << " not exact in FP16");
       ++checked;
     }
-    for (unsigned c = 0; c < 256; ++c) {             // FP8: value x (scale x 2^-4)
-      if ((c & 0x7F) == 0x7F) continue;              // NaN codes: never stored
+    for (unsigned c = 0; c < 256; ++c) {  // FP8: value x (scale x 2^-4)
+      if ((c & 0x7F) == 0x7F) continue;   // NaN codes: never stored
       const double v = thinkv::decode_e4m3(static_cast<std::uint8_t>(c));
       if (!fp16_exact(v * (s * 0x1p-4))) FAIL("E4M3 code " << c << " x scale code " << int{sc} << " not exact in FP16");
       ++checked;

@@ -61,10 +61,14 @@ Value random_value(std::mt19937_64& rng, int depth) {
       const int n = tt::uniform_int(rng, 0, 12);
       for (int i = 0; i < n; ++i) {
         const int c = tt::uniform_int(rng, 0, 9);
-        if (c == 0) s += static_cast<char>(tt::uniform_int(rng, 1, 31));  // control characters
-        else if (c == 1) s += "\"\\/";
-        else if (c == 2) s += "\xC3\xA9\xF0\x9F\x98\x80";                  // UTF-8
-        else s += static_cast<char>(tt::uniform_int(rng, 0x20, 0x7E));
+        if (c == 0)
+          s += static_cast<char>(tt::uniform_int(rng, 1, 31));  // control characters
+        else if (c == 1)
+          s += "\"\\/";
+        else if (c == 2)
+          s += "\xC3\xA9\xF0\x9F\x98\x80";  // UTF-8
+        else
+          s += static_cast<char>(tt::uniform_int(rng, 0x20, 0x7E));
       }
       return Value::string(s);
     }
@@ -87,9 +91,7 @@ Value random_value(std::mt19937_64& rng, int depth) {
 /// number_f are equal when they read back to the same float.
 bool same(const Value& a, const Value& b) {
   if (a.type() != b.type()) return false;
-  if (a.is_number() && a.is_single()) {
-    return static_cast<float>(a.as_number()) == static_cast<float>(b.as_number());
-  }
+  if (a.is_number() && a.is_single()) { return static_cast<float>(a.as_number()) == static_cast<float>(b.as_number()); }
   if (a.is_array()) {
     if (a.size() != b.size()) return false;
     for (std::size_t i = 0; i < a.size(); ++i)
@@ -134,7 +136,7 @@ TEST_CASE("json: numbers", "[json]") {
   CHECK(parse_ok("1E+2").as_number() == 100.0);
   CHECK(parse_ok("1e308").as_number() == 1e308);
   CHECK(parse_ok("5e-324").as_number() == 5e-324);
-  CHECK(parse_ok("1e-400").as_number() == 0.0);   // below the double range: 0
+  CHECK(parse_ok("1e-400").as_number() == 0.0);  // below the double range: 0
   CHECK(parse_ok("123456789012345678901234567890").as_number() == 123456789012345678901234567890.0);
   CHECK(parse_ok("3").is_integer());
   CHECK_FALSE(parse_ok("3.5").is_integer());
@@ -285,7 +287,8 @@ TEST_CASE("json: random and mutated input never crashes", "[json][fuzz]") {
     std::string s;
     if (i % 2 == 0) {
       const int n = tt::uniform_int(rng, 0, 40);
-      for (int k = 0; k < n; ++k) s += alphabet[static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(alphabet.size()) - 1))];
+      for (int k = 0; k < n; ++k)
+        s += alphabet[static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(alphabet.size()) - 1))];
     } else {
       s = seeds[static_cast<std::size_t>(tt::uniform_int(rng, 0, 19))];
       const int edits = tt::uniform_int(rng, 1, 4);
@@ -293,7 +296,11 @@ TEST_CASE("json: random and mutated input never crashes", "[json][fuzz]") {
         const auto at = static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(s.size()) - 1));
         switch (tt::uniform_int(rng, 0, 3)) {
           case 0: s.erase(at, 1); break;
-          case 1: s.insert(at, 1, alphabet[static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(alphabet.size()) - 1))]); break;
+          case 1:
+            s.insert(
+                at, 1,
+                alphabet[static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(alphabet.size()) - 1))]);
+            break;
           case 2: s[at] = static_cast<char>(rng()); break;
           default: s.resize(at); break;  // truncation
         }

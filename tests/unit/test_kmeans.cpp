@@ -19,8 +19,7 @@ namespace {
 
 // Brute force, written from the spec in kmeans.hpp's comment, sharing no code with it except the
 // generator: full distance matrices, explicit argmins.
-std::vector<int> reference_select(const std::vector<float>& x, int n, int d, int k,
-                                  std::uint64_t seed, int iters) {
+std::vector<int> reference_select(const std::vector<float>& x, int n, int d, int k, std::uint64_t seed, int iters) {
   if (k >= n) {
     std::vector<int> all(static_cast<std::size_t>(n));
     for (int i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
@@ -79,7 +78,9 @@ std::vector<int> reference_select(const std::vector<float>& x, int n, int d, int
         for (int j = 0; j < d; ++j) sum[static_cast<std::size_t>(j)] += x[static_cast<std::size_t>(i * d + j)];
       }
       if (cnt == 0) continue;
-      for (int j = 0; j < d; ++j) cent[static_cast<std::size_t>(c)][static_cast<std::size_t>(j)] = sum[static_cast<std::size_t>(j)] / static_cast<float>(cnt);
+      for (int j = 0; j < d; ++j)
+        cent[static_cast<std::size_t>(c)][static_cast<std::size_t>(j)] =
+            sum[static_cast<std::size_t>(j)] / static_cast<float>(cnt);
     }
   }
   std::vector<int> kept;
@@ -140,7 +141,8 @@ TEST_CASE("K-means keeps one token per planted cluster, the one nearest its mean
   std::vector<float> x(static_cast<std::size_t>(n * d));
   std::vector<int> cluster(static_cast<std::size_t>(n));
   std::vector<std::vector<float>> centre(k, std::vector<float>(d));
-  for (auto& c : centre) for (auto& v : c) v = normal(rng) * 100.0f;
+  for (auto& c : centre)
+    for (auto& v : c) v = normal(rng) * 100.0f;
   // Shuffle membership so clusters are not contiguous in token order.
   std::vector<int> perm(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) perm[static_cast<std::size_t>(i)] = i % k;
@@ -148,7 +150,9 @@ TEST_CASE("K-means keeps one token per planted cluster, the one nearest its mean
   for (int i = 0; i < n; ++i) {
     cluster[static_cast<std::size_t>(i)] = perm[static_cast<std::size_t>(i)];
     for (int j = 0; j < d; ++j) {
-      x[static_cast<std::size_t>(i * d + j)] = centre[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])][static_cast<std::size_t>(j)] + normal(rng);
+      x[static_cast<std::size_t>(i * d + j)] =
+          centre[static_cast<std::size_t>(perm[static_cast<std::size_t>(i)])][static_cast<std::size_t>(j)] +
+          normal(rng);
     }
   }
   const auto kept = thinkv::kmeans_select(x.data(), n, d, k);
@@ -169,7 +173,8 @@ TEST_CASE("K-means keeps one token per planted cluster, the one nearest its mean
     for (int t = 0; t < n; ++t) {
       if (cluster[static_cast<std::size_t>(t)] != c) continue;
       double s = 0;
-      for (int j = 0; j < d; ++j) s += std::pow(x[static_cast<std::size_t>(t * d + j)] - mean[static_cast<std::size_t>(j)], 2);
+      for (int j = 0; j < d; ++j)
+        s += std::pow(x[static_cast<std::size_t>(t * d + j)] - mean[static_cast<std::size_t>(j)], 2);
       if (best < 0 || s < bd) {
         best = t;
         bd = s;

@@ -38,12 +38,12 @@ TEST_CASE("plan_decode_splits fills whole waves: hand-computed H200 plans", "[la
   CHECK(plan_decode_splits(396, 396, 256) == 1);
   // The split counts the H200 run of test_paged_attention printed (2026-11-30; resident CTAs per
   // SM of the main pass: 4 at head_dim 64, 3 at 128, 2 at 256, 5 for the head_dim-8 pass at G = 2).
-  CHECK(plan_decode_splits(8, 2 * 132, 256) == 30);    // D = 256, 8 KV heads
-  CHECK(plan_decode_splits(4, 4 * 132, 256) == 119);   // D = 64, 4 KV heads
-  CHECK(plan_decode_splits(2, 4 * 132, 256) == 238);   // D = 64, 2 KV heads
-  CHECK(plan_decode_splits(2, 3 * 132, 256) == 179);   // D = 128, 2 KV heads
-  CHECK(plan_decode_splits(1, 3 * 132, 256) == 256);   // D = 128, 1 KV head: capped
-  CHECK(plan_decode_splits(4, 5 * 132, 256) == 149);   // stories260K, 4 KV heads
+  CHECK(plan_decode_splits(8, 2 * 132, 256) == 30);   // D = 256, 8 KV heads
+  CHECK(plan_decode_splits(4, 4 * 132, 256) == 119);  // D = 64, 4 KV heads
+  CHECK(plan_decode_splits(2, 4 * 132, 256) == 238);  // D = 64, 2 KV heads
+  CHECK(plan_decode_splits(2, 3 * 132, 256) == 179);  // D = 128, 2 KV heads
+  CHECK(plan_decode_splits(1, 3 * 132, 256) == 256);  // D = 128, 1 KV head: capped
+  CHECK(plan_decode_splits(4, 5 * 132, 256) == 149);  // stories260K, 4 KV heads
 }
 
 TEST_CASE("plan_decode_splits: the fewest splits reaching 90%, else the best, within bounds", "[launch_plan]") {
@@ -105,7 +105,8 @@ TEST_CASE("plan_decode_splits_for_length: waves x (start-up + chunk), hand-compu
   // Batch 256 x 512 (2,048 KV heads, 4 pieces): s = 1: 6 x 11 = 66, s = 2: 11 x 7 = 77 -> 1.
   CHECK(plan_decode_splits_for_length(2048, 396, 256, 512, 128) == 1);
   // A partial last piece counts as a piece; one position is one piece and one split.
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 1025, 128) == plan_decode_splits_for_length(512, 396, 256, 1152, 128));
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1025, 128) ==
+        plan_decode_splits_for_length(512, 396, 256, 1152, 128));
   CHECK(plan_decode_splits_for_length(512, 396, 256, 1, 128) == 1);
   // With the merge term (one chunk skips the merge kernel: + 2 half-pieces for s > 1): batch 64 x
   // 512 positions: s = 1: 22, s = 2: 21 + 2 = 23 -> 1; batch 32 x 1,024 (8 pieces): s = 1: 19,

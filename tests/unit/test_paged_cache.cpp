@@ -28,8 +28,7 @@ constexpr ThoughtType R = ThoughtType::kReasoning;
 constexpr ThoughtType E = ThoughtType::kExecution;
 constexpr ThoughtType T = ThoughtType::kTransition;
 
-CacheConfig cache_config(PrecisionMap map, int d, int g, int bs, int streams, int blocks_per_pool,
-                         int records = 0) {
+CacheConfig cache_config(PrecisionMap map, int d, int g, int bs, int streams, int blocks_per_pool, int records = 0) {
   CacheConfig c;
   c.num_streams = streams;
   c.head_dim = d;
@@ -448,8 +447,8 @@ TEST_CASE("PagedKvCache: append with a wrong k/v size fails and changes nothing"
       const Status st = b.cache.append(s, std::span<const float>(k.data(), static_cast<std::size_t>(nk)),
                                        std::span<const float>(v.data(), static_cast<std::size_t>(nv)), E);
       CHECK(st.code() == StatusCode::kShapeMismatch);
-      CHECK_THAT(st.message(), Contains(std::to_string(nk)) && Contains(std::to_string(nv)) &&
-                                   Contains("head_dim = 32"));
+      CHECK_THAT(st.message(),
+                 Contains(std::to_string(nk)) && Contains(std::to_string(nv)) && Contains("head_dim = 32"));
       TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(b.cache));
     }
   }
@@ -522,8 +521,8 @@ TEST_CASE("PagedKvCache: magnitudes above 2^64 are rejected, 2^64 is accepted", 
       CAPTURE(bad, which, ch);
       const Status st = b.cache.append(0, k, v, E);  // stream 0: this token would commit
       CHECK(st.code() == StatusCode::kNonFinite);
-      CHECK_THAT(st.message(), Contains(std::string(which == 0 ? "k[" : "v[") + std::to_string(ch) + "]") &&
-                                   Contains("2^64"));
+      CHECK_THAT(st.message(),
+                 Contains(std::string(which == 0 ? "k[" : "v[") + std::to_string(ch) + "]") && Contains("2^64"));
       TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(b.cache));
     }
   }

@@ -136,7 +136,8 @@ TEST_CASE("PrecisionMap::parse accepts the documented examples", "[policy][preci
   CHECK(m == kR8E8T4);
 }
 
-TEST_CASE("PrecisionMap::parse rejects unknown widths naming the width and the allowed ones", "[policy][precision_map]") {
+TEST_CASE("PrecisionMap::parse rejects unknown widths naming the width and the allowed ones",
+          "[policy][precision_map]") {
   for (const char* text : {"R3E4T2", "R4E3T2", "R4E4T3", "R0E4T2", "R32E4T2", "R1E1T1"}) {
     CAPTURE(text);
     PrecisionMap m = kR8E4T2;
@@ -168,9 +169,9 @@ TEST_CASE("PrecisionMap::parse rejects E above R naming both", "[policy][precisi
 }
 
 TEST_CASE("PrecisionMap::parse rejects malformed text and leaves the output unchanged", "[policy][precision_map]") {
-  for (const char* text : {"", "R", "R4", "R4E4", "R4E4T", "RET", "r4e4t2", "R4T4E2", "E4R4T2",
-                           " R4E4T2", "R4E4T2 ", "R4 E4T2", "R4E4T2T2", "R-4E4T2", "R4.0E4T2",
-                           "R16E16T16x", "R99999E4T2", "R+4E4T2", "4E4T2", "R4E4T2\n", "R4e4T2"}) {
+  for (const char* text : {"",         "R",          "R4",         "R4E4",    "R4E4T",   "RET",      "r4e4t2",
+                           "R4T4E2",   "E4R4T2",     " R4E4T2",    "R4E4T2 ", "R4 E4T2", "R4E4T2T2", "R-4E4T2",
+                           "R4.0E4T2", "R16E16T16x", "R99999E4T2", "R+4E4T2", "4E4T2",   "R4E4T2\n", "R4e4T2"}) {
     CAPTURE(text);
     PrecisionMap m = kR8E8T4;
     const Status s = PrecisionMap::parse(text, m);
@@ -239,9 +240,7 @@ TEST_CASE("RetentionSchedule validation", "[policy][retention]") {
     try {
       RetentionSchedule r(b.sizes);
       FAIL("accepted " << r);
-    } catch (const ConfigError& e) {
-      CHECK(e.status().message() == s.message());
-    }
+    } catch (const ConfigError& e) { CHECK(e.status().message() == s.message()); }
   }
 }
 

@@ -23,7 +23,6 @@
 
 namespace {
 
-
 // Count of j with (s_j - m) < ln(0.01)_f32 in float64, from float64 scores.
 double count_sparse_f64(const std::vector<double>& scores) {
   double m = -INFINITY;
@@ -43,8 +42,8 @@ TEST_CASE("sparsity counts ties at the threshold as not sparse", "[sparsity]") {
   const float thr = thinkv::kSparsityLogThreshold;
   // q = e0, so s_j = k_j[0] exactly; the max token has score 0, so d_j = s_j exactly.
   const int d = 4;
-  const std::vector<float> s = {0.0f, thr, std::nextafter(thr, -INFINITY),
-                                std::nextafter(thr, INFINITY), -30.0f, -1.0f};
+  const std::vector<float> s = {0.0f,   thr,  std::nextafter(thr, -INFINITY), std::nextafter(thr, INFINITY),
+                                -30.0f, -1.0f};
   std::vector<float> q(d, 0.0f), k(s.size() * d, 0.0f), v(s.size() * d, 1.0f);
   q[0] = 1.0f;
   for (std::size_t j = 0; j < s.size(); ++j) {
@@ -52,8 +51,8 @@ TEST_CASE("sparsity counts ties at the threshold as not sparse", "[sparsity]") {
     k[j * d + 1] = 7.0f;  // ignored by q, must not matter
   }
   std::vector<float> out(d), sp(1, NAN);
-  thinkv::reference::attend_tokens(q.data(), 1, k.data(), v.data(), static_cast<int>(s.size()), d,
-                                   1.0f, out.data(), sp.data());
+  thinkv::reference::attend_tokens(q.data(), 1, k.data(), v.data(), static_cast<int>(s.size()), d, 1.0f, out.data(),
+                                   sp.data());
   // sparse: nextafter(thr, -inf) and -30 -> 2 of 6; thr itself (tie) and nextafter(thr, +inf) not.
   CHECK(sp[0] == Approx(2.0 / 6.0).margin(0));
   CHECK(sp[0] == static_cast<float>(2.0 / 6.0));
@@ -64,9 +63,7 @@ namespace {
 /// d = s - m as the reference computes it (one FP32 subtraction), obtained independently: the
 /// exact float64 difference of the two floats, rounded once to FP32. Exact in float64 here since
 /// the operands' exponents differ by far less than 53 - 24 bits (|s|, |m| in [2^-4, 2^4]).
-float fp32_diff(float s, float m) {
-  return static_cast<float>(static_cast<double>(s) - static_cast<double>(m));
-}
+float fp32_diff(float s, float m) { return static_cast<float>(static_cast<double>(s) - static_cast<double>(m)); }
 
 /// Scores near m + kSparsityLogThreshold, classified by the FP32 rule.
 struct TieSet {
@@ -127,8 +124,7 @@ TEST_CASE("ties at the threshold in random rows with a nonzero max are not spars
       for (int attempt = 0;; ++attempt) {
         REQUIRE(attempt < 100);
         const bool negative = n_q == 1 && tt::chance(rng, 0.5);
-        const double mag =
-            negative ? 0.5 + 2.5 * tt::uniform01(rng) : 0.5 + 7.5 * tt::uniform01(rng);
+        const double mag = negative ? 0.5 + 2.5 * tt::uniform01(rng) : 0.5 + 7.5 * tt::uniform01(rng);
         const auto mh = static_cast<float>(negative ? -mag : mag);
         if (std::fabs(static_cast<double>(mh) + static_cast<double>(thr)) < 0.1) continue;
         TieSet t = tie_set(mh);
@@ -159,8 +155,7 @@ TEST_CASE("ties at the threshold in random rows with a nonzero max are not spars
       // 0 for the other heads: sparse there when 0 - m < thr (m > 4.6; never near the threshold).
       for (int o = 0; o < n_q; ++o) {
         if (o != h) {
-          expect_sparse[static_cast<std::size_t>(o)] +=
-              (0.0 - m[static_cast<std::size_t>(o)]) < thr ? 1 : 0;
+          expect_sparse[static_cast<std::size_t>(o)] += (0.0 - m[static_cast<std::size_t>(o)]) < thr ? 1 : 0;
         }
       }
     };
@@ -169,15 +164,13 @@ TEST_CASE("ties at the threshold in random rows with a nonzero max are not spars
       add_constructed(h, m[static_cast<std::size_t>(h)], false);  // the row max
       const int n_ties = tt::uniform_int(rng, 2, 6);
       for (int i = 0; i < n_ties; ++i) {
-        const float s = t.ties[static_cast<std::size_t>(
-            tt::uniform_int(rng, 0, static_cast<int>(t.ties.size()) - 1))];
+        const float s = t.ties[static_cast<std::size_t>(tt::uniform_int(rng, 0, static_cast<int>(t.ties.size()) - 1))];
         add_constructed(h, s, false);
         ++ties_total;
         // A tie in FP32 whose exact difference is not the threshold: a float64 comparison of
         // s - m would call it sparse (or not) by a margin FP32 cannot see.
         ties_inexact +=
-            static_cast<double>(s) - static_cast<double>(m[static_cast<std::size_t>(h)]) !=
-            static_cast<double>(thr);
+            static_cast<double>(s) - static_cast<double>(m[static_cast<std::size_t>(h)]) != static_cast<double>(thr);
       }
       for (int i = tt::uniform_int(rng, 0, 2); i > 0; --i) add_constructed(h, t.below, true);
       for (int i = tt::uniform_int(rng, 0, 2); i > 0; --i) add_constructed(h, t.above, false);
@@ -190,16 +183,13 @@ TEST_CASE("ties at the threshold in random rows with a nonzero max are not spars
       t.key.assign(static_cast<std::size_t>(d), 0.0f);
       bool found = false;
       for (int attempt = 0; attempt < 1000 && !found; ++attempt) {
-        for (int c = n_q; c < d; ++c) {
-          t.key[static_cast<std::size_t>(c)] = static_cast<float>(grid(rng)) / 8.0f;
-        }
+        for (int c = n_q; c < d; ++c) { t.key[static_cast<std::size_t>(c)] = static_cast<float>(grid(rng)) / 8.0f; }
         bool ok = true;
         std::vector<int> sparse(static_cast<std::size_t>(n_q));
         for (int h = 0; h < n_q && ok; ++h) {
           double sc = 0.0;
           for (int c = n_q; c < d; ++c) {
-            sc += static_cast<double>(
-                      q[static_cast<std::size_t>(h) * d + static_cast<std::size_t>(c)]) *
+            sc += static_cast<double>(q[static_cast<std::size_t>(h) * d + static_cast<std::size_t>(c)]) *
                   t.key[static_cast<std::size_t>(c)];
           }
           sc *= scale;
@@ -222,31 +212,27 @@ TEST_CASE("ties at the threshold in random rows with a nonzero max are not spars
     const int n = static_cast<int>(tokens.size());
     std::vector<float> k(static_cast<std::size_t>(n) * d), v(k.size());
     for (int j = 0; j < n; ++j) {
-      std::copy(tokens[static_cast<std::size_t>(j)].key.begin(),
-                tokens[static_cast<std::size_t>(j)].key.end(),
+      std::copy(tokens[static_cast<std::size_t>(j)].key.begin(), tokens[static_cast<std::size_t>(j)].key.end(),
                 k.begin() + static_cast<std::ptrdiff_t>(j) * d);
     }
     for (auto& x : v) x = static_cast<float>(grid(rng)) / 8.0f;
     std::vector<float> out(q.size()), sp(static_cast<std::size_t>(n_q), NAN);
-    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(),
-                                     sp.data());
+    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(), sp.data());
     for (int h = 0; h < n_q; ++h) {
-      INFO("trial " << trial << " head " << h << " of " << n_q << ", row max "
-                    << m[static_cast<std::size_t>(h)] << ", " << n << " tokens, scale " << scale);
+      INFO("trial " << trial << " head " << h << " of " << n_q << ", row max " << m[static_cast<std::size_t>(h)] << ", "
+                    << n << " tokens, scale " << scale);
       CHECK(sp[static_cast<std::size_t>(h)] ==
             static_cast<float>(expect_sparse[static_cast<std::size_t>(h)]) / static_cast<float>(n));
     }
   }
   // The rows did hold ties, ties that only FP32 rounding makes ties, and random tokens.
-  INFO("ties " << ties_total << ", of them inexact in float64 " << ties_inexact << "; random tokens "
-                << random_total);
+  INFO("ties " << ties_total << ", of them inexact in float64 " << ties_inexact << "; random tokens " << random_total);
   CHECK(ties_total >= 600);
   CHECK(ties_inexact > 0);
   CHECK(random_total >= 300 * 100 / 4);
 }
 
-TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_max via exp",
-          "[sparsity]") {
+TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_max via exp", "[sparsity]") {
   TT_SEEDED_RNG();
   // General random inputs (normal q and k, any float scale). The oracle works in float64 from the
   // FP32 inputs: s_j = (sum_c q_c k_c) * scale, p_j = exp(s_j - max_i s_i), and counts
@@ -263,14 +249,11 @@ TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_m
   const double ln001 = std::log(0.01);
   long sparse_total = 0, tokens_total = 0, redrawn = 0;
   for (int trial = 0; trial < 300; ++trial) {
-    const int d =
-        std::vector<int>{16, 64, 128}[static_cast<std::size_t>(tt::uniform_int(rng, 0, 2))];
+    const int d = std::vector<int>{16, 64, 128}[static_cast<std::size_t>(tt::uniform_int(rng, 0, 2))];
     const int n = tt::uniform_int(rng, 1, 400);
     const int n_q = tt::uniform_int(rng, 1, 4);
-    const auto scale =
-        static_cast<float>((0.3 + 3.7 * tt::uniform01(rng)) / std::sqrt(static_cast<double>(d)));
-    std::vector<float> q(static_cast<std::size_t>(n_q) * d), k(static_cast<std::size_t>(n) * d),
-        v(k.size());
+    const auto scale = static_cast<float>((0.3 + 3.7 * tt::uniform01(rng)) / std::sqrt(static_cast<double>(d)));
+    std::vector<float> q(static_cast<std::size_t>(n_q) * d), k(static_cast<std::size_t>(n) * d), v(k.size());
     for (auto& x : q) x = normal(rng);
     for (auto& x : k) x = normal(rng);
     for (auto& x : v) x = normal(rng);
@@ -301,8 +284,7 @@ TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_m
         const double emax = *std::max_element(e.begin(), e.end());
         for (int j = 0; j < n; ++j) {
           const double dj = s[static_cast<std::size_t>(j)] - mx;
-          const double margin =
-              2.0 * (e[static_cast<std::size_t>(j)] + emax + u * std::fabs(dj)) + 1e-6;
+          const double margin = 2.0 * (e[static_cast<std::size_t>(j)] + emax + u * std::fabs(dj)) + 1e-6;
           if (std::fabs(dj - ln001) <= margin) {
             for (int c = 0; c < d; ++c) key(j)[c] = normal(rng);
             clean = false;
@@ -312,8 +294,7 @@ TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_m
       }
     }
     std::vector<float> out(q.size()), sp(static_cast<std::size_t>(n_q), NAN);
-    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(),
-                                     sp.data());
+    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(), sp.data());
     for (int h = 0; h < n_q; ++h) {
       scores(h, s, e);
       const double mx = *std::max_element(s.begin(), s.end());
@@ -329,14 +310,12 @@ TEST_CASE("reference attention sparsity equals a float64 count of p_j < 0.01 p_m
     }
   }
   // The inputs spread over both sides of the threshold.
-  INFO("sparse " << sparse_total << " of " << tokens_total << " (token, head) pairs; keys redrawn "
-                 << redrawn);
+  INFO("sparse " << sparse_total << " of " << tokens_total << " (token, head) pairs; keys redrawn " << redrawn);
   CHECK(sparse_total > tokens_total / 10);
   CHECK(sparse_total < tokens_total * 9 / 10);
 }
 
-TEST_CASE("reference attention sparsity equals a float64 count on random exact-score inputs",
-          "[sparsity]") {
+TEST_CASE("reference attention sparsity equals a float64 count on random exact-score inputs", "[sparsity]") {
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   std::mt19937 rng(seed);
@@ -346,14 +325,12 @@ TEST_CASE("reference attention sparsity equals a float64 count on random exact-s
     const int n = 1 + static_cast<int>(rng() % 300);
     const int n_q = 1 + static_cast<int>(rng() % 4);
     const float scale = (trial % 2) ? 1.0f : 0.25f;  // powers of two keep the scores exact
-    std::vector<float> q(static_cast<std::size_t>(n_q) * d), k(static_cast<std::size_t>(n) * d),
-        v(k.size());
+    std::vector<float> q(static_cast<std::size_t>(n_q) * d), k(static_cast<std::size_t>(n) * d), v(k.size());
     for (auto& x : q) x = static_cast<float>(grid(rng)) / 8.0f;
     for (auto& x : k) x = static_cast<float>(grid(rng)) / 8.0f;
     for (auto& x : v) x = static_cast<float>(grid(rng)) / 8.0f;
     std::vector<float> out(q.size()), sp(static_cast<std::size_t>(n_q), NAN);
-    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(),
-                                     sp.data());
+    thinkv::reference::attend_tokens(q.data(), n_q, k.data(), v.data(), n, d, scale, out.data(), sp.data());
     for (int h = 0; h < n_q; ++h) {
       std::vector<double> scores(static_cast<std::size_t>(n));
       for (int j = 0; j < n; ++j) {
@@ -370,8 +347,7 @@ TEST_CASE("reference attention sparsity equals a float64 count on random exact-s
   }
 }
 
-TEST_CASE("cache attention emits per-head sparsity over exactly the live and staged tokens",
-          "[sparsity]") {
+TEST_CASE("cache attention emits per-head sparsity over exactly the live and staged tokens", "[sparsity]") {
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);

@@ -136,8 +136,8 @@ TEST_CASE("testbed: K-means retention beats keeping each segment's first K token
     REQUIRE(measure_fidelity(tb.model, full, spec_for(tb.model, Method::kTbe, P + steps, 64, P), prompt, steps, ro,
                              nullptr, fk)
                 .is_ok());
-    REQUIRE(measure_fidelity(tb.model, full, spec_for(tb.model, Method::kTbeFirst, P + steps, 64, P), prompt, steps,
-                             ro, nullptr, ff)
+    REQUIRE(measure_fidelity(tb.model, full, spec_for(tb.model, Method::kTbeFirst, P + steps, 64, P), prompt, steps, ro,
+                             nullptr, ff)
                 .is_ok());
     std::printf("testbed %s: mean KL(full || tbe/64) K-means %.4f, first-K %.4f nats\n", p.id.c_str(), fk.mean_kl,
                 ff.mean_kl);
@@ -172,9 +172,9 @@ TEST_CASE("testbed: with the committed calibration, transitions fire case-1 step
     ro.bos_id = tb.tok.bos_id;
     ro.eos_id = tb.tok.eos_id;
     RunStats st;
-    REQUIRE(run_sequence(tb.model, spec_for(tb.model, Method::kThinKv, tb.model.config.seq_len, 512, P, cl), prompt,
-                         ro, st)
-                .is_ok());
+    REQUIRE(
+        run_sequence(tb.model, spec_for(tb.model, Method::kThinKv, tb.model.config.seq_len, 512, P, cl), prompt, ro, st)
+            .is_ok());
     transitions += st.cache_stats.transition_events;
     case1 += st.cache_stats.case1_steps;
     evicted += st.cache_stats.tokens_evicted;

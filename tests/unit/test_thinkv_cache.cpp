@@ -41,8 +41,8 @@ thinkv::ThinKvConfig small_config(CacheMode mode) {
 }
 
 // float64 attention of q rows over explicit tokens.
-std::vector<double> attention_f64(const float* q, int n_q, const std::vector<float>& k,
-                                  const std::vector<float>& v, int d, double scale) {
+std::vector<double> attention_f64(const float* q, int n_q, const std::vector<float>& k, const std::vector<float>& v,
+                                  int d, double scale) {
   const int n = static_cast<int>(k.size()) / d;
   std::vector<double> out(static_cast<std::size_t>(n_q * d), 0.0);
   for (int h = 0; h < n_q; ++h) {
@@ -57,7 +57,9 @@ std::vector<double> attention_f64(const float* q, int n_q, const std::vector<flo
     double l = 0;
     for (auto& x : s) l += (x = std::exp(x - m));
     for (int j = 0; j < n; ++j) {
-      for (int c = 0; c < d; ++c) out[static_cast<std::size_t>(h * d + c)] += s[static_cast<std::size_t>(j)] / l * v[static_cast<std::size_t>(j * d + c)];
+      for (int c = 0; c < d; ++c)
+        out[static_cast<std::size_t>(h * d + c)] +=
+            s[static_cast<std::size_t>(j)] / l * v[static_cast<std::size_t>(j * d + c)];
     }
   }
   return out;
@@ -66,9 +68,9 @@ std::vector<double> attention_f64(const float* q, int n_q, const std::vector<flo
 // Drives one step of one sequence with random K/V; the query scale `sharp` steers sparsity.
 // `after_layer0(q, out)`, when given, runs right after layer 0's attention, before end_token
 // (which may evict: the state the attention saw is only observable until then).
-thinkv::Status step(thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt19937& rng,
-                    const std::function<void(const std::vector<float>&, const std::vector<float>&)>&
-                        after_layer0 = {}) {
+thinkv::Status step(
+    thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt19937& rng,
+    const std::function<void(const std::vector<float>&, const std::vector<float>&)>& after_layer0 = {}) {
   const auto& c = cache.config();
   std::normal_distribution<float> normal;
   THINKV_RETURN_IF_ERROR(cache.begin_token(seq));
@@ -136,9 +138,8 @@ TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_ca
             for (int r = 0; r < table.staged_count(st); ++r) ++per_seg[table.staged_segment(st, r)];
             for (const auto& [id, n] : per_seg) {
               if (seg_by_id.count(id) && n != seg_by_id[id]->size) {
-                broken = "segment " + std::to_string(id) + " holds " + std::to_string(n) +
-                         " tokens in stream " + std::to_string(st) + ", plan says " +
-                         std::to_string(seg_by_id[id]->size);
+                broken = "segment " + std::to_string(id) + " holds " + std::to_string(n) + " tokens in stream " +
+                         std::to_string(st) + ", plan says " + std::to_string(seg_by_id[id]->size);
               }
             }
           }
@@ -160,8 +161,8 @@ TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_ca
       CHECK(cache.stats().tokens_evicted == 0);
       CHECK(m.hole_slots == 0);
     }
-    if (mode == CacheMode::kFull) CHECK(m.ratio() > 1.0);   // BF16 + metadata
-    if (mode == CacheMode::kTbq) CHECK(m.ratio() < 0.6);    // <= 4.5 bits/value + overheads at d=16
+    if (mode == CacheMode::kFull) CHECK(m.ratio() > 1.0);  // BF16 + metadata
+    if (mode == CacheMode::kTbq) CHECK(m.ratio() < 0.6);   // <= 4.5 bits/value + overheads at d=16
     // Thought types did vary (the test drives sharp and flat attention).
     if (mode != CacheMode::kFull && mode != CacheMode::kTbe) {
       const auto& hist = cache.tracker(0).stats().refresh_histogram;
@@ -170,8 +171,7 @@ TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_ca
   }
 }
 
-TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the cache kept",
-          "[thinkv_cache]") {
+TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the cache kept", "[thinkv_cache]") {
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed);
   std::mt19937 rng(seed);
@@ -493,9 +493,8 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   // Budget 160: always reachable here (open segment <= 64 + 4 per closed segment + staging).
   // Budget 64 = segment_len: unreachable whenever the open segment is nearly full.
-  const std::pair<CacheMode, int> runs[] = {{CacheMode::kFull, 0},   {CacheMode::kTbq, 0},
-                                            {CacheMode::kTbe, 160},  {CacheMode::kThinKv, 160},
-                                            {CacheMode::kTbe, 64},   {CacheMode::kThinKv, 64}};
+  const std::pair<CacheMode, int> runs[] = {{CacheMode::kFull, 0},     {CacheMode::kTbq, 0},  {CacheMode::kTbe, 160},
+                                            {CacheMode::kThinKv, 160}, {CacheMode::kTbe, 64}, {CacheMode::kThinKv, 64}};
   for (const auto& [mode, budget] : runs) {
     INFO("mode " << thinkv::to_string(mode) << " budget " << budget);
     std::mt19937 rng(seed);
@@ -571,7 +570,8 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
           for (int i = 0; i < table.staged_count(st); ++i) ++held[table.staged_segment(st, i)];
           for (const auto& [id, sg] : after_by_id) {
             const int n = held.count(id) ? held[id] : 0;
-            if (n != sg->size) diff.fail("stream ", st, " holds ", n, " tokens of segment ", id, "; the plan says ", sg->size);
+            if (n != sg->size)
+              diff.fail("stream ", st, " holds ", n, " tokens of segment ", id, "; the plan says ", sg->size);
           }
         }
         diff.merge(tt::check_cache(cache.paged(), model));
@@ -641,7 +641,7 @@ TEST_CASE("ThinKV first/last selection keeps each shrunk segment's first or last
           std::vector<std::int32_t> want;
           for (int i = 0; i < sg.size; ++i) {
             want.push_back(sel == thinkv::SegmentSelection::kFirst ? sg.start + i
-                                                                 : sg.start + cfg.segment_len - sg.size + i);
+                                                                   : sg.start + cfg.segment_len - sg.size + i);
           }
           INFO("segment " << sg.id << " start " << sg.start << " level " << sg.level << " stream " << st);
           REQUIRE(pos == want);

@@ -63,8 +63,8 @@ struct OracleSparsity {
   double value = 0.0;
   double tolerance = 0.0;
 };
-OracleSparsity oracle_sparsity(const std::vector<float>& q, const std::vector<std::vector<float>>& keys,
-                               int n_q, int n_kv, int d) {
+OracleSparsity oracle_sparsity(const std::vector<float>& q, const std::vector<std::vector<float>>& keys, int n_q,
+                               int n_kv, int d) {
   const int n = static_cast<int>(keys.size());
   const double log_threshold = std::log(0.01);
   double sum = 0.0, ambiguous = 0.0;
@@ -94,8 +94,7 @@ OracleSparsity oracle_sparsity(const std::vector<float>& q, const std::vector<st
 
 }  // namespace
 
-TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*",
-          "[classifier][cache]") {
+TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*", "[classifier][cache]") {
   TT_SEEDED_RNG();
   std::normal_distribution<float> normal;
   for (CacheMode mode : {CacheMode::kTbq, CacheMode::kThinKv, CacheMode::kFull}) {
@@ -124,8 +123,7 @@ TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*",
           CHECK(cache.wants_sparsity(seq, l) == (classifies && refresh && in_lstar(l)));
           REQUIRE(cache.attend(seq, l, q, out).is_ok());
         }
-        const std::vector<float> sp(cache.layer_sparsity(seq).begin(),
-                                    cache.layer_sparsity(seq).end());
+        const std::vector<float> sp(cache.layer_sparsity(seq).begin(), cache.layer_sparsity(seq).end());
         REQUIRE(static_cast<int>(sp.size()) == kLayers);
         float sum = 0.0f;
         for (int l = 0; l < kLayers; ++l) {
@@ -165,8 +163,7 @@ TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*",
   }
 }
 
-TEST_CASE("ThinKvCache records every layer's sparsity on every step when tracing, as defined",
-          "[classifier][cache]") {
+TEST_CASE("ThinKvCache records every layer's sparsity on every step when tracing, as defined", "[classifier][cache]") {
   TT_SEEDED_RNG();
   std::normal_distribution<float> normal;
   thinkv::ThinKvConfig c = signal_config(CacheMode::kFull);
@@ -189,18 +186,15 @@ TEST_CASE("ThinKvCache records every layer's sparsity on every step when tracing
       REQUIRE(cache.append(0, l, k, v).is_ok());
       REQUIRE(cache.attend(0, l, q, out).is_ok());
       std::vector<float> kb(k.size());
-      for (std::size_t i = 0; i < k.size(); ++i) {
-        kb[i] = thinkv::decode_bf16(thinkv::encode_bf16(k[i]));
-      }
+      for (std::size_t i = 0; i < k.size(); ++i) { kb[i] = thinkv::decode_bf16(thinkv::encode_bf16(k[i])); }
       stored[static_cast<std::size_t>(l)].push_back(std::move(kb));
       queries[l] = q;
     }
     for (int l = 0; l < kLayers; ++l) {
       const float s = cache.layer_sparsity(0)[static_cast<std::size_t>(l)];
-      const OracleSparsity o = oracle_sparsity(queries[l], stored[static_cast<std::size_t>(l)],
-                                               c.num_q_heads, c.num_kv_heads, c.head_dim);
-      INFO("position " << p << " layer " << l << " sparsity " << s << ", oracle " << o.value
-                       << " +- " << o.tolerance);
+      const OracleSparsity o =
+          oracle_sparsity(queries[l], stored[static_cast<std::size_t>(l)], c.num_q_heads, c.num_kv_heads, c.head_dim);
+      INFO("position " << p << " layer " << l << " sparsity " << s << ", oracle " << o.value << " +- " << o.tolerance);
       CHECK(std::abs(static_cast<double>(s) - o.value) <= o.tolerance);
       spread_min = std::min(spread_min, o.value);
       spread_max = std::max(spread_max, o.value);

@@ -139,11 +139,14 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
   const std::vector<Case> cases = {
       {"", "t.csv: the file is empty"},
       {"\n\n", "t.csv: the file is empty"},
-      {"prompt,step,l0\np,0,0.5\n", "t.csv:1: not a ThinKV sparsity trace: the first line must be '# thinkv-sparsity-trace v2', found 'prompt,step,l0'"},
+      {"prompt,step,l0\np,0,0.5\n",
+       "t.csv:1: not a ThinKV sparsity trace: the first line must be '# thinkv-sparsity-trace v2', found "
+       "'prompt,step,l0'"},
       {"# model: m\n", "t.csv:1: not a ThinKV sparsity trace"},
       {"# thinkv-sparsity-trace v3\n", "t.csv:1: unsupported trace version 'v3'"},
       {"# thinkv-sparsity-trace v1\n# model: m\n", "t.csv:1: trace version v1 has no end line"},
-      {"# thinkv-sparsity-trace v2\n# thinkv-sparsity-trace v2\n", "t.csv:2: the '# thinkv-sparsity-trace' line appears twice"},
+      {"# thinkv-sparsity-trace v2\n# thinkv-sparsity-trace v2\n",
+       "t.csv:2: the '# thinkv-sparsity-trace' line appears twice"},
       {"# thinkv-sparsity-trace v2\n# num_layers: 3\nprompt,step,l0,l1,l2\n", "t.csv:3: missing '# model:' header"},
       {h2 + "prompt,step,l0\n", "t.csv:3: missing '# num_layers:' header"},
       {h2, "t.csv: missing '# num_layers:' header"},
@@ -153,15 +156,20 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
       {h2 + "# num_layers: 99999999999999999999\n", "t.csv:3: num_layers '99999999999999999999' is not an integer"},
       {h2 + "# model: n\n", "t.csv:3: '# model:' is given twice"},
       {"# thinkv-sparsity-trace v2\n# model:\n", "t.csv:2: '# model:' has no name"},
-      {h2 + "# num_layers: 3\nprompt,step,l0,l1\n", "t.csv:4: the column header names 2 layers but '# num_layers:' says 3"},
+      {h2 + "# num_layers: 3\nprompt,step,l0,l1\n",
+       "t.csv:4: the column header names 2 layers but '# num_layers:' says 3"},
       {h2 + "# num_layers: 3\nprompt,step,l0,l2,l1\n", "t.csv:4: column 4 of the header is 'l2', expected 'l1'"},
-      {h2 + "# num_layers: 3\nid,step,l0,l1,l2\n", "t.csv:4: expected the column header line 'prompt,step,l0,l1,l2', found 'id,step,l0,l1,l2'"},
+      {h2 + "# num_layers: 3\nid,step,l0,l1,l2\n",
+       "t.csv:4: expected the column header line 'prompt,step,l0,l1,l2', found 'id,step,l0,l1,l2'"},
       {h2 + "# num_layers: 3\np,0,0.1,0.2,0.3\n", "t.csv:4: expected the column header line"},
       {kHead + "# model: late\n", "t.csv:5: '# model:' must come before the column header line"},
-      {kHead + "p,0,0.1,0.2\n", "t.csv:5: row has 4 columns, expected 5 (prompt, step and 3 layers); the trace is corrupt or truncated — re-record it"},
+      {kHead + "p,0,0.1,0.2\n",
+       "t.csv:5: row has 4 columns, expected 5 (prompt, step and 3 layers); the trace is corrupt or truncated — "
+       "re-record it"},
       {kHead + "p,0,0.1,0.2,0.3,0.4\n", "t.csv:5: row has 6 columns, expected 5"},
       {kHead + "p,0,0.1,0.2,0.3\np,1,0.1,0.", "t.csv:6: row has 4 columns"},  // truncated file
-      {kHead + "p,0,0.1,nan,0.3\n", "t.csv:5: layer 1 sparsity 'nan' is not a number in [0,1]; the trace is corrupt — re-record it"},
+      {kHead + "p,0,0.1,nan,0.3\n",
+       "t.csv:5: layer 1 sparsity 'nan' is not a number in [0,1]; the trace is corrupt — re-record it"},
       {kHead + "p,0,0.1,0.2,inf\n", "t.csv:5: layer 2 sparsity 'inf' is not a number in [0,1]"},
       {kHead + "p,0,-inf,0.2,0.3\n", "t.csv:5: layer 0 sparsity '-inf' is not a number in [0,1]"},
       {kHead + "p,0,1.5,0.2,0.3\n", "t.csv:5: layer 0 sparsity '1.5' is not a number in [0,1]"},
@@ -177,14 +185,17 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
       {kHead + ",0,0.1,0.2,0.3\n", "t.csv:5: empty prompt id"},
       {kHead + "p,3,0.1,0.2,0.3\nq,1,0.1,0.2,0.3\np,3,0.1,0.2,0.3\n",
        "t.csv:7: prompt 'p' step 3 does not follow its previous step 3 (line 5); steps must increase within a prompt"},
-      {kHead + "p,3,0.1,0.2,0.3\np,2,0.1,0.2,0.3\n", "t.csv:6: prompt 'p' step 2 does not follow its previous step 3 (line 5)"},
+      {kHead + "p,3,0.1,0.2,0.3\np,2,0.1,0.2,0.3\n",
+       "t.csv:6: prompt 'p' step 2 does not follow its previous step 3 (line 5)"},
       // The end line: a file cut at a row boundary, a wrong count, content after it, a bad form.
       {kHead + "p,0,0.1,0.2,0.3\n", "t.csv: no '# end: N rows' line after 1 rows: the file was cut short"},
       {kHead, "t.csv: no '# end: N rows' line after 0 rows"},
       {kHead + "p,0,0.1,0.2,0.3\n# end: 2 rows\n", "t.csv:6: the end line says 2 rows, but the file holds 1"},
-      {kHead + "p,0,0.1,0.2,0.3\n# end: 1 rows\np,1,0.1,0.2,0.3\n", "t.csv:7: content after the '# end:' line (line 6)"},
+      {kHead + "p,0,0.1,0.2,0.3\n# end: 1 rows\np,1,0.1,0.2,0.3\n",
+       "t.csv:7: content after the '# end:' line (line 6)"},
       {kHead + "p,0,0.1,0.2,0.3\n# end: one\n", "t.csv:6: the end line must read '# end: N rows'"},
-      {"# thinkv-sparsity-trace v2\n# model: m\n# end: 0 rows\n", "t.csv:3: the end line must read '# end: N rows' after the rows"},
+      {"# thinkv-sparsity-trace v2\n# model: m\n# end: 0 rows\n",
+       "t.csv:3: the end line must read '# end: N rows' after the rows"},
       // What the writer refuses, the reader refuses too, with the line.
       {"# thinkv-sparsity-trace v2\n# model: a\rb\n# num_layers: 3\n", "t.csv:2: the model name contains a line break"},
       {kHead + "a\rb,0,0.1,0.2,0.3\n", "t.csv:5: prompt id"},
@@ -198,8 +209,7 @@ TEST_CASE("trace: every reader error names file:line and what is wrong", "[trace
 
 TEST_CASE("trace: reading from a path", "[trace]") {
   TT_SEEDED_RNG();
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("thinkv_trace_test_" + std::to_string(rng() % 1000000000));
+  const auto dir = std::filesystem::temp_directory_path() / ("thinkv_trace_test_" + std::to_string(rng() % 1000000000));
   std::filesystem::create_directories(dir);
   const auto path = dir / "trace.csv";
   const SparsityTrace t = random_trace(rng, 4, 3, 50);

@@ -65,22 +65,19 @@ inline std::mt19937_64 make_rng(std::string_view name) {
 }
 
 /// Declares `rng` for the current test case and attaches the seed to every failure message.
-#define TT_SEEDED_RNG()                                                      \
+#define TT_SEEDED_RNG()                                                                       \
   [[maybe_unused]] auto rng = ::tt::make_rng(Catch::getResultCapture().getCurrentTestName()); \
   INFO("rerun with THINKV_TEST_SEED=" << ::tt::base_seed())
 
 inline int uniform_int(std::mt19937_64& rng, int lo, int hi) {  // [lo, hi]
   return std::uniform_int_distribution<int>(lo, hi)(rng);
 }
-inline double uniform01(std::mt19937_64& rng) {
-  return std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-}
+inline double uniform01(std::mt19937_64& rng) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng); }
 inline bool chance(std::mt19937_64& rng, double p) { return uniform01(rng) < p; }
 
 /// A random K or V row: normal values times a log-uniform magnitude in [2^-3, 2^3] (or the given
 /// magnitude), with a few outlier channels (x8) unless outliers is false; never all zero.
-inline std::vector<float> random_row(std::mt19937_64& rng, int d, double magnitude = 0.0,
-                                     bool outliers = true) {
+inline std::vector<float> random_row(std::mt19937_64& rng, int d, double magnitude = 0.0, bool outliers = true) {
   std::normal_distribution<double> n01(0.0, 1.0);
   if (magnitude <= 0.0) magnitude = std::exp2(std::uniform_real_distribution<double>(-3, 3)(rng));
   std::vector<float> x(static_cast<std::size_t>(d));
@@ -158,8 +155,8 @@ inline std::vector<float> model_quantize_group(Precision p, const std::vector<fl
   if (decode_e4m3(sc) * s2 * q < amax && sc < 0x7E) ++sc;  // an E4M3 ceiling
   const float scale = decode_e4m3(sc) * s2;
   for (std::size_t i = 0; i < n; ++i) {
-    const float e = p == Precision::kFp8E4M3 ? decode_e4m3(encode_e4m3(x[i] / scale))
-                                             : decode_e2m1(encode_e2m1(x[i] / scale));
+    const float e =
+        p == Precision::kFp8E4M3 ? decode_e4m3(encode_e4m3(x[i] / scale)) : decode_e2m1(encode_e2m1(x[i] / scale));
     out[i] = e * scale;
   }
   return out;
@@ -215,11 +212,11 @@ struct Diff {
     count += o.count;
   }
 };
-#define TT_REQUIRE_OK_DIFF(diff_expr)          \
-  do {                                         \
-    const ::tt::Diff tt_d_ = (diff_expr);      \
-    INFO(tt_d_.msg);                           \
-    REQUIRE(tt_d_.count == 0);                 \
+#define TT_REQUIRE_OK_DIFF(diff_expr)     \
+  do {                                    \
+    const ::tt::Diff tt_d_ = (diff_expr); \
+    INFO(tt_d_.msg);                      \
+    REQUIRE(tt_d_.count == 0);            \
   } while (0)
 
 // ---- the model ------------------------------------------------------------------------------
@@ -264,8 +261,8 @@ struct MPlacement {
   bool reused = false;
 };
 struct MStats {
-  std::int64_t commits = 0, slots_written = 0, slots_reused = 0, slots_evicted = 0,
-               blocks_allocated = 0, blocks_freed = 0, records_allocated = 0, records_freed = 0;
+  std::int64_t commits = 0, slots_written = 0, slots_reused = 0, slots_evicted = 0, blocks_allocated = 0,
+               blocks_freed = 0, records_allocated = 0, records_freed = 0;
 };
 
 /// Model of the CT cache. Placement follows docs/design.md ("Commit placement"); fresh block ids
@@ -274,8 +271,7 @@ struct MStats {
 class CtModel {
  public:
   explicit CtModel(const CacheConfig& c)
-      : cfg(c), D(c.head_dim), g(c.group_size), bs(c.block_size),
-        streams(static_cast<std::size_t>(c.num_streams)) {}
+      : cfg(c), D(c.head_dim), g(c.group_size), bs(c.block_size), streams(static_cast<std::size_t>(c.num_streams)) {}
 
   CacheConfig cfg;
   int D, g, bs;
@@ -349,8 +345,7 @@ class CtModel {
     }
     for (int b = 0; b < static_cast<int>(m.blocks.size()); ++b) {
       if (m.blocks[b].thought != t) continue;
-      for (int i = m.blocks[b].fill; i < bs && static_cast<int>(out.size()) < g; ++i)
-        out.push_back({b, i, false});
+      for (int i = m.blocks[b].fill; i < bs && static_cast<int>(out.size()) < g; ++i) out.push_back({b, i, false});
     }
     int fresh = 0;
     while (static_cast<int>(out.size()) < g) {
@@ -371,8 +366,7 @@ class CtModel {
     return StatusCode::kOk;
   }
 
-  void stage(int s, ThoughtType t, std::uint32_t seg, std::span<const float> k = {},
-             std::span<const float> v = {}) {
+  void stage(int s, ThoughtType t, std::uint32_t seg, std::span<const float> k = {}, std::span<const float> v = {}) {
     MStream& m = S(s);
     MStaged x;
     for (float f : k) x.k.push_back(bf16_round(f));
@@ -388,8 +382,7 @@ class CtModel {
   }
 
   /// The model's own group quantization of the staged group: fills k/v of `out` (g tokens).
-  void quantize_staged(int s, Precision p, std::vector<std::vector<float>>& ko,
-                       std::vector<std::vector<float>>& vo) {
+  void quantize_staged(int s, Precision p, std::vector<std::vector<float>>& ko, std::vector<std::vector<float>>& vo) {
     MStream& m = S(s);
     ko.assign(static_cast<std::size_t>(g), {});
     vo.assign(static_cast<std::size_t>(g), {});
@@ -524,8 +517,7 @@ class CtModel {
   [[nodiscard]] bool is_live(int s, SlotRef r) const {
     if (s < 0 || s >= cfg.num_streams) return false;
     for (const auto& b : S(s).blocks)
-      if (b.real == r.block)
-        return static_cast<int>(r.slot) < b.fill && !b.slots[r.slot].evicted;
+      if (b.real == r.block) return static_cast<int>(r.slot) < b.fill && !b.slots[r.slot].evicted;
     return false;
   }
 
@@ -632,10 +624,10 @@ class CtModel {
 
 inline std::string describe(const MemoryUsage& m) {
   std::ostringstream os;
-  os << "{live " << m.live_tokens << ", staged " << m.staged_tokens << ", holes " << m.hole_slots
-     << ", blocks " << m.blocks_held << ", records " << m.records_held << ", pages " << m.page_bytes
-     << ", meta " << m.metadata_bytes << ", rec " << m.scale_record_bytes << ", staging "
-     << m.staging_bytes << ", fullkv " << m.fullkv_fp16_bytes << "}";
+  os << "{live " << m.live_tokens << ", staged " << m.staged_tokens << ", holes " << m.hole_slots << ", blocks "
+     << m.blocks_held << ", records " << m.records_held << ", pages " << m.page_bytes << ", meta " << m.metadata_bytes
+     << ", rec " << m.scale_record_bytes << ", staging " << m.staging_bytes << ", fullkv " << m.fullkv_fp16_bytes
+     << "}";
   return os.str();
 }
 
@@ -644,22 +636,20 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
   Diff d;
   const BlockTableStats& ts = t.stats();
   const MStats& ms = m.st;
-  if (ts.commits != ms.commits || ts.slots_written != ms.slots_written ||
-      ts.slots_reused != ms.slots_reused || ts.slots_evicted != ms.slots_evicted ||
-      ts.blocks_allocated != ms.blocks_allocated || ts.blocks_freed != ms.blocks_freed ||
-      ts.records_allocated != ms.records_allocated || ts.records_freed != ms.records_freed) {
-    d.fail("stats differ: table commits/written/reused/evicted/balloc/bfree/ralloc/rfree = ",
-           ts.commits, "/", ts.slots_written, "/", ts.slots_reused, "/", ts.slots_evicted, "/",
-           ts.blocks_allocated, "/", ts.blocks_freed, "/", ts.records_allocated, "/",
-           ts.records_freed, " model ", ms.commits, "/", ms.slots_written, "/", ms.slots_reused,
-           "/", ms.slots_evicted, "/", ms.blocks_allocated, "/", ms.blocks_freed, "/",
-           ms.records_allocated, "/", ms.records_freed);
+  if (ts.commits != ms.commits || ts.slots_written != ms.slots_written || ts.slots_reused != ms.slots_reused ||
+      ts.slots_evicted != ms.slots_evicted || ts.blocks_allocated != ms.blocks_allocated ||
+      ts.blocks_freed != ms.blocks_freed || ts.records_allocated != ms.records_allocated ||
+      ts.records_freed != ms.records_freed) {
+    d.fail("stats differ: table commits/written/reused/evicted/balloc/bfree/ralloc/rfree = ", ts.commits, "/",
+           ts.slots_written, "/", ts.slots_reused, "/", ts.slots_evicted, "/", ts.blocks_allocated, "/",
+           ts.blocks_freed, "/", ts.records_allocated, "/", ts.records_freed, " model ", ms.commits, "/",
+           ms.slots_written, "/", ms.slots_reused, "/", ms.slots_evicted, "/", ms.blocks_allocated, "/",
+           ms.blocks_freed, "/", ms.records_allocated, "/", ms.records_freed);
   }
   // pools: free + held = capacity
   for (Precision p : kAllPrecisions) {
     const std::size_t want = m.pool_count(p) - static_cast<std::uint32_t>(m.held_blocks(p));
-    if (t.free_blocks(p) != want)
-      d.fail("free_blocks(", to_string(p), ") = ", t.free_blocks(p), ", model ", want);
+    if (t.free_blocks(p) != want) d.fail("free_blocks(", to_string(p), ") = ", t.free_blocks(p), ", model ", want);
   }
   if (t.record_capacity() != m.record_capacity())
     d.fail("record_capacity ", t.record_capacity(), ", model ", m.record_capacity());
@@ -682,19 +672,23 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
     for (int i = 0; i < static_cast<int>(want.size()); ++i) {
       if (!held.emplace(want[i], std::pair{s, i}).second) d.fail("block ", want[i], " held twice");
     }
-    if (t.live_slots(s) != m.live_count(s)) d.fail("stream ", s, " live ", t.live_slots(s), ", model ", m.live_count(s));
-    if (t.hole_slots(s) != m.hole_count(s)) d.fail("stream ", s, " holes ", t.hole_slots(s), ", model ", m.hole_count(s));
-    if (t.records_held(s) != m.records_of(s)) d.fail("stream ", s, " records ", t.records_held(s), ", model ", m.records_of(s));
+    if (t.live_slots(s) != m.live_count(s))
+      d.fail("stream ", s, " live ", t.live_slots(s), ", model ", m.live_count(s));
+    if (t.hole_slots(s) != m.hole_count(s))
+      d.fail("stream ", s, " holes ", t.hole_slots(s), ", model ", m.hole_count(s));
+    if (t.records_held(s) != m.records_of(s))
+      d.fail("stream ", s, " records ", t.records_held(s), ", model ", m.records_of(s));
     if (t.staged_count(s) != static_cast<int>(ms_.staged.size()))
       d.fail("stream ", s, " staged ", t.staged_count(s), ", model ", ms_.staged.size());
     if (!ms_.staged.empty() && t.staged_thought(s) != ms_.staged_thought)
       d.fail("stream ", s, " staged thought ", t.staged_thought(s), ", model ", ms_.staged_thought);
     for (int r = 0; r < static_cast<int>(ms_.staged.size()) && r < t.staged_count(s); ++r) {
       if (t.staged_position(s, r) != ms_.staged[r].pos || t.staged_segment(s, r) != ms_.staged[r].seg)
-        d.fail("stream ", s, " staged row ", r, " pos/seg ", t.staged_position(s, r), "/",
-               t.staged_segment(s, r), ", model ", ms_.staged[r].pos, "/", ms_.staged[r].seg);
+        d.fail("stream ", s, " staged row ", r, " pos/seg ", t.staged_position(s, r), "/", t.staged_segment(s, r),
+               ", model ", ms_.staged[r].pos, "/", ms_.staged[r].seg);
     }
-    if (t.next_position(s) != ms_.next_pos) d.fail("stream ", s, " next_position ", t.next_position(s), ", model ", ms_.next_pos);
+    if (t.next_position(s) != ms_.next_pos)
+      d.fail("stream ", s, " next_position ", t.next_position(s), ", model ", ms_.next_pos);
     const auto tl = t.live_slot_list(s);
     const auto ml = m.live_slots(s);
     if (tl != ml) d.fail("stream ", s, " live_slot_list differs (", tl.size(), " vs model ", ml.size(), ")");
@@ -729,8 +723,8 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
     std::vector<BlockTable::BlockSegment> want_segs;
     for (int i = 0; i < mb.fill; ++i) {
       if (mb.slots[i].evicted) continue;
-      auto it = std::find_if(want_segs.begin(), want_segs.end(),
-                             [&](const auto& x) { return x.segment == mb.slots[i].seg; });
+      auto it =
+          std::find_if(want_segs.begin(), want_segs.end(), [&](const auto& x) { return x.segment == mb.slots[i].seg; });
       if (it == want_segs.end()) {
         want_segs.push_back({mb.slots[i].seg, i, std::vector<std::uint64_t>(static_cast<std::size_t>(words), 0)});
         it = want_segs.end() - 1;
@@ -744,8 +738,8 @@ inline Diff check_table(const BlockTable& t, const CtModel& m) {
       if (t.is_live(r) == ms_.evicted) d.fail("slot {", b, ",", i, "} is_live ", t.is_live(r));
       if (ms_.evicted) continue;
       if (t.slot_position(r) != ms_.pos || t.slot_segment(r) != ms_.seg)
-        d.fail("slot {", b, ",", i, "} pos/seg ", t.slot_position(r), "/", t.slot_segment(r),
-               ", model ", ms_.pos, "/", ms_.seg);
+        d.fail("slot {", b, ",", i, "} pos/seg ", t.slot_position(r), "/", t.slot_segment(r), ", model ", ms_.pos, "/",
+               ms_.seg);
       const MGroup& gr = m.groups.at(ms_.group);
       if (t.slot_record(r) != gr.record)
         d.fail("slot {", b, ",", i, "} record ", t.slot_record(r), ", model ", gr.record);
@@ -833,16 +827,16 @@ inline std::vector<std::string> snapshot_table(const BlockTable& t) {
     out.push_back(os.str());
   };
   const auto& s = t.stats();
-  line("stats ", s.commits, " ", s.slots_written, " ", s.slots_reused, " ", s.slots_evicted, " ",
-       s.blocks_allocated, " ", s.blocks_freed, " ", s.records_allocated, " ", s.records_freed);
+  line("stats ", s.commits, " ", s.slots_written, " ", s.slots_reused, " ", s.slots_evicted, " ", s.blocks_allocated,
+       " ", s.blocks_freed, " ", s.records_allocated, " ", s.records_freed);
   for (Precision p : kAllPrecisions) line("free_blocks ", to_string(p), " ", t.free_blocks(p));
   line("free_records ", t.free_records());
   for (int st = 0; st < t.num_streams(); ++st) {
     std::ostringstream bl;
     for (auto b : t.blocks(st)) bl << b << " ";
     line("stream ", st, " blocks ", bl.str());
-    line("stream ", st, " live ", t.live_slots(st), " holes ", t.hole_slots(st), " records ",
-         t.records_held(st), " staged ", t.staged_count(st), " next ", t.next_position(st));
+    line("stream ", st, " live ", t.live_slots(st), " holes ", t.hole_slots(st), " records ", t.records_held(st),
+         " staged ", t.staged_count(st), " next ", t.next_position(st));
     if (t.staged_count(st) > 0) line("stream ", st, " staged thought ", t.staged_thought(st));
     for (int r = 0; r < t.staged_count(st); ++r)
       line("stream ", st, " staged ", r, " pos ", t.staged_position(st, r), " seg ", t.staged_segment(st, r));
@@ -853,8 +847,8 @@ inline std::vector<std::string> snapshot_table(const BlockTable& t) {
   for (std::uint32_t b = 0; b < t.pools().total; ++b) {
     std::ostringstream mk;
     for (auto w : t.evict_mask(b)) mk << std::hex << w << " ";
-    line("block ", b, " owner ", t.block_owner(b), " thought ", t.block_thought(b), " fill ",
-         t.block_fill(b), " live ", t.block_live(b), " mask ", mk.str());
+    line("block ", b, " owner ", t.block_owner(b), " thought ", t.block_thought(b), " fill ", t.block_fill(b), " live ",
+         t.block_live(b), " mask ", mk.str());
     for (int i = 0; i < t.block_fill(b); ++i) {
       const SlotRef r{b, static_cast<std::uint32_t>(i)};
       if (!t.is_live(r)) continue;
@@ -879,20 +873,24 @@ std::vector<std::string> snapshot_cache(const PagedKvCache<B>& c, bool include_r
     out.push_back("memory " + std::to_string(s) + " " + describe(c.memory(s)));
     for (SlotRef r : t.live_slot_list(s)) {
       const Status st = c.read_token(r, k, v);
-      out.push_back("token " + std::to_string(r.block) + ":" + std::to_string(r.slot) + " " +
-                    st.to_string() + " " + hex(k.data(), k.size() * 4) + " " + hex(v.data(), v.size() * 4));
+      out.push_back("token " + std::to_string(r.block) + ":" + std::to_string(r.slot) + " " + st.to_string() + " " +
+                    hex(k.data(), k.size() * 4) + " " + hex(v.data(), v.size() * 4));
     }
     for (int row = 0; row < t.staged_count(s); ++row) {
       const Status st = c.backend().read_staged(s, row, k.data(), v.data());
-      out.push_back("staged " + std::to_string(s) + ":" + std::to_string(row) + " " + st.to_string() +
-                    " " + hex(k.data(), k.size() * 4) + " " + hex(v.data(), v.size() * 4));
+      out.push_back("staged " + std::to_string(s) + ":" + std::to_string(row) + " " + st.to_string() + " " +
+                    hex(k.data(), k.size() * 4) + " " + hex(v.data(), v.size() * 4));
     }
   }
   out.push_back("memory total " + describe(c.memory()));
   const BackendStats bst = c.backend().stats();
-  out.push_back("backend stats " + std::to_string(bst.groups_quantized) + " " +
-                std::to_string(bst.scale_saturations) + " " + std::to_string(bst.bytes_allocated));
-  if constexpr (requires(const B& b) { b.page(0u); b.record_scales(0u); b.stream_scale(0, 0, Precision::kBf16); }) {
+  out.push_back("backend stats " + std::to_string(bst.groups_quantized) + " " + std::to_string(bst.scale_saturations) +
+                " " + std::to_string(bst.bytes_allocated));
+  if constexpr (requires(const B& b) {
+                  b.page(0u);
+                  b.record_scales(0u);
+                  b.stream_scale(0, 0, Precision::kBf16);
+                }) {
     if (!include_raw) return out;
     for (std::uint32_t b = 0; b < t.pools().total; ++b) {
       const auto pg = c.backend().page(b);
@@ -906,8 +904,8 @@ std::vector<std::string> snapshot_cache(const PagedKvCache<B>& c, bool include_r
       for (int kv = 0; kv < 2; ++kv)
         for (Precision p : kAllPrecisions) {
           const float x = c.backend().stream_scale(s, kv, p);
-          out.push_back("s2 " + std::to_string(s) + " " + std::to_string(kv) + " " +
-                        std::string(to_string(p)) + " " + hex(&x, 4));
+          out.push_back("s2 " + std::to_string(s) + " " + std::to_string(kv) + " " + std::string(to_string(p)) + " " +
+                        hex(&x, 4));
         }
   }
   return out;
@@ -926,11 +924,11 @@ inline std::string first_difference(const std::vector<std::string>& a, const std
     return "snapshot sizes differ: " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
   return {};
 }
-#define TT_REQUIRE_SAME_SNAPSHOT(before, after)                    \
-  do {                                                             \
+#define TT_REQUIRE_SAME_SNAPSHOT(before, after)                         \
+  do {                                                                  \
     const std::string tt_diff_ = ::tt::first_difference(before, after); \
-    INFO(tt_diff_);                                                \
-    REQUIRE(tt_diff_.empty());                                     \
+    INFO(tt_diff_);                                                     \
+    REQUIRE(tt_diff_.empty());                                          \
   } while (0)
 
 // ---- drivers ----------------------------------------------------------------------------------
@@ -950,8 +948,8 @@ inline std::vector<SlotRef> slots_of_positions(const BlockTable& t, int s, std::
 /// error the model is left unchanged.
 /// Mirrors into the model one token the implementation has appended to stream s: stages it and,
 /// when the group is full, commits it where the table put it (found through the positions).
-inline void mirror_append(const BlockTable& t, CtModel& m, int s, std::span<const float> k,
-                          std::span<const float> v, ThoughtType th, std::uint32_t seg, Diff& d) {
+inline void mirror_append(const BlockTable& t, CtModel& m, int s, std::span<const float> k, std::span<const float> v,
+                          ThoughtType th, std::uint32_t seg, Diff& d) {
   m.stage(s, th, seg, k, v);
   if (static_cast<int>(m.S(s).staged.size()) == m.g) {
     std::vector<std::int32_t> pos;
@@ -959,15 +957,14 @@ inline void mirror_append(const BlockTable& t, CtModel& m, int s, std::span<cons
     const auto real = slots_of_positions(t, s, pos);
     const std::uint32_t rec = real[0].block == kNoBlock ? kNoRecord : t.slot_record(real[0]);
     for (SlotRef r : real)
-      if (r.block != kNoBlock && t.slot_record(r) != rec)
-        d.fail("the slots of one group name different records");
+      if (r.block != kNoBlock && t.slot_record(r) != rec) d.fail("the slots of one group name different records");
     m.commit(s, real, rec, d);
   }
 }
 
 template <class B>
-Status append_both(PagedKvCache<B>& c, CtModel& m, int s, std::span<const float> k,
-                   std::span<const float> v, ThoughtType t, std::uint32_t seg, Diff& d) {
+Status append_both(PagedKvCache<B>& c, CtModel& m, int s, std::span<const float> k, std::span<const float> v,
+                   ThoughtType t, std::uint32_t seg, Diff& d) {
   const Status st = c.append(s, k, v, t, seg);
   if (st.is_ok()) mirror_append(c.table(), m, s, k, v, t, seg, d);
   return st;
@@ -997,8 +994,8 @@ struct OpCounts {
 /// (with probability reset_p) stream resets. A full pool must be predicted by the model. With
 /// check_each, the whole cache is compared with the model after every operation.
 template <class B>
-void random_ops(PagedKvCache<B>& c, CtModel& m, std::mt19937_64& rng, int n_ops, Diff& d,
-                OpCounts& n, double reset_p = 0.02, bool check_each = true) {
+void random_ops(PagedKvCache<B>& c, CtModel& m, std::mt19937_64& rng, int n_ops, Diff& d, OpCounts& n,
+                double reset_p = 0.02, bool check_each = true) {
   const int g = m.g;
   for (int op = 0; op < n_ops && d.ok(); ++op) {
     const int s = uniform_int(rng, 0, m.cfg.num_streams - 1);
@@ -1048,8 +1045,8 @@ void random_ops(PagedKvCache<B>& c, CtModel& m, std::mt19937_64& rng, int n_ops,
 // ---- float64 attention ----------------------------------------------------------------------
 
 /// out[c] = sum_j softmax(scale * q.k_j)_j v_jc in float64.
-inline std::vector<double> attend64(const float* q, const std::vector<float>& k, const std::vector<float>& v,
-                                    int d, double scale) {
+inline std::vector<double> attend64(const float* q, const std::vector<float>& k, const std::vector<float>& v, int d,
+                                    double scale) {
   const int n = static_cast<int>(k.size() / static_cast<std::size_t>(d));
   std::vector<double> s(static_cast<std::size_t>(n));
   double mx = -INFINITY;
@@ -1077,8 +1074,8 @@ inline std::vector<double> attend64(const float* q, const std::vector<float>& k,
 ///  - the two sums over n tokens (gamma_n each) and the final division (u).
 /// A relative weight perturbation delta moves a convex combination by <= 2 delta/(1-delta) *
 /// max|v|. The result is doubled as a safety margin.
-inline double attention_error_bound(const float* q, const std::vector<float>& k, const std::vector<float>& v,
-                                    int d, double scale) {
+inline double attention_error_bound(const float* q, const std::vector<float>& k, const std::vector<float>& v, int d,
+                                    double scale) {
   const double u = std::ldexp(1.0, -24);
   const int n = static_cast<int>(k.size() / static_cast<std::size_t>(d));
   auto gamma = [&](double m) { return m * u / (1 - m * u); };

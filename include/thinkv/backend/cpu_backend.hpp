@@ -44,8 +44,7 @@ class CpuKvBackend {
     }
     const auto rec = static_cast<std::size_t>(effective_record_capacity(config));
     records_.assign(rec * static_cast<std::size_t>(config.head_dim), 0xA5);
-    staging_.assign(static_cast<std::size_t>(config.num_streams) * 2 * config.group_size *
-                        config.head_dim, 0);
+    staging_.assign(static_cast<std::size_t>(config.num_streams) * 2 * config.group_size * config.head_dim, 0);
     s2_.assign(static_cast<std::size_t>(config.num_streams) * 2 * kNumPrecisions, 0.0f);
     bytes += static_cast<std::int64_t>(records_.size() + staging_.size() * 2 + s2_.size() * 4);
     stats_.bytes_allocated = bytes;
@@ -150,8 +149,8 @@ class CpuKvBackend {
 
   [[nodiscard]] Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const {
     if (slot.block >= pools_.total || slot.slot >= static_cast<std::uint32_t>(config_.block_size)) {
-      return {StatusCode::kOutOfRange, "slot {block " + std::to_string(slot.block) + ", slot " +
-                                           std::to_string(slot.slot) + "} does not exist"};
+      return {StatusCode::kOutOfRange,
+              "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} does not exist"};
     }
     const int d = config_.head_dim;
     const Precision p = pools_.precision_of(slot.block);
@@ -164,9 +163,8 @@ class CpuKvBackend {
     const std::int32_t owner = table.block_owner(slot.block);
     const std::uint32_t r = table.slot_record(slot);
     if (owner == kNoStream || r == kNoRecord) {
-      return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(slot.block) +
-                                                ", slot " + std::to_string(slot.slot) +
-                                                "} holds no token"};
+      return {StatusCode::kInvalidArgument,
+              "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
     }
     // 0 (unset) only when every group so far was all zero: their codes decode to 0 for any s2.
     dequantize_token(p, kr, vr, value_scales_ptr(slot), records_.data() + static_cast<std::size_t>(r) * d,
@@ -180,8 +178,8 @@ class CpuKvBackend {
   /// tables (bit-identical; tests compare against dequantize()). Device backends call it on bytes
   /// they copied back, so every backend reads tokens exactly as this one does.
   static void dequantize_token(Precision p, const std::uint8_t* kr, const std::uint8_t* vr,
-                               const std::uint8_t* value_scales, const std::uint8_t* key_scales,
-                               float s2k, float s2v, int d, int g, float* k, float* v) {
+                               const std::uint8_t* value_scales, const std::uint8_t* key_scales, float s2k, float s2v,
+                               int d, int g, float* k, float* v) {
     if (p == Precision::kBf16) {
       for (int c = 0; c < d; ++c) {
         k[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
@@ -212,19 +210,17 @@ class CpuKvBackend {
     for (int h = 0; h < args.num_kv_heads; ++h) {
       const int s = args.kv_streams[h];
       if (table.live_slots(s) + table.staged_count(s) == 0) {
-        return {StatusCode::kInvalidArgument,
-                "stream " + std::to_string(s) + " holds no token to attend to"};
+        return {StatusCode::kInvalidArgument, "stream " + std::to_string(s) + " holds no token to attend to"};
       }
     }
-    const float scale =
-        args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const float scale = args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
     const int group = args.num_q_heads / args.num_kv_heads;
     std::vector<float> k, v;
     for (int h = 0; h < args.num_kv_heads; ++h) {
       THINKV_RETURN_IF_ERROR(gather(table, args.kv_streams[h], k, v));
       const int n = static_cast<int>(k.size() / static_cast<std::size_t>(d));
-      reference::attend_tokens(args.q + static_cast<std::ptrdiff_t>(h) * group * d, group, k.data(),
-                               v.data(), n, d, scale, args.out + static_cast<std::ptrdiff_t>(h) * group * d,
+      reference::attend_tokens(args.q + static_cast<std::ptrdiff_t>(h) * group * d, group, k.data(), v.data(), n, d,
+                               scale, args.out + static_cast<std::ptrdiff_t>(h) * group * d,
                                args.sparsity ? args.sparsity + static_cast<std::ptrdiff_t>(h) * group : nullptr);
     }
     return Status::ok();
@@ -232,8 +228,7 @@ class CpuKvBackend {
 
   /// Dequantized K and V ([n, head_dim] each) of a stream's live slots then staged tokens, in
   /// attention order.
-  [[nodiscard]] Status gather(const BlockTable& table, int stream, std::vector<float>& k,
-                              std::vector<float>& v) const {
+  [[nodiscard]] Status gather(const BlockTable& table, int stream, std::vector<float>& k, std::vector<float>& v) const {
     const int d = config_.head_dim;
     const auto slots = table.live_slot_list(stream);
     const int staged = table.staged_count(stream);
@@ -254,9 +249,7 @@ class CpuKvBackend {
 
   /// Second-level scale of (stream, K = 0 / V = 1, precision); 0 until the stream's first group of
   /// that precision is committed.
-  [[nodiscard]] float stream_scale(int stream, int kv, Precision p) const {
-    return s2_[s2_index(stream, kv, p)];
-  }
+  [[nodiscard]] float stream_scale(int stream, int kv, Precision p) const { return s2_[s2_index(stream, kv, p)]; }
   /// Raw bytes of a block's page (for tests and debugging).
   [[nodiscard]] std::span<const std::uint8_t> page(std::uint32_t block) const {
     const Precision p = pools_.precision_of(block);
@@ -298,8 +291,7 @@ class CpuKvBackend {
            ((static_cast<std::size_t>(stream) * 2 + kv) * config_.group_size + row) * config_.head_dim;
   }
   [[nodiscard]] std::size_t page_offset(std::uint32_t block) const {
-    return pools_.local_index(block) *
-           static_cast<std::size_t>(layout_.page_bytes(pools_.precision_of(block)));
+    return pools_.local_index(block) * static_cast<std::size_t>(layout_.page_bytes(pools_.precision_of(block)));
   }
   [[nodiscard]] const std::uint8_t* row_ptr(SlotRef s, int kv) const {
     const Precision p = pools_.precision_of(s.block);
@@ -307,9 +299,7 @@ class CpuKvBackend {
     return pages_[static_cast<int>(p)].data() + page_offset(s.block) +
            (static_cast<std::size_t>(kv) * config_.block_size + s.slot) * rb;
   }
-  std::uint8_t* row_ptr(SlotRef s, int kv) {
-    return const_cast<std::uint8_t*>(std::as_const(*this).row_ptr(s, kv));
-  }
+  std::uint8_t* row_ptr(SlotRef s, int kv) { return const_cast<std::uint8_t*>(std::as_const(*this).row_ptr(s, kv)); }
   [[nodiscard]] const std::uint8_t* value_scales_ptr(SlotRef s) const {
     const Precision p = pools_.precision_of(s.block);
     const std::size_t rb = static_cast<std::size_t>(layout_.row_bytes(p));

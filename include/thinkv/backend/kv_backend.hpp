@@ -39,10 +39,9 @@ struct BackendStats {
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
 /// is host memory.
 template <class B>
-concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, int stream, int row,
-                              const float* k, const float* v, float* k_out, float* v_out,
-                              const CommitPlan& plan, const BlockTable& table, SlotRef slot,
-                              const DecodeAttentionArgs& args) {
+concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, int stream, int row, const float* k,
+                              const float* v, float* k_out, float* v_out, const CommitPlan& plan,
+                              const BlockTable& table, SlotRef slot, const DecodeAttentionArgs& args) {
   { cb.name() } -> std::convertible_to<std::string_view>;
   /// Allocates every pool for `config` (already validated).
   { b.init(config) } -> std::same_as<Status>;
@@ -70,11 +69,9 @@ class KvBackend {
   [[nodiscard]] virtual Status stage(int stream, int row, const float* k, const float* v) = 0;
   [[nodiscard]] virtual Status commit(const CommitPlan& plan) = 0;
   [[nodiscard]] virtual Status reset_stream(int stream) = 0;
-  [[nodiscard]] virtual Status read_token(const BlockTable& table, SlotRef slot, float* k,
-                                          float* v) const = 0;
+  [[nodiscard]] virtual Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const = 0;
   [[nodiscard]] virtual Status read_staged(int stream, int row, float* k, float* v) const = 0;
-  [[nodiscard]] virtual Status attend(const BlockTable& table,
-                                      const DecodeAttentionArgs& args) const = 0;
+  [[nodiscard]] virtual Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const = 0;
   [[nodiscard]] virtual BackendStats stats() const = 0;
 };
 
@@ -91,12 +88,8 @@ class BackendModel final : public KvBackend {
   Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const override {
     return b_.read_token(t, s, k, v);
   }
-  Status read_staged(int s, int r, float* k, float* v) const override {
-    return b_.read_staged(s, r, k, v);
-  }
-  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const override {
-    return b_.attend(t, a);
-  }
+  Status read_staged(int s, int r, float* k, float* v) const override { return b_.read_staged(s, r, k, v); }
+  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const override { return b_.attend(t, a); }
   BackendStats stats() const override { return b_.stats(); }
   [[nodiscard]] B& get() noexcept { return b_; }
   [[nodiscard]] const B& get() const noexcept { return b_; }
@@ -118,9 +111,7 @@ class DynamicBackend {
   Status stage(int s, int r, const float* k, const float* v) { return impl_->stage(s, r, k, v); }
   Status commit(const CommitPlan& p) { return impl_->commit(p); }
   Status reset_stream(int s) { return impl_->reset_stream(s); }
-  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const {
-    return impl_->read_token(t, s, k, v);
-  }
+  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const { return impl_->read_token(t, s, k, v); }
   Status read_staged(int s, int r, float* k, float* v) const { return impl_->read_staged(s, r, k, v); }
   Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const { return impl_->attend(t, a); }
   BackendStats stats() const { return impl_->stats(); }

@@ -67,13 +67,13 @@ constexpr std::string_view to_string(DenseMethod m) noexcept {
 struct DenseKvConfig {
   CacheShape shape{};
   DenseMethod method = DenseMethod::kFullKv;
-  int max_tokens = 4096;     ///< positions per sequence
-  int token_budget = 0;      ///< live tokens per stream after every step (all methods but FullKV)
-  int sink_tokens = 4;       ///< StreamingLLM: attention sinks kept at the start
-  float heavy_ratio = 0.5f;  ///< H2O: share of the budget for heavy hitters (the rest is recent)
-  int rkv_buffer = 128;      ///< R-KV: new tokens between compressions
-  int rkv_window = 8;        ///< R-KV: queries that score importance; the newest tokens kept
-  float rkv_lambda = 0.1f;   ///< R-KV: weight of importance against redundancy
+  int max_tokens = 4096;       ///< positions per sequence
+  int token_budget = 0;        ///< live tokens per stream after every step (all methods but FullKV)
+  int sink_tokens = 4;         ///< StreamingLLM: attention sinks kept at the start
+  float heavy_ratio = 0.5f;    ///< H2O: share of the budget for heavy hitters (the rest is recent)
+  int rkv_buffer = 128;        ///< R-KV: new tokens between compressions
+  int rkv_window = 8;          ///< R-KV: queries that score importance; the newest tokens kept
+  float rkv_lambda = 0.1f;     ///< R-KV: weight of importance against redundancy
   float softmax_scale = 0.0f;  ///< 0 = 1/sqrt(head_dim)
   /// Positions never evicted and not counted against the budget (the prompt, in the decode-stage
   /// setting); 0 = none. The same meaning as ThinKvConfig::pinned_prefix.
@@ -110,7 +110,8 @@ struct DenseKvConfig {
                  std::to_string(max_tokens) + ")");
     }
     if (!evicts()) {
-      if (token_budget != 0) return bad(m + ": token_budget " + std::to_string(token_budget) + " must be 0 (FullKV keeps every token)");
+      if (token_budget != 0)
+        return bad(m + ": token_budget " + std::to_string(token_budget) + " must be 0 (FullKV keeps every token)");
     } else if (token_budget < 1 || token_budget > (1 << 24)) {
       return bad(m + ": token_budget " + std::to_string(token_budget) + " is out of range; allowed: 1..16777216");
     }
@@ -182,8 +183,8 @@ class DenseKvCache {
   [[nodiscard]] Status begin_token(int seq) {
     THINKV_RETURN_IF_ERROR(protocol_.check_begin(seq));
     if (protocol_.position(seq) >= config_.max_tokens) {
-      return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
-                                           std::to_string(config_.max_tokens)};
+      return {StatusCode::kOutOfRange,
+              "sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
     }
     protocol_.mark_begin(seq);
     Seq& q = seqs_[static_cast<std::size_t>(seq)];
@@ -197,12 +198,13 @@ class DenseKvCache {
     THINKV_RETURN_IF_ERROR(protocol_.check_append(seq, layer));
     const CacheShape& sh = config_.shape;
     if (k.size() != sh.kv_size() || v.size() != sh.kv_size()) {
-      return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
-                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
-                                              " values; expected num_kv_heads * head_dim = " +
-                                              std::to_string(sh.kv_size())};
+      return {StatusCode::kShapeMismatch,
+              "append layer " + std::to_string(layer) + ": k has " + std::to_string(k.size()) + " and v has " +
+                  std::to_string(v.size()) +
+                  " values; expected num_kv_heads * head_dim = " + std::to_string(sh.kv_size())};
     }
-    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer) + " of sequence " + std::to_string(seq),
+    THINKV_RETURN_IF_ERROR(check_kv_values(k, v,
+                                           "layer " + std::to_string(layer) + " of sequence " + std::to_string(seq),
                                            kFp16Max, "the largest FP16 value, 65504"));
     for (int h = 0; h < sh.num_kv_heads; ++h) {
       if (streams_[static_cast<std::size_t>(stream_of(seq, layer, h))].free.empty()) {
@@ -235,13 +237,14 @@ class DenseKvCache {
     THINKV_RETURN_IF_ERROR(protocol_.check_attend(seq, layer));
     const CacheShape& sh = config_.shape;
     if (q.size() != sh.q_size() || out.size() != sh.q_size()) {
-      return {StatusCode::kShapeMismatch, "attend layer " + std::to_string(layer) +
-                                              ": q and out need num_q_heads * head_dim = " +
-                                              std::to_string(sh.q_size()) + " floats"};
+      return {StatusCode::kShapeMismatch,
+              "attend layer " + std::to_string(layer) +
+                  ": q and out need num_q_heads * head_dim = " + std::to_string(sh.q_size()) + " floats"};
     }
     for (float x : q) {
       if (!std::isfinite(x)) {
-        return {StatusCode::kNonFinite, "attend layer " + std::to_string(layer) + ": the query holds a non-finite value"};
+        return {StatusCode::kNonFinite,
+                "attend layer " + std::to_string(layer) + ": the query holds a non-finite value"};
       }
     }
     Seq& sq = seqs_[static_cast<std::size_t>(seq)];
@@ -255,11 +258,12 @@ class DenseKvCache {
       const int n = static_cast<int>(slots_.size());
       const bool score = first && config_.method == DenseMethod::kH2o;
       prob_.assign(score ? slots_.size() : 0, 0.0f);
-      reference::attend_tokens(q.data() + static_cast<std::ptrdiff_t>(h) * group * d, group, kf_.data(), vf_.data(),
-                               n, d, scale, out.data() + static_cast<std::ptrdiff_t>(h) * group * d, nullptr,
+      reference::attend_tokens(q.data() + static_cast<std::ptrdiff_t>(h) * group * d, group, kf_.data(), vf_.data(), n,
+                               d, scale, out.data() + static_cast<std::ptrdiff_t>(h) * group * d, nullptr,
                                score ? prob_.data() : nullptr);
       if (score) {
-        for (int j = 0; j < n; ++j) s.score[static_cast<std::size_t>(slots_[static_cast<std::size_t>(j)])] += prob_[static_cast<std::size_t>(j)];
+        for (int j = 0; j < n; ++j)
+          s.score[static_cast<std::size_t>(slots_[static_cast<std::size_t>(j)])] += prob_[static_cast<std::size_t>(j)];
       }
     }
     if (config_.method == DenseMethod::kRkv) {  // the query joins the observation window
@@ -342,7 +346,8 @@ class DenseKvCache {
     return out;
   }
   /// The stored (FP16-rounded) key and value of a live position, false when it is not live.
-  bool read_token(int seq, int layer, int kv_head, std::int32_t position, std::span<float> k, std::span<float> v) const {
+  bool read_token(int seq, int layer, int kv_head, std::int32_t position, std::span<float> k,
+                  std::span<float> v) const {
     const Stream& s = streams_[static_cast<std::size_t>(stream_of(seq, layer, kv_head))];
     const std::size_t d = static_cast<std::size_t>(config_.shape.head_dim);
     for (std::size_t j = 0; j < s.pos.size(); ++j) {
@@ -440,7 +445,8 @@ class DenseKvCache {
           int victim = -1;
           for (std::size_t j = 0; j < s.pos.size(); ++j) {
             const std::int32_t p = s.pos[j];
-            if (p >= std::max(config_.sink_tokens, first) && (victim < 0 || p < s.pos[static_cast<std::size_t>(victim)])) {
+            if (p >= std::max(config_.sink_tokens, first) &&
+                (victim < 0 || p < s.pos[static_cast<std::size_t>(victim)])) {
               victim = static_cast<int>(j);
             }
           }
@@ -493,7 +499,8 @@ class DenseKvCache {
     const int window = std::min(config_.rkv_window, pos + 1);
     for (int w = 0; w < window; ++w) {
       const float* qw = sq.queries.data() +
-                        (static_cast<std::size_t>(layer) * config_.rkv_window + static_cast<std::size_t>((pos - w) % config_.rkv_window)) *
+                        (static_cast<std::size_t>(layer) * config_.rkv_window +
+                         static_cast<std::size_t>((pos - w) % config_.rkv_window)) *
                             sh.q_size() +
                         static_cast<std::size_t>(kv_head) * group * d;
       reference::attend_tokens(qw, group, kf_.data(), vf_.data(), n, d, softmax_scale(), out.data(), nullptr,
@@ -504,15 +511,18 @@ class DenseKvCache {
     std::vector<float> unit(kf_.size());
     for (int j = 0; j < n; ++j) {
       float nn = 0.0f;
-      for (int c = 0; c < d; ++c) nn += kf_[static_cast<std::size_t>(j * d + c)] * kf_[static_cast<std::size_t>(j * d + c)];
+      for (int c = 0; c < d; ++c)
+        nn += kf_[static_cast<std::size_t>(j * d + c)] * kf_[static_cast<std::size_t>(j * d + c)];
       const float inv = nn > 0.0f ? 1.0f / std::sqrt(nn) : 0.0f;
-      for (int c = 0; c < d; ++c) unit[static_cast<std::size_t>(j * d + c)] = kf_[static_cast<std::size_t>(j * d + c)] * inv;
+      for (int c = 0; c < d; ++c)
+        unit[static_cast<std::size_t>(j * d + c)] = kf_[static_cast<std::size_t>(j * d + c)] * inv;
     }
     std::vector<float> redundancy(static_cast<std::size_t>(n), 0.0f);
     for (int i = 0; i < n; ++i) {
       for (int j = i + 1; j < n; ++j) {
         float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += unit[static_cast<std::size_t>(i * d + c)] * unit[static_cast<std::size_t>(j * d + c)];
+        for (int c = 0; c < d; ++c)
+          dot += unit[static_cast<std::size_t>(i * d + c)] * unit[static_cast<std::size_t>(j * d + c)];
         redundancy[static_cast<std::size_t>(i)] += dot;
         redundancy[static_cast<std::size_t>(j)] += dot;
       }
@@ -542,7 +552,8 @@ class DenseKvCache {
     std::sort(order.begin(), order.end(), [&](int a, int b) {
       const bool na = p_of(a) >= newest_from || p_of(a) < first, nb = p_of(b) >= newest_from || p_of(b) < first;
       if (na != nb) return na;
-      if (z[static_cast<std::size_t>(a)] != z[static_cast<std::size_t>(b)]) return z[static_cast<std::size_t>(a)] > z[static_cast<std::size_t>(b)];
+      if (z[static_cast<std::size_t>(a)] != z[static_cast<std::size_t>(b)])
+        return z[static_cast<std::size_t>(a)] > z[static_cast<std::size_t>(b)];
       return p_of(a) < p_of(b);
     });
     const int keep = std::min(n, budget);

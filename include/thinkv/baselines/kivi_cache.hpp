@@ -34,10 +34,10 @@ namespace thinkv {
 
 struct KiviConfig {
   CacheShape shape{};
-  int max_tokens = 4096;   ///< positions per sequence
-  int bits = 2;            ///< 2 (KIVI-2) or 4 (KIVI-4)
-  int group_size = 32;     ///< tokens per key group (per channel), channels per value group
-  int residual = 32;       ///< FP16 residual length R, a multiple of group_size
+  int max_tokens = 4096;       ///< positions per sequence
+  int bits = 2;                ///< 2 (KIVI-2) or 4 (KIVI-4)
+  int group_size = 32;         ///< tokens per key group (per channel), channels per value group
+  int residual = 32;           ///< FP16 residual length R, a multiple of group_size
   float softmax_scale = 0.0f;  ///< 0 = 1/sqrt(head_dim)
 
   [[nodiscard]] Status validate() const {
@@ -56,16 +56,18 @@ struct KiviConfig {
     }
     if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale))
       return bad("kivi: softmax_scale " + std::to_string(softmax_scale) + " must be finite and >= 0");
-    const std::int64_t elems = std::int64_t{max_tokens} * shape.num_sequences * shape.streams_per_sequence() * shape.head_dim;
-    if (elems > (std::int64_t{1} << 40)) return bad("kivi: the cache would reserve too much; lower max_tokens or num_sequences");
+    const std::int64_t elems =
+        std::int64_t{max_tokens} * shape.num_sequences * shape.streams_per_sequence() * shape.head_dim;
+    if (elems > (std::int64_t{1} << 40))
+      return bad("kivi: the cache would reserve too much; lower max_tokens or num_sequences");
     return Status::ok();
   }
 };
 
 /// One KIVI group's asymmetric quantization (exposed for tests): codes of x[i * stride] for i in
 /// [0, n) into `codes` (one code per byte) and the FP16 min and scale.
-inline void kivi_quantize_group(const float* x, int stride, int n, int bits, std::uint8_t* codes,
-                                std::uint16_t& min16, std::uint16_t& scale16) {
+inline void kivi_quantize_group(const float* x, int stride, int n, int bits, std::uint8_t* codes, std::uint16_t& min16,
+                                std::uint16_t& scale16) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < n; ++i) {
     mn = std::min(mn, x[i * stride]);
@@ -118,8 +120,8 @@ class KiviCache {
   [[nodiscard]] Status begin_token(int seq) {
     THINKV_RETURN_IF_ERROR(protocol_.check_begin(seq));
     if (protocol_.position(seq) >= config_.max_tokens) {
-      return {StatusCode::kOutOfRange, "sequence " + std::to_string(seq) + " reached max_tokens " +
-                                           std::to_string(config_.max_tokens)};
+      return {StatusCode::kOutOfRange,
+              "sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
     }
     protocol_.mark_begin(seq);
     return Status::ok();
@@ -130,11 +132,13 @@ class KiviCache {
     THINKV_RETURN_IF_ERROR(protocol_.check_append(seq, layer));
     const CacheShape& sh = config_.shape;
     if (k.size() != sh.kv_size() || v.size() != sh.kv_size()) {
-      return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " + std::to_string(k.size()) +
-                                              " and v has " + std::to_string(v.size()) +
-                                              " values; expected num_kv_heads * head_dim = " + std::to_string(sh.kv_size())};
+      return {StatusCode::kShapeMismatch,
+              "append layer " + std::to_string(layer) + ": k has " + std::to_string(k.size()) + " and v has " +
+                  std::to_string(v.size()) +
+                  " values; expected num_kv_heads * head_dim = " + std::to_string(sh.kv_size())};
     }
-    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer) + " of sequence " + std::to_string(seq),
+    THINKV_RETURN_IF_ERROR(check_kv_values(k, v,
+                                           "layer " + std::to_string(layer) + " of sequence " + std::to_string(seq),
                                            kFp16Max, "the largest FP16 value, 65504"));
     const std::size_t d = static_cast<std::size_t>(sh.head_dim);
     const std::int32_t pos = protocol_.position(seq);
@@ -160,13 +164,14 @@ class KiviCache {
     THINKV_RETURN_IF_ERROR(protocol_.check_attend(seq, layer));
     const CacheShape& sh = config_.shape;
     if (q.size() != sh.q_size() || out.size() != sh.q_size()) {
-      return {StatusCode::kShapeMismatch, "attend layer " + std::to_string(layer) +
-                                              ": q and out need num_q_heads * head_dim = " + std::to_string(sh.q_size()) +
-                                              " floats"};
+      return {StatusCode::kShapeMismatch,
+              "attend layer " + std::to_string(layer) +
+                  ": q and out need num_q_heads * head_dim = " + std::to_string(sh.q_size()) + " floats"};
     }
     for (float x : q) {
       if (!std::isfinite(x)) {
-        return {StatusCode::kNonFinite, "attend layer " + std::to_string(layer) + ": the query holds a non-finite value"};
+        return {StatusCode::kNonFinite,
+                "attend layer " + std::to_string(layer) + ": the query holds a non-finite value"};
       }
     }
     const int d = sh.head_dim, group = sh.num_q_heads / sh.num_kv_heads;
@@ -180,8 +185,8 @@ class KiviCache {
         read_key(s, j, kf_.data() + static_cast<std::size_t>(j) * d);
         read_value(s, j, n, vf_.data() + static_cast<std::size_t>(j) * d);
       }
-      reference::attend_tokens(q.data() + static_cast<std::ptrdiff_t>(h) * group * d, group, kf_.data(), vf_.data(), n, d,
-                               scale, out.data() + static_cast<std::ptrdiff_t>(h) * group * d);
+      reference::attend_tokens(q.data() + static_cast<std::ptrdiff_t>(h) * group * d, group, kf_.data(), vf_.data(), n,
+                               d, scale, out.data() + static_cast<std::ptrdiff_t>(h) * group * d);
     }
     return Status::ok();
   }
@@ -218,7 +223,7 @@ class KiviCache {
   /// quantized keys and values, the FP16 residuals in use.
   [[nodiscard]] std::int64_t held_bytes_per_stream(std::int64_t positions) const {
     const std::int64_t d = config_.shape.head_dim, G = config_.group_size, R = config_.residual;
-    const std::int64_t kq = positions / R * R;                          // keys quantized
+    const std::int64_t kq = positions / R * R;                           // keys quantized
     const std::int64_t vq = std::max<std::int64_t>(0, positions - R);    // values quantized
     const std::int64_t res = (positions - kq) + std::min(positions, R);  // FP16 residual rows
     return (kq + vq) * row_bytes() + kq / G * d * 4 + vq * (d / G) * 4 + res * d * 2;
@@ -238,16 +243,17 @@ class KiviCache {
   void read_token(int seq, int layer, int kv_head, int j, std::span<float> k, std::span<float> v) const {
     const Stream& s = streams_[static_cast<std::size_t>(stream_of(seq, layer, kv_head))];
     read_key(s, j, k.data());
-    read_value(s, j, protocol_.position(seq) + (protocol_.in_token(seq) && protocol_.appended(seq, layer) ? 1 : 0), v.data());
+    read_value(s, j, protocol_.position(seq) + (protocol_.in_token(seq) && protocol_.appended(seq, layer) ? 1 : 0),
+               v.data());
   }
 
  private:
   struct Stream {
-    std::vector<std::uint8_t> kcodes, vcodes;   // [max_tokens, row_bytes] packed codes
-    std::vector<std::uint16_t> kmin, kscale;    // [key groups, head_dim] FP16
-    std::vector<std::uint16_t> vmin, vscale;    // [max_tokens, head_dim / group] FP16
-    std::vector<std::uint16_t> kres, vres;      // [residual, head_dim] FP16 (values: a ring)
-    int kq = 0;                                 // keys quantized so far (a multiple of residual)
+    std::vector<std::uint8_t> kcodes, vcodes;  // [max_tokens, row_bytes] packed codes
+    std::vector<std::uint16_t> kmin, kscale;   // [key groups, head_dim] FP16
+    std::vector<std::uint16_t> vmin, vscale;   // [max_tokens, head_dim / group] FP16
+    std::vector<std::uint16_t> kres, vres;     // [residual, head_dim] FP16 (values: a ring)
+    int kq = 0;                                // keys quantized so far (a multiple of residual)
   };
 
   static const KiviConfig& checked(const KiviConfig& c) {
@@ -275,7 +281,8 @@ class KiviCache {
       for (int c = 0; c < d; ++c) {
         kivi_quantize_group(x.data() + static_cast<std::size_t>(g0) * d + c, d, G, config_.bits, codes.data(),
                             s.kmin[grp * d + c], s.kscale[grp * d + c]);
-        for (int i = 0; i < G; ++i) put_code(s.kcodes, static_cast<std::size_t>(s.kq + g0 + i), c, codes[static_cast<std::size_t>(i)]);
+        for (int i = 0; i < G; ++i)
+          put_code(s.kcodes, static_cast<std::size_t>(s.kq + g0 + i), c, codes[static_cast<std::size_t>(i)]);
       }
     }
     s.kq += R;
@@ -284,12 +291,16 @@ class KiviCache {
     const int d = config_.shape.head_dim, G = config_.group_size;
     const std::size_t slot = static_cast<std::size_t>(token % config_.residual);
     std::vector<float> x(static_cast<std::size_t>(d));
-    for (int c = 0; c < d; ++c) x[static_cast<std::size_t>(c)] = decode_fp16(s.vres[slot * d + static_cast<std::size_t>(c)]);
+    for (int c = 0; c < d; ++c)
+      x[static_cast<std::size_t>(c)] = decode_fp16(s.vres[slot * d + static_cast<std::size_t>(c)]);
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(G));
     for (int g = 0; g < d / G; ++g) {
-      const std::size_t idx = static_cast<std::size_t>(token) * static_cast<std::size_t>(d / G) + static_cast<std::size_t>(g);
-      kivi_quantize_group(x.data() + static_cast<std::size_t>(g) * G, 1, G, config_.bits, codes.data(), s.vmin[idx], s.vscale[idx]);
-      for (int i = 0; i < G; ++i) put_code(s.vcodes, static_cast<std::size_t>(token), g * G + i, codes[static_cast<std::size_t>(i)]);
+      const std::size_t idx =
+          static_cast<std::size_t>(token) * static_cast<std::size_t>(d / G) + static_cast<std::size_t>(g);
+      kivi_quantize_group(x.data() + static_cast<std::size_t>(g) * G, 1, G, config_.bits, codes.data(), s.vmin[idx],
+                          s.vscale[idx]);
+      for (int i = 0; i < G; ++i)
+        put_code(s.vcodes, static_cast<std::size_t>(token), g * G + i, codes[static_cast<std::size_t>(i)]);
     }
   }
   static const std::vector<float>& fp16_table() {
@@ -320,8 +331,10 @@ class KiviCache {
     const std::vector<float>& h = fp16_table();
     if (j < n - R) {
       for (int c = 0; c < d; ++c) {
-        const std::size_t idx = static_cast<std::size_t>(j) * static_cast<std::size_t>(d / G) + static_cast<std::size_t>(c / G);
-        out[c] = static_cast<float>(get_code(s.vcodes, static_cast<std::size_t>(j), c)) * h[s.vscale[idx]] + h[s.vmin[idx]];
+        const std::size_t idx =
+            static_cast<std::size_t>(j) * static_cast<std::size_t>(d / G) + static_cast<std::size_t>(c / G);
+        out[c] =
+            static_cast<float>(get_code(s.vcodes, static_cast<std::size_t>(j), c)) * h[s.vscale[idx]] + h[s.vmin[idx]];
       }
     } else {
       const std::size_t r = static_cast<std::size_t>(j % R);

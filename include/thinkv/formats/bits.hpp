@@ -19,24 +19,16 @@ inline constexpr std::uint32_t kFloatInfBits = 0x7F800000u;
 inline constexpr std::uint32_t kFloatQuietNanBits = 0x7FC00000u;
 
 /// The raw bits of `x` (a bit copy, no conversion).
-THINKV_HD constexpr std::uint32_t float_to_bits(float x) noexcept {
-  return __builtin_bit_cast(std::uint32_t, x);
-}
+THINKV_HD constexpr std::uint32_t float_to_bits(float x) noexcept { return __builtin_bit_cast(std::uint32_t, x); }
 
 /// The float whose raw bits are `u` (a bit copy, no conversion).
-THINKV_HD constexpr float bits_to_float(std::uint32_t u) noexcept {
-  return __builtin_bit_cast(float, u);
-}
+THINKV_HD constexpr float bits_to_float(std::uint32_t u) noexcept { return __builtin_bit_cast(float, u); }
 
 /// |x| by clearing the sign bit (exact; also for NaN, -0 and subnormals).
-THINKV_HD constexpr float abs_float(float x) noexcept {
-  return bits_to_float(float_to_bits(x) & kFloatAbsMask);
-}
+THINKV_HD constexpr float abs_float(float x) noexcept { return bits_to_float(float_to_bits(x) & kFloatAbsMask); }
 
 /// True when `x` is a NaN (any payload, either sign).
-THINKV_HD constexpr bool is_nan_float(float x) noexcept {
-  return (float_to_bits(x) & kFloatAbsMask) > kFloatInfBits;
-}
+THINKV_HD constexpr bool is_nan_float(float x) noexcept { return (float_to_bits(x) & kFloatAbsMask) > kFloatInfBits; }
 
 /// True when `x` is neither NaN nor +-Inf.
 THINKV_HD constexpr bool is_finite_float(float x) noexcept {

@@ -57,8 +57,7 @@ THINKV_HD constexpr float decode_element(Precision p, std::uint8_t code) noexcep
 
 /// The dequantized element: decode_element(p, code) * (decode_e4m3(scale_code) * s2), in float,
 /// in exactly that order (both products are exact unless the result leaves the normal range).
-THINKV_HD constexpr float dequantize(Precision p, std::uint8_t code, std::uint8_t scale_code,
-                                     float s2) noexcept {
+THINKV_HD constexpr float dequantize(Precision p, std::uint8_t code, std::uint8_t scale_code, float s2) noexcept {
   const float group_scale = decode_e4m3(scale_code) * s2;
   return decode_element(p, code) * group_scale;
 }
@@ -230,9 +229,8 @@ THINKV_HD constexpr std::uint8_t ternary_element_code(float x, float a) noexcept
 ///    S = decode_e4m3(scale) * s2 (IEEE division).
 ///  - Ternary: scale = encode_e4m3(ternary_optimal_scale / s2); with a = decode_e4m3(scale) * s2,
 ///    code_i = sign(x_i) when |x_i| > 0.5f * a, else 0 (all 0 when a == 0).
-THINKV_HD constexpr std::uint8_t quantize_group(Precision p, const float* x, int stride, int n,
-                                                float s2, std::uint8_t* codes,
-                                                int code_stride) noexcept {
+THINKV_HD constexpr std::uint8_t quantize_group(Precision p, const float* x, int stride, int n, float s2,
+                                                std::uint8_t* codes, int code_stride) noexcept {
   if (p == Precision::kBf16 || n < 1 || n > kMaxGroupSize) return 0;
   if (p == Precision::kTernary) {
     const float alpha = ternary_optimal_scale(x, stride, n);
@@ -254,16 +252,13 @@ THINKV_HD constexpr std::uint8_t quantize_group(Precision p, const float* x, int
 
 /// Bytes of one packed row of n elements: ceil(n * bits_of(p) / 8) (2n for kBf16, whose rows are
 /// raw little-endian uint16 BF16 codes and are not handled by store_code/load_code).
-THINKV_HD constexpr int packed_row_bytes(Precision p, int n) noexcept {
-  return (n * bits_of(p) + 7) / 8;
-}
+THINKV_HD constexpr int packed_row_bytes(Precision p, int n) noexcept { return (n * bits_of(p) + 7) / 8; }
 
 /// Stores the low bits_of(p) bits of `code` as element `index` of a packed row: bits
 /// [s, s + bits) of byte (index * bits) / 8 with s = (index * bits) % 8, lowest bits first (NVFP4
 /// element 2j is the low nibble of byte j, as in __nv_fp4x2_storage_t). Other bits are preserved.
 /// No-op for kBf16.
-THINKV_HD constexpr void store_code(Precision p, std::uint8_t* row, int index,
-                                    std::uint8_t code) noexcept {
+THINKV_HD constexpr void store_code(Precision p, std::uint8_t* row, int index, std::uint8_t code) noexcept {
   const int bits = bits_of(p);
   if (bits > 8) return;
   const int bit = index * bits;
@@ -274,14 +269,12 @@ THINKV_HD constexpr void store_code(Precision p, std::uint8_t* row, int index,
 }
 
 /// Loads element `index` of a packed row (inverse of store_code). Returns 0 for kBf16.
-THINKV_HD constexpr std::uint8_t load_code(Precision p, const std::uint8_t* row,
-                                           int index) noexcept {
+THINKV_HD constexpr std::uint8_t load_code(Precision p, const std::uint8_t* row, int index) noexcept {
   const int bits = bits_of(p);
   if (bits > 8) return 0;
   const int bit = index * bits;
   const unsigned shift = static_cast<unsigned>(bit & 7);
-  return static_cast<std::uint8_t>((static_cast<unsigned>(row[bit >> 3]) >> shift) &
-                                   ((1u << bits) - 1u));
+  return static_cast<std::uint8_t>((static_cast<unsigned>(row[bit >> 3]) >> shift) & ((1u << bits) - 1u));
 }
 
 }  // namespace thinkv

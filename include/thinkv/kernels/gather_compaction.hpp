@@ -56,15 +56,15 @@ struct GatherCompactionParams {
   /// The cache read: pages, block_fill, evict_mask, slot_record, block_indptr and block_indices
   /// (and the pool map) are used; key_scales, s2, staging and staged_count are not read.
   PagedKvView src{};
-  int head_dim = 128;    ///< D: 1..1024, a multiple of group_size
-  int group_size = 16;   ///< g: 8, 16 or 32
-  int block_size = 16;   ///< B: 1..4096
-  int num_streams = 0;   ///< streams compacted by this launch (entries of `streams`), >= 1
-  const std::int32_t* streams = nullptr;      // [num_streams] stream ids of src (0..S-1)
+  int head_dim = 128;                     ///< D: 1..1024, a multiple of group_size
+  int group_size = 16;                    ///< g: 8, 16 or 32
+  int block_size = 16;                    ///< B: 1..4096
+  int num_streams = 0;                    ///< streams compacted by this launch (entries of `streams`), >= 1
+  const std::int32_t* streams = nullptr;  // [num_streams] stream ids of src (0..S-1)
   /// Destination blocks of streams[i]: dst_indices[dst_indptr[i] .. dst_indptr[i + 1]), global
   /// block ids under src's pool map (CSR indexed by position in `streams`, not by stream id).
-  const std::int32_t* dst_indptr = nullptr;   // [num_streams + 1]
-  const std::uint32_t* dst_indices = nullptr; // [dst_indptr[num_streams]]
+  const std::int32_t* dst_indptr = nullptr;    // [num_streams + 1]
+  const std::uint32_t* dst_indices = nullptr;  // [dst_indptr[num_streams]]
   /// Destination pages per pool, laid out like src.pages (same pool sizes; may be the same
   /// buffers). May be null when src.pool_count[p] == 0.
   std::uint8_t* dst_pages[kNumPrecisions] = {};
@@ -73,7 +73,7 @@ struct GatherCompactionParams {
   std::uint32_t* dst_slot_record = nullptr;  // [N * B]
   /// Optional: live tokens found in each listed stream (even beyond the destination capacity),
   /// or -1 for a stream skipped as invalid (see above).
-  std::int32_t* live_counts = nullptr;       // [num_streams] or null
+  std::int32_t* live_counts = nullptr;  // [num_streams] or null
   /// CTAs per listed stream; 0 = automatic (about one wave: 8 CTAs per SM in all). A stream's block list is
   /// cut into this many chunks of whole blocks; each CTA counts the live slots of the whole list
   /// (to place its chunk and to size the destination), then copies its chunk.
@@ -93,7 +93,6 @@ struct GatherCompactionParams {
 
 /// Launches the compaction on `stream`: one kernel, grid (num_streams, splits). Returns
 /// cudaErrorInvalidValue for bad parameters (nothing launched), else the launch status.
-[[nodiscard]] cudaError_t launch_gather_compaction(const GatherCompactionParams& p,
-                                                   cudaStream_t stream) noexcept;
+[[nodiscard]] cudaError_t launch_gather_compaction(const GatherCompactionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace thinkv::kernels

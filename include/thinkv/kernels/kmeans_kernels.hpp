@@ -40,13 +40,13 @@ inline constexpr int kKmeansMaxK = 64;
 /// 1 <= k[s] <= max_k. An invalid segment's row of `kept` is all -1 (other segments unaffected).
 struct KmeansSelectParams {
   int num_segments = 0;
-  int max_points = kKmeansMaxPoints;  ///< row capacity per segment (1..128)
-  int head_dim = 128;                 ///< d: 8, 64, 128 or 256
-  int max_k = kKmeansMaxK;            ///< columns of `kept` (1..64); every k[s] <= max_k
+  int max_points = kKmeansMaxPoints;                    ///< row capacity per segment (1..128)
+  int head_dim = 128;                                   ///< d: 8, 64, 128 or 256
+  int max_k = kKmeansMaxK;                              ///< columns of `kept` (1..64); every k[s] <= max_k
   int max_iterations = KmeansOptions{}.max_iterations;  ///< Lloyd iterations, as KmeansOptions
-  const float* points = nullptr;      ///< [num_segments, max_points, head_dim]; rows >= n unread
-  const int* num_points = nullptr;    ///< [num_segments] n of each segment
-  const int* k = nullptr;             ///< [num_segments] points to keep (k >= n keeps all n)
+  const float* points = nullptr;                        ///< [num_segments, max_points, head_dim]; rows >= n unread
+  const int* num_points = nullptr;                      ///< [num_segments] n of each segment
+  const int* k = nullptr;                               ///< [num_segments] points to keep (k >= n keeps all n)
   /// [num_segments] KmeansOptions::seed of each segment; null: every segment uses `seed`.
   const std::uint64_t* seeds = nullptr;
   std::uint64_t seed = KmeansOptions{}.seed;
@@ -65,7 +65,6 @@ struct KmeansSelectParams {
 /// cudaErrorInvalidValue for bad parameters or when the CTA's shared memory exceeds the current
 /// device's opt-in limit (nothing launched); cudaSuccess without a launch when num_segments == 0;
 /// else the launch status.
-[[nodiscard]] cudaError_t launch_kmeans_select(const KmeansSelectParams& p,
-                                               cudaStream_t stream) noexcept;
+[[nodiscard]] cudaError_t launch_kmeans_select(const KmeansSelectParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace thinkv::kernels

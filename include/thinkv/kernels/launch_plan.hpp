@@ -73,7 +73,8 @@ inline constexpr long long kSplitMergeHalfPieces = 2;
   const long long pieces = (positions + pc - 1) / pc;
   const long long smax = max_splits > 0 ? (max_splits < pieces ? max_splits : pieces) : 1;
   auto cost = [&](long long s) {
-    return (h * s + r - 1) / r * (kSplitStartupHalfPieces + 2 * ((pieces + s - 1) / s)) + (s > 1 ? merge_half_pieces : 0);
+    return (h * s + r - 1) / r * (kSplitStartupHalfPieces + 2 * ((pieces + s - 1) / s)) +
+           (s > 1 ? merge_half_pieces : 0);
   };
   long long best = cost(1);
   for (long long s = 2; s <= smax; ++s) best = cost(s) < best ? cost(s) : best;

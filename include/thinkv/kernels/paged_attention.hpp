@@ -32,16 +32,16 @@ struct PagedKvView {
   /// Global block ids: pool p owns [pool_base[p], pool_base[p] + pool_count[p]) (PoolMap).
   std::uint32_t pool_base[kNumPrecisions] = {};
   std::uint32_t pool_count[kNumPrecisions] = {};
-  std::uint32_t total_blocks = 0;  ///< N
-  const std::uint8_t* key_scales = nullptr;   // [records, D] E4M3 key scales per record
-  const float* s2 = nullptr;                  // [S, 2 (K, V), P] second-level scales (0 = unset)
-  const std::uint16_t* block_fill = nullptr;  // [N] written slots of each block (0..B)
-  const std::uint64_t* evict_mask = nullptr;  // [N, (B + 63) / 64] bit i of word i/64 = slot evicted
-  const std::uint32_t* slot_record = nullptr; // [N * B] key-scale record of each slot (~0u: none)
-  const std::int32_t* block_indptr = nullptr;   // [S + 1] CSR row pointers into block_indices
-  const std::uint32_t* block_indices = nullptr; // [block_indptr[S]] each stream's blocks, in order
-  const std::uint16_t* staging = nullptr;     // [S, 2 (K, V), g, D] staged tokens, BF16 bits
-  const std::int32_t* staged_count = nullptr; // [S] staged tokens of each stream (0..g-1)
+  std::uint32_t total_blocks = 0;                ///< N
+  const std::uint8_t* key_scales = nullptr;      // [records, D] E4M3 key scales per record
+  const float* s2 = nullptr;                     // [S, 2 (K, V), P] second-level scales (0 = unset)
+  const std::uint16_t* block_fill = nullptr;     // [N] written slots of each block (0..B)
+  const std::uint64_t* evict_mask = nullptr;     // [N, (B + 63) / 64] bit i of word i/64 = slot evicted
+  const std::uint32_t* slot_record = nullptr;    // [N * B] key-scale record of each slot (~0u: none)
+  const std::int32_t* block_indptr = nullptr;    // [S + 1] CSR row pointers into block_indices
+  const std::uint32_t* block_indices = nullptr;  // [block_indptr[S]] each stream's blocks, in order
+  const std::uint16_t* staging = nullptr;        // [S, 2 (K, V), g, D] staged tokens, BF16 bits
+  const std::int32_t* staged_count = nullptr;    // [S] staged tokens of each stream (0..g-1)
 };
 
 /// Decode attention of one (sequence, layer): KV head h attends the cache stream streams[h] and
@@ -49,11 +49,11 @@ struct PagedKvView {
 /// Tokens are taken in the CPU backend's order: the stream's blocks in list order, written and
 /// not evicted slots in slot order, then its staged tokens.
 struct DecodeAttentionParams {
-  int num_q_heads = 0;   ///< Hq, a multiple of num_kv_heads, Hq / Hkv <= kMaxQueryHeadsPerKv
-  int num_kv_heads = 0;  ///< Hkv
-  int head_dim = 128;    ///< D: 8, 64, 128 or 256
-  int group_size = 16;   ///< g: 8, 16 or 32, dividing head_dim
-  int block_size = 16;   ///< B: 1..4096
+  int num_q_heads = 0;                    ///< Hq, a multiple of num_kv_heads, Hq / Hkv <= kMaxQueryHeadsPerKv
+  int num_kv_heads = 0;                   ///< Hkv
+  int head_dim = 128;                     ///< D: 8, 64, 128 or 256
+  int group_size = 16;                    ///< g: 8, 16 or 32, dividing head_dim
+  int block_size = 16;                    ///< B: 1..4096
   const std::int32_t* streams = nullptr;  // [Hkv] cache stream of each KV head (0..S-1)
   const float* q = nullptr;               // [Hq, D] queries (post-RoPE)
   float* out = nullptr;                   // [Hq, D] attention output
@@ -100,9 +100,9 @@ inline constexpr int kMaxSplits = 256;
 
 /// Checks parameters and view without launching: cudaErrorInvalidValue on an unsupported
 /// head_dim / group_size / block_size, a bad head count, a non-finite or negative scale, a
-/// num_splits outside 0..kMaxSplits, a negative max_positions, or a null pointer that the call needs (workspace included). Device memory is not read (stream ids are checked by the
-/// kernel: an out-of-range stream, or one holding no token, gives NaN output rows and NaN
-/// sparsity, where the CPU backend returns an error).
+/// num_splits outside 0..kMaxSplits, a negative max_positions, or a null pointer that the call needs (workspace
+/// included). Device memory is not read (stream ids are checked by the kernel: an out-of-range stream, or one holding
+/// no token, gives NaN output rows and NaN sparsity, where the CPU backend returns an error).
 [[nodiscard]] cudaError_t check_paged_decode_attention(const PagedKvView& view,
                                                        const DecodeAttentionParams& p) noexcept;
 
@@ -112,8 +112,7 @@ inline constexpr int kMaxSplits = 256;
 /// sparsity the partial kernel writes the output itself (the same bits the merge would write)
 /// and the merge is not launched. Returns
 /// cudaErrorInvalidValue for bad parameters (nothing launched), else the launch status.
-[[nodiscard]] cudaError_t launch_paged_decode_attention(const PagedKvView& view,
-                                                        const DecodeAttentionParams& p,
+[[nodiscard]] cudaError_t launch_paged_decode_attention(const PagedKvView& view, const DecodeAttentionParams& p,
                                                         cudaStream_t stream) noexcept;
 
 }  // namespace thinkv::kernels

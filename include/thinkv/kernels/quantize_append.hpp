@@ -64,9 +64,9 @@ struct QuantizeAppendView {
   std::uint32_t pool_base[kNumPrecisions] = {};
   std::uint32_t pool_count[kNumPrecisions] = {};
   std::uint32_t total_blocks = 0;
-  std::uint8_t* key_scales = nullptr;  ///< [num_records, D] E4M3 key scales per record
-  std::uint32_t num_records = 0;       ///< records in key_scales (>= 1 when a quantized pool exists)
-  float* s2 = nullptr;                 ///< [S, 2 (K, V), P] second-level scales, 0 = unset
+  std::uint8_t* key_scales = nullptr;      ///< [num_records, D] E4M3 key scales per record
+  std::uint32_t num_records = 0;           ///< records in key_scales (>= 1 when a quantized pool exists)
+  float* s2 = nullptr;                     ///< [S, 2 (K, V), P] second-level scales, 0 = unset
   const std::uint16_t* staging = nullptr;  ///< [S, 2 (K, V), g, D] staged tokens, BF16 bits
 };
 
@@ -75,8 +75,8 @@ struct QuantizeAppendView {
 /// + i]. Built from a CommitPlan: stream, precision, record = plan.record, and dest slot i =
 /// plan.slots[i].block * B + plan.slots[i].slot.
 struct QuantizeAppendJob {
-  std::int32_t stream = -1;            ///< 0..S-1; at most one job per stream in a launch
-  std::uint32_t record = 0xFFFFFFFFu;  ///< key-scale record (< num_records); ignored for kBf16
+  std::int32_t stream = -1;                ///< 0..S-1; at most one job per stream in a launch
+  std::uint32_t record = 0xFFFFFFFFu;      ///< key-scale record (< num_records); ignored for kBf16
   Precision precision = Precision::kBf16;  ///< must have a non-empty pool
   std::uint8_t reserved[3] = {};
 };
@@ -85,8 +85,8 @@ static_assert(std::is_trivially_copyable_v<QuantizeAppendJob> && sizeof(Quantize
 /// One launch: `num_jobs` groups of distinct streams.
 struct QuantizeAppendParams {
   QuantizeAppendView cache{};
-  int num_jobs = 0;                           ///< 0..cache.num_streams (0: nothing launched)
-  const QuantizeAppendJob* jobs = nullptr;    ///< [num_jobs] device
+  int num_jobs = 0;                         ///< 0..cache.num_streams (0: nothing launched)
+  const QuantizeAppendJob* jobs = nullptr;  ///< [num_jobs] device
   /// [num_jobs, g] device: global slot id (block * B + slot) of each staged token. Every slot must
   /// lie in a block of the job's precision pool; no slot may appear twice in a launch.
   const std::uint32_t* dest_slots = nullptr;
@@ -116,15 +116,13 @@ struct QuantizeAppendParams {
 /// cudaErrorInvalidValue on any of these or when check_quantize_append fails; cudaErrorMemoryAllocation
 /// when its host scratch (O(num_jobs * g)) cannot be allocated. A debugging aid; launches do not
 /// call it.
-[[nodiscard]] cudaError_t check_quantize_append_jobs(const QuantizeAppendParams& p,
-                                                     const QuantizeAppendJob* host_jobs,
+[[nodiscard]] cudaError_t check_quantize_append_jobs(const QuantizeAppendParams& p, const QuantizeAppendJob* host_jobs,
                                                      const std::uint32_t* host_dest_slots) noexcept;
 
 /// Launches quantize-append on `stream`: one CTA per (job, K or V), min(256, D rounded up to 32)
 /// threads, no dynamic shared memory. Returns cudaErrorInvalidValue for bad parameters (nothing
 /// launched), cudaSuccess without launching when num_jobs == 0, else the launch status. Jobs may
 /// be in any order; the result does not depend on it.
-[[nodiscard]] cudaError_t launch_quantize_append(const QuantizeAppendParams& p,
-                                                 cudaStream_t stream) noexcept;
+[[nodiscard]] cudaError_t launch_quantize_append(const QuantizeAppendParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace thinkv::kernels

@@ -73,10 +73,10 @@ struct CommitPlan {
   std::int32_t stream = kNoStream;
   ThoughtType thought = ThoughtType::kReasoning;
   Precision precision = Precision::kBf16;
-  std::vector<SlotRef> slots;              ///< [group_size] destination of staged token i
-  std::vector<std::uint32_t> new_blocks;   ///< blocks taken fresh from the pool, in order
-  std::uint32_t record = kNoRecord;        ///< key-scale record of this group (kNoRecord: BF16)
-  int reused_slots = 0;                    ///< how many of `slots` are evicted slots reused
+  std::vector<SlotRef> slots;             ///< [group_size] destination of staged token i
+  std::vector<std::uint32_t> new_blocks;  ///< blocks taken fresh from the pool, in order
+  std::uint32_t record = kNoRecord;       ///< key-scale record of this group (kNoRecord: BF16)
+  int reused_slots = 0;                   ///< how many of `slots` are evicted slots reused
 };
 
 /// Counters of the block table (never reset).
@@ -90,10 +90,10 @@ struct PlanClaims {
 };
 
 struct BlockTableStats {
-  std::int64_t commits = 0;          ///< staged groups written into pages
-  std::int64_t slots_written = 0;    ///< slots written by commits (fresh + reused)
-  std::int64_t slots_reused = 0;     ///< of which were evicted slots reused in place
-  std::int64_t slots_evicted = 0;    ///< slots marked evicted
+  std::int64_t commits = 0;        ///< staged groups written into pages
+  std::int64_t slots_written = 0;  ///< slots written by commits (fresh + reused)
+  std::int64_t slots_reused = 0;   ///< of which were evicted slots reused in place
+  std::int64_t slots_evicted = 0;  ///< slots marked evicted
   std::int64_t blocks_allocated = 0;
   std::int64_t blocks_freed = 0;
   std::int64_t records_allocated = 0;
@@ -147,8 +147,7 @@ class BlockTable {
 
   [[nodiscard]] Status check_stream(int stream) const {
     if (stream < 0 || stream >= config_.num_streams) {
-      return {StatusCode::kOutOfRange, "stream " + std::to_string(stream) +
-                                           " is out of range; allowed: 0.." +
+      return {StatusCode::kOutOfRange, "stream " + std::to_string(stream) + " is out of range; allowed: 0.." +
                                            std::to_string(config_.num_streams - 1)};
     }
     return Status::ok();
@@ -193,9 +192,7 @@ class BlockTable {
     return (w >> (s.slot % 64)) & 1u;
   }
   /// Written and not evicted (false for a slot that does not exist).
-  [[nodiscard]] bool is_live(SlotRef s) const {
-    return contains(s) && s.slot < block_fill_[s.block] && !is_evicted(s);
-  }
+  [[nodiscard]] bool is_live(SlotRef s) const { return contains(s) && s.slot < block_fill_[s.block] && !is_evicted(s); }
   [[nodiscard]] std::uint32_t slot_record(SlotRef s) const { return slot_record_[slot_index(s)]; }
   [[nodiscard]] std::uint32_t slot_segment(SlotRef s) const { return slot_segment_[slot_index(s)]; }
   [[nodiscard]] std::int32_t slot_position(SlotRef s) const { return slot_position_[slot_index(s)]; }
@@ -212,8 +209,8 @@ class BlockTable {
   /// a block holds tokens of several segments in any slot order (docs/design.md, "Block table").
   struct BlockSegment {
     std::uint32_t segment = 0;
-    int start = 0;                     ///< first live slot of the segment in this block
-    std::vector<std::uint64_t> mask;   ///< evict_mask layout: bit i of word i/64 = slot i
+    int start = 0;                    ///< first live slot of the segment in this block
+    std::vector<std::uint64_t> mask;  ///< evict_mask layout: bit i of word i/64 = slot i
     friend bool operator==(const BlockSegment&, const BlockSegment&) = default;
   };
   [[nodiscard]] std::vector<BlockSegment> block_segments(std::uint32_t b) const {
@@ -231,9 +228,7 @@ class BlockTable {
     }
     return out;
   }
-  [[nodiscard]] std::size_t free_blocks(Precision p) const {
-    return free_blocks_[static_cast<int>(p)].size();
-  }
+  [[nodiscard]] std::size_t free_blocks(Precision p) const { return free_blocks_[static_cast<int>(p)].size(); }
   [[nodiscard]] std::size_t free_records() const { return free_records_.size(); }
 
   /// Live slots of a stream in attention order (block list order, then slot order).
@@ -256,15 +251,14 @@ class BlockTable {
   [[nodiscard]] Status check_stage(int stream, ThoughtType t) const {
     THINKV_RETURN_IF_ERROR(check_stream(stream));
     if (static_cast<int>(t) >= kNumThoughtTypes) {
-      return {StatusCode::kInvalidArgument, "thought type " + std::to_string(static_cast<int>(t)) +
-                                                " is not one of R (0), E (1), T (2)"};
+      return {StatusCode::kInvalidArgument,
+              "thought type " + std::to_string(static_cast<int>(t)) + " is not one of R (0), E (1), T (2)"};
     }
     const StreamState& s = stream_(stream);
     if (s.staged > 0 && s.staged_thought != t) {
       return {StatusCode::kInvalidArgument,
-              "thought type " + std::string(to_string(t)) + " appended to stream " +
-                  std::to_string(stream) + " while its staging group holds " +
-                  std::to_string(s.staged) + " token(s) of type " +
+              "thought type " + std::string(to_string(t)) + " appended to stream " + std::to_string(stream) +
+                  " while its staging group holds " + std::to_string(s.staged) + " token(s) of type " +
                   std::string(to_string(s.staged_thought)) +
                   ": a quantization group never mixes thought types; change the type only when "
                   "the position is a multiple of group_size (" +
@@ -347,17 +341,15 @@ class BlockTable {
     auto next_free = skip < fl.size() ? std::next(fl.begin(), static_cast<std::ptrdiff_t>(skip)) : fl.end();
     while (!plan_full(plan, g)) {
       if (next_free == fl.end()) {
-        return {StatusCode::kPoolExhausted,
-                "the " + std::string(to_string(p)) + " pool has no free block for stream " +
-                    std::to_string(stream) + " (" + std::to_string(pools_.count[static_cast<int>(p)]) +
-                    " blocks, all held); raise pool_blocks[" + std::string(to_string(p)) +
-                    "], lower the token budget, or evict"};
+        return {StatusCode::kPoolExhausted, "the " + std::string(to_string(p)) + " pool has no free block for stream " +
+                                                std::to_string(stream) + " (" +
+                                                std::to_string(pools_.count[static_cast<int>(p)]) +
+                                                " blocks, all held); raise pool_blocks[" + std::string(to_string(p)) +
+                                                "], lower the token budget, or evict"};
       }
       const std::uint32_t b = *next_free++;
       plan.new_blocks.push_back(b);
-      for (int i = 0; i < bs && !plan_full(plan, g); ++i) {
-        plan.slots.push_back({b, static_cast<std::uint32_t>(i)});
-      }
+      for (int i = 0; i < bs && !plan_full(plan, g); ++i) { plan.slots.push_back({b, static_cast<std::uint32_t>(i)}); }
     }
     if (has_group_scale(p)) {
       const std::size_t taken = claims != nullptr ? claims->records : 0;
@@ -433,19 +425,18 @@ class BlockTable {
     for (std::size_t i = 0; i < slots.size(); ++i) {
       const SlotRef r = slots[i];
       if (!contains(r)) {
-        return {StatusCode::kOutOfRange, "slot {block " + std::to_string(r.block) + ", slot " +
-                                             std::to_string(r.slot) + "} does not exist"};
+        return {StatusCode::kOutOfRange,
+                "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} does not exist"};
       }
       if (block_owner_[r.block] != stream || !is_live(r)) {
-        return {StatusCode::kInvalidArgument,
-                "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) +
-                    "} is not a live slot of stream " + std::to_string(stream)};
+        return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(r.block) + ", slot " +
+                                                  std::to_string(r.slot) + "} is not a live slot of stream " +
+                                                  std::to_string(stream)};
       }
       for (std::size_t j = 0; j < i; ++j) {
         if (slots[j] == r) {
-          return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(r.block) +
-                                                    ", slot " + std::to_string(r.slot) +
-                                                    "} is listed twice"};
+          return {StatusCode::kInvalidArgument,
+                  "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} is listed twice"};
         }
       }
     }
@@ -524,17 +515,14 @@ class BlockTable {
     std::int32_t next_position = 0;
   };
 
-  static bool plan_full(const CommitPlan& p, int g) {
-    return static_cast<int>(p.slots.size()) >= g;
-  }
+  static bool plan_full(const CommitPlan& p, int g) { return static_cast<int>(p.slots.size()) >= g; }
   [[nodiscard]] const StreamState& stream_(int s) const { return streams_[static_cast<std::size_t>(s)]; }
   StreamState& stream_(int s) { return streams_[static_cast<std::size_t>(s)]; }
   [[nodiscard]] std::size_t slot_index(SlotRef s) const {
     return static_cast<std::size_t>(s.block) * static_cast<std::size_t>(config_.block_size) + s.slot;
   }
   [[nodiscard]] std::size_t mask_index(SlotRef s) const {
-    return static_cast<std::size_t>(s.block) * static_cast<std::size_t>(layout_.evict_mask_words()) +
-           s.slot / 64;
+    return static_cast<std::size_t>(s.block) * static_cast<std::size_t>(layout_.evict_mask_words()) + s.slot / 64;
   }
   [[nodiscard]] int count_holes(std::uint32_t b) const {
     int n = 0;
@@ -564,7 +552,7 @@ class BlockTable {
   std::vector<std::uint16_t> block_fill_;
   std::vector<std::uint16_t> block_live_;
   std::vector<std::int32_t> block_owner_;
-  std::vector<std::uint64_t> evict_mask_;    // [blocks, evict_mask_words]
+  std::vector<std::uint64_t> evict_mask_;  // [blocks, evict_mask_words]
   // per slot, indexed by block * block_size + slot
   std::vector<std::uint32_t> slot_record_;
   std::vector<std::uint32_t> slot_segment_;

@@ -40,8 +40,7 @@ inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out) {
       out.evict_mask[static_cast<std::size_t>(b) * words + w] = m[static_cast<std::size_t>(w)];
     }
     for (int i = 0; i < bs; ++i) {
-      out.slot_record[static_cast<std::size_t>(b) * bs + i] =
-          table.slot_record({b, static_cast<std::uint32_t>(i)});
+      out.slot_record[static_cast<std::size_t>(b) * bs + i] = table.slot_record({b, static_cast<std::uint32_t>(i)});
     }
   }
   out.block_indptr.assign(static_cast<std::size_t>(streams) + 1, 0);

@@ -19,10 +19,10 @@ namespace thinkv {
 /// Construction-time configuration of a paged, compressed KV cache.
 /// A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a staging buffer.
 struct CacheConfig {
-  int num_streams = 1;   ///< streams the cache holds (sequences x layers x KV heads)
-  int head_dim = 128;    ///< channels per key/value row
-  int group_size = 16;   ///< g: tokens per key group (per channel), channels per value group
-  int block_size = 16;   ///< slots (tokens) per block
+  int num_streams = 1;       ///< streams the cache holds (sequences x layers x KV heads)
+  int head_dim = 128;        ///< channels per key/value row
+  int group_size = 16;       ///< g: tokens per key group (per channel), channels per value group
+  int block_size = 16;       ///< slots (tokens) per block
   PrecisionMap precision{};  ///< TBQ map, R4E4T2 by default
   /// Capacity in blocks of each precision's pool, indexed by Precision. A pool the map uses must
   /// have at least one block.
@@ -41,14 +41,13 @@ struct CacheConfig {
   /// The group size alone (also checked first by configurations that divide by it).
   [[nodiscard]] static Status check_group_size(int g) {
     if (g == 8 || g == 16 || g == 32) return Status::ok();
-    return {StatusCode::kInvalidArgument,
-            "group_size " + std::to_string(g) + " is not supported; allowed: 8, 16, 32"};
+    return {StatusCode::kInvalidArgument, "group_size " + std::to_string(g) + " is not supported; allowed: 8, 16, 32"};
   }
   /// The block size alone (also checked first by configurations that divide by it).
   [[nodiscard]] static Status check_block_size(int b) {
     if (b >= 1 && b <= kMaxBlockSize) return Status::ok();
-    return {StatusCode::kInvalidArgument, "block_size " + std::to_string(b) +
-                                              " is out of range; allowed: 1.." + std::to_string(kMaxBlockSize)};
+    return {StatusCode::kInvalidArgument,
+            "block_size " + std::to_string(b) + " is out of range; allowed: 1.." + std::to_string(kMaxBlockSize)};
   }
 
   /// Checks every field; the message names the bad value and the allowed range.
@@ -77,9 +76,8 @@ struct CacheConfig {
                    " is out of range; allowed: 0.." + std::to_string(max_blocks));
       }
       if (precision.uses(p) && n == 0) {
-        return bad("precision map " + precision.to_string() + " stores thoughts as " +
-                   std::string(to_string(p)) + " but pool_blocks[" + std::string(to_string(p)) +
-                   "] is 0; allowed: >= 1");
+        return bad("precision map " + precision.to_string() + " stores thoughts as " + std::string(to_string(p)) +
+                   " but pool_blocks[" + std::string(to_string(p)) + "] is 0; allowed: >= 1");
       }
     }
     std::int64_t total_slots = 0;
@@ -93,10 +91,9 @@ struct CacheConfig {
                  " is negative; allowed: 0 (worst case) or >= 1");
     }
     if (token_budget < 0 || (token_budget > 0 && token_budget < retention.min_retention())) {
-      return bad("token_budget " + std::to_string(token_budget) +
-                 " is below the minimum retention " + std::to_string(retention.min_retention()) +
-                 " of the schedule " + retention.to_string() + "; allowed: 0 (no budget) or >= " +
-                 std::to_string(retention.min_retention()));
+      return bad("token_budget " + std::to_string(token_budget) + " is below the minimum retention " +
+                 std::to_string(retention.min_retention()) + " of the schedule " + retention.to_string() +
+                 "; allowed: 0 (no budget) or >= " + std::to_string(retention.min_retention()));
     }
     return Status::ok();
   }
@@ -105,11 +102,11 @@ struct CacheConfig {
 };
 
 inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
-  return os << "CacheConfig{streams=" << c.num_streams << ", head_dim=" << c.head_dim
-            << ", g=" << c.group_size << ", block=" << c.block_size << ", map=" << c.precision
-            << ", pools={" << c.pool_blocks[0] << "," << c.pool_blocks[1] << "," << c.pool_blocks[2]
-            << "," << c.pool_blocks[3] << "}, records=" << c.record_capacity
-            << ", budget=" << c.token_budget << ", retention=" << c.retention << "}";
+  return os << "CacheConfig{streams=" << c.num_streams << ", head_dim=" << c.head_dim << ", g=" << c.group_size
+            << ", block=" << c.block_size << ", map=" << c.precision << ", pools={" << c.pool_blocks[0] << ","
+            << c.pool_blocks[1] << "," << c.pool_blocks[2] << "," << c.pool_blocks[3]
+            << "}, records=" << c.record_capacity << ", budget=" << c.token_budget << ", retention=" << c.retention
+            << "}";
 }
 
 /// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the
@@ -146,9 +143,7 @@ struct CacheLayout {
   static CacheLayout from(const CacheConfig& c) { return {c.head_dim, c.group_size, c.block_size}; }
 
   /// Packed bytes of one token's key (or value) row at precision p.
-  [[nodiscard]] constexpr int row_bytes(Precision p) const noexcept {
-    return (head_dim * bits_of(p) + 7) / 8;
-  }
+  [[nodiscard]] constexpr int row_bytes(Precision p) const noexcept { return (head_dim * bits_of(p) + 7) / 8; }
   /// Value-scale bytes per slot: one E4M3 scale per g channels (none for BF16).
   [[nodiscard]] constexpr int value_scale_bytes(Precision p) const noexcept {
     return has_group_scale(p) ? head_dim / group_size : 0;
@@ -168,9 +163,7 @@ struct CacheLayout {
     return kBlockHeaderBytes + 8 * evict_mask_words() + std::int64_t{kSlotMetaBytes} * block_size;
   }
   /// Bytes of one key-scale record: head_dim E4M3 key scales + header.
-  [[nodiscard]] constexpr std::int64_t record_bytes() const noexcept {
-    return head_dim + kRecordHeaderBytes;
-  }
+  [[nodiscard]] constexpr std::int64_t record_bytes() const noexcept { return head_dim + kRecordHeaderBytes; }
   /// Bytes of one stream's staging buffer: g tokens of K and V in BF16.
   [[nodiscard]] constexpr std::int64_t staging_bytes() const noexcept {
     return std::int64_t{2} * group_size * head_dim * 2;

@@ -29,9 +29,9 @@ namespace thinkv {
 /// the streams: whole pages of held blocks (holes and unwritten slots included), block metadata,
 /// block-table entries, stream headers, key-scale records and staging buffers.
 struct MemoryUsage {
-  std::int64_t live_tokens = 0;         ///< non-evicted tokens in pages + staged tokens
-  std::int64_t staged_tokens = 0;       ///< tokens in staging (full precision)
-  std::int64_t hole_slots = 0;          ///< evicted slots still held (awaiting reuse)
+  std::int64_t live_tokens = 0;    ///< non-evicted tokens in pages + staged tokens
+  std::int64_t staged_tokens = 0;  ///< tokens in staging (full precision)
+  std::int64_t hole_slots = 0;     ///< evicted slots still held (awaiting reuse)
   std::int64_t blocks_held = 0;
   std::int64_t records_held = 0;
   std::int64_t page_bytes = 0;          ///< K/V codes and value scales of held blocks
@@ -45,9 +45,7 @@ struct MemoryUsage {
   }
   /// physical / FullKV-FP16 (0 when no token is live).
   [[nodiscard]] double ratio() const noexcept {
-    return fullkv_fp16_bytes > 0 ? static_cast<double>(physical_bytes()) /
-                                       static_cast<double>(fullkv_fp16_bytes)
-                                 : 0.0;
+    return fullkv_fp16_bytes > 0 ? static_cast<double>(physical_bytes()) / static_cast<double>(fullkv_fp16_bytes) : 0.0;
   }
   MemoryUsage& operator+=(const MemoryUsage& o) noexcept {
     live_tokens += o.live_tokens;
@@ -72,12 +70,11 @@ class PagedKvCache {
   /// Throws ConfigError when `config` is invalid (the message names the value and the allowed
   /// range), BackendError (a std::runtime_error carrying the backend's Status) when the backend
   /// cannot set up its pools.
-  explicit PagedKvCache(const CacheConfig& config, B backend = B{})
-      : table_(config), backend_(std::move(backend)) {
+  explicit PagedKvCache(const CacheConfig& config, B backend = B{}) : table_(config), backend_(std::move(backend)) {
     if (Status s = backend_.init(config); !s.is_ok()) {
       if (s.code() == StatusCode::kInvalidArgument) throw ConfigError(s);
-      throw BackendError(Status{s.code(), "thinkv: backend '" + std::string(backend_.name()) +
-                                              "' failed to initialise: " + s.message()});
+      throw BackendError(Status{
+          s.code(), "thinkv: backend '" + std::string(backend_.name()) + "' failed to initialise: " + s.message()});
     }
   }
 
@@ -93,8 +90,8 @@ class PagedKvCache {
   /// slots of the same thought type first, then into fresh slots.
   /// Errors (cache unchanged): kOutOfRange (stream), kShapeMismatch (k/v size), kNonFinite (NaN or
   /// Inf in k/v), kInvalidArgument (thought type changes inside a group), kPoolExhausted.
-  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v,
-                              ThoughtType thought, std::uint32_t segment = 0) {
+  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v, ThoughtType thought,
+                              std::uint32_t segment = 0) {
     return append_impl(stream, k, v, thought, segment, nullptr);
   }
   /// The same with the commit already planned by the caller: `plan` comes from
@@ -103,20 +100,19 @@ class PagedKvCache {
   /// PlanClaims is applied in the order it was planned). It is applied as given, not planned
   /// again. A plan for another stream or thought, or one given for a token that does not complete
   /// a group, is a kInvalidArgument error (nothing changes).
-  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v,
-                              ThoughtType thought, std::uint32_t segment, const CommitPlan& plan) {
+  [[nodiscard]] Status append(int stream, std::span<const float> k, std::span<const float> v, ThoughtType thought,
+                              std::uint32_t segment, const CommitPlan& plan) {
     return append_impl(stream, k, v, thought, segment, &plan);
   }
 
  private:
-  [[nodiscard]] Status append_impl(int stream, std::span<const float> k, std::span<const float> v,
-                                   ThoughtType thought, std::uint32_t segment, const CommitPlan* given) {
+  [[nodiscard]] Status append_impl(int stream, std::span<const float> k, std::span<const float> v, ThoughtType thought,
+                                   std::uint32_t segment, const CommitPlan* given) {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     const int d = config().head_dim;
     if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
-      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) +
-                                              ": k has " + std::to_string(k.size()) +
-                                              " and v has " + std::to_string(v.size()) +
+      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
+                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
                                               " values; expected head_dim = " + std::to_string(d)};
     }
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
@@ -162,9 +158,7 @@ class PagedKvCache {
   /// Bytes the backend wrote beyond what new tokens account for: data moved to gather or compact
   /// (the backend counts where it writes). Continuous Thinking evicts by marking and refills
   /// slots in place, so this is 0; a test fails if anything else is ever written.
-  [[nodiscard]] std::int64_t moved_bytes() const {
-    return backend_.stats().page_bytes_written - planned_bytes_;
-  }
+  [[nodiscard]] std::int64_t moved_bytes() const { return backend_.stats().page_bytes_written - planned_bytes_; }
 
   /// Gives the stream's staging group (tokens not yet quantized) thought type `t`. On a thought
   /// refresh at a position that is a multiple of tau (itself a multiple of group_size) the group
@@ -176,25 +170,19 @@ class PagedKvCache {
   }
 
   /// Marks live slots of a stream evicted (no data moves). All-or-nothing.
-  [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) {
-    return table_.evict(stream, slots);
-  }
+  [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) { return table_.evict(stream, slots); }
 
   /// Decode attention of one (sequence, layer) over the streams named in args.
-  [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const {
-    return backend_.attend(table_, args);
-  }
+  [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const { return backend_.attend(table_, args); }
 
   /// Dequantizes one live slot of the cache.
   [[nodiscard]] Status read_token(SlotRef slot, std::span<float> k, std::span<float> v) const {
-    if (static_cast<int>(k.size()) != config().head_dim ||
-        static_cast<int>(v.size()) != config().head_dim) {
-      return {StatusCode::kShapeMismatch, "read_token: k and v need head_dim = " +
-                                              std::to_string(config().head_dim) + " floats"};
+    if (static_cast<int>(k.size()) != config().head_dim || static_cast<int>(v.size()) != config().head_dim) {
+      return {StatusCode::kShapeMismatch,
+              "read_token: k and v need head_dim = " + std::to_string(config().head_dim) + " floats"};
     }
     if (slot.block >= table_.pools().total || !table_.is_live(slot)) {
-      return {StatusCode::kInvalidArgument, "read_token: slot {block " +
-                                                std::to_string(slot.block) + ", slot " +
+      return {StatusCode::kInvalidArgument, "read_token: slot {block " + std::to_string(slot.block) + ", slot " +
                                                 std::to_string(slot.slot) + "} is not live"};
     }
     return backend_.read_token(table_, slot, k.data(), v.data());

@@ -35,8 +35,8 @@ class PrecisionMap {
   /// Throws ConfigError naming the offending thought when bits(R) >= bits(E) >= bits(T) fails.
   constexpr PrecisionMap(Precision r, Precision e, Precision t) : p_{r, e, t} {
     // Constant-evaluable fast path; the message is only built when the map is rejected.
-    const bool valid = bits_of(r) > 0 && bits_of(e) > 0 && bits_of(t) > 0 &&
-                       bits_of(r) >= bits_of(e) && bits_of(e) >= bits_of(t);
+    const bool valid =
+        bits_of(r) > 0 && bits_of(e) > 0 && bits_of(t) > 0 && bits_of(r) >= bits_of(e) && bits_of(e) >= bits_of(t);
     if (!valid) throw ConfigError(check(r, e, t));
   }
 
@@ -47,21 +47,22 @@ class PrecisionMap {
     for (ThoughtType th : kAllThoughtTypes) {
       const Precision p = ps[static_cast<int>(th)];
       if (!precision_from_bits(bits_of(p))) {
-        return {StatusCode::kInvalidArgument,
-                "unknown precision value " + std::to_string(static_cast<int>(p)) + " for " +
-                    std::string(thinkv::to_string(th)) +
-                    "; allowed: bf16, fp8_e4m3, nvfp4, ternary (16, 8, 4 or 2 bits)"};
+        return {StatusCode::kInvalidArgument, "unknown precision value " + std::to_string(static_cast<int>(p)) +
+                                                  " for " + std::string(thinkv::to_string(th)) +
+                                                  "; allowed: bf16, fp8_e4m3, nvfp4, ternary (16, 8, 4 or 2 bits)"};
       }
     }
     if (be > br) {
-      return {StatusCode::kInvalidArgument,
-              "precision map gives E (" + std::to_string(be) + " bits) more bits than the more "
-              "important R (" + std::to_string(br) + " bits); need bits(R) >= bits(E) >= bits(T)"};
+      return {StatusCode::kInvalidArgument, "precision map gives E (" + std::to_string(be) +
+                                                " bits) more bits than the more "
+                                                "important R (" +
+                                                std::to_string(br) + " bits); need bits(R) >= bits(E) >= bits(T)"};
     }
     if (bt > be) {
-      return {StatusCode::kInvalidArgument,
-              "precision map gives T (" + std::to_string(bt) + " bits) more bits than the more "
-              "important E (" + std::to_string(be) + " bits); need bits(R) >= bits(E) >= bits(T)"};
+      return {StatusCode::kInvalidArgument, "precision map gives T (" + std::to_string(bt) +
+                                                " bits) more bits than the more "
+                                                "important E (" +
+                                                std::to_string(be) + " bits); need bits(R) >= bits(E) >= bits(T)"};
     }
     return Status::ok();
   }
@@ -88,39 +89,31 @@ class PrecisionMap {
       }
       auto p = precision_from_bits(bits);
       if (digits == 0 || !p) {
-        return {StatusCode::kInvalidArgument,
-                "precision map '" + std::string(text) + "': unknown precision " +
-                    std::to_string(bits) + " bits for " + std::string(1, kLetters[t]) +
-                    "; allowed: 16, 8, 4, 2"};
+        return {StatusCode::kInvalidArgument, "precision map '" + std::string(text) + "': unknown precision " +
+                                                  std::to_string(bits) + " bits for " + std::string(1, kLetters[t]) +
+                                                  "; allowed: 16, 8, 4, 2"};
       }
       got[t] = *p;
     }
     if (i != text.size()) {
-      return {StatusCode::kInvalidArgument,
-              "precision map '" + std::string(text) + "' has trailing characters"};
+      return {StatusCode::kInvalidArgument, "precision map '" + std::string(text) + "' has trailing characters"};
     }
     THINKV_RETURN_IF_ERROR(check(got[0], got[1], got[2]));
     out = PrecisionMap(got[0], got[1], got[2]);
     return Status::ok();
   }
 
-  [[nodiscard]] constexpr Precision precision_of(ThoughtType t) const noexcept {
-    return p_[static_cast<int>(t)];
-  }
+  [[nodiscard]] constexpr Precision precision_of(ThoughtType t) const noexcept { return p_[static_cast<int>(t)]; }
   /// "R4E4T2".
   [[nodiscard]] std::string to_string() const {
     return "R" + std::to_string(bits_of(p_[0])) + "E" + std::to_string(bits_of(p_[1])) + "T" +
            std::to_string(bits_of(p_[2]));
   }
   /// True when some thought type is stored at precision p.
-  [[nodiscard]] constexpr bool uses(Precision p) const noexcept {
-    return p_[0] == p || p_[1] == p || p_[2] == p;
-  }
+  [[nodiscard]] constexpr bool uses(Precision p) const noexcept { return p_[0] == p || p_[1] == p || p_[2] == p; }
 
   friend constexpr bool operator==(const PrecisionMap&, const PrecisionMap&) = default;
-  friend std::ostream& operator<<(std::ostream& os, const PrecisionMap& m) {
-    return os << m.to_string();
-  }
+  friend std::ostream& operator<<(std::ostream& os, const PrecisionMap& m) { return os << m.to_string(); }
 
  private:
   std::array<Precision, 3> p_{Precision::kNvfp4, Precision::kNvfp4, Precision::kTernary};
@@ -137,8 +130,7 @@ static_assert(precision_map<PrecisionMap>);
 /// Named maps. kFullKvMap stores every thought in BF16 (the FullKV baseline).
 inline constexpr PrecisionMap kR4E4T2{};
 inline constexpr PrecisionMap kR8E4T2{Precision::kFp8E4M3, Precision::kNvfp4, Precision::kTernary};
-inline constexpr PrecisionMap kR8E8T4{Precision::kFp8E4M3, Precision::kFp8E4M3,
-                                      Precision::kNvfp4};
+inline constexpr PrecisionMap kR8E8T4{Precision::kFp8E4M3, Precision::kFp8E4M3, Precision::kNvfp4};
 inline constexpr PrecisionMap kFullKvMap{Precision::kBf16, Precision::kBf16, Precision::kBf16};
 
 }  // namespace thinkv

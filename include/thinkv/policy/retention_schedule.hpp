@@ -31,15 +31,13 @@ class RetentionSchedule {
     }
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       if (sizes[i] < 1) {
-        return {StatusCode::kInvalidArgument, "retention schedule entry " + std::to_string(i) +
-                                                  " is " + std::to_string(sizes[i]) +
-                                                  "; allowed: >= 1"};
+        return {StatusCode::kInvalidArgument, "retention schedule entry " + std::to_string(i) + " is " +
+                                                  std::to_string(sizes[i]) + "; allowed: >= 1"};
       }
       if (i > 0 && sizes[i] >= sizes[i - 1]) {
-        return {StatusCode::kInvalidArgument,
-                "retention schedule must be strictly decreasing, but entry " + std::to_string(i) +
-                    " (" + std::to_string(sizes[i]) + ") >= entry " + std::to_string(i - 1) +
-                    " (" + std::to_string(sizes[i - 1]) + ")"};
+        return {StatusCode::kInvalidArgument, "retention schedule must be strictly decreasing, but entry " +
+                                                  std::to_string(i) + " (" + std::to_string(sizes[i]) + ") >= entry " +
+                                                  std::to_string(i - 1) + " (" + std::to_string(sizes[i - 1]) + ")"};
       }
     }
     return Status::ok();
@@ -60,9 +58,7 @@ class RetentionSchedule {
     return s;
   }
   friend bool operator==(const RetentionSchedule&, const RetentionSchedule&) = default;
-  friend std::ostream& operator<<(std::ostream& os, const RetentionSchedule& r) {
-    return os << r.to_string();
-  }
+  friend std::ostream& operator<<(std::ostream& os, const RetentionSchedule& r) { return os << r.to_string(); }
 
  private:
   std::vector<int> sizes_;

@@ -40,19 +40,18 @@ inline constexpr float kSparsityLogThreshold = -4.60517018598809f;
 /// Checks the argument shapes of a decode-attention call against a cache of `num_streams` streams.
 inline Status check_attention_args(const DecodeAttentionArgs& a, int num_streams) {
   if (a.num_kv_heads < 1 || a.num_q_heads < 1 || a.num_q_heads % a.num_kv_heads != 0) {
-    return {StatusCode::kShapeMismatch,
-            "num_q_heads " + std::to_string(a.num_q_heads) + " must be a positive multiple of "
-            "num_kv_heads " + std::to_string(a.num_kv_heads)};
+    return {StatusCode::kShapeMismatch, "num_q_heads " + std::to_string(a.num_q_heads) +
+                                            " must be a positive multiple of "
+                                            "num_kv_heads " +
+                                            std::to_string(a.num_kv_heads)};
   }
   if (a.kv_streams == nullptr || a.q == nullptr || a.out == nullptr) {
     return {StatusCode::kInvalidArgument, "kv_streams, q and out must not be null"};
   }
   for (int h = 0; h < a.num_kv_heads; ++h) {
     if (a.kv_streams[h] < 0 || a.kv_streams[h] >= num_streams) {
-      return {StatusCode::kOutOfRange, "kv_streams[" + std::to_string(h) + "] = " +
-                                           std::to_string(a.kv_streams[h]) +
-                                           " is out of range; allowed: 0.." +
-                                           std::to_string(num_streams - 1)};
+      return {StatusCode::kOutOfRange, "kv_streams[" + std::to_string(h) + "] = " + std::to_string(a.kv_streams[h]) +
+                                           " is out of range; allowed: 0.." + std::to_string(num_streams - 1)};
     }
   }
   if (!(a.softmax_scale >= 0.0f) || std::isinf(a.softmax_scale)) {
@@ -71,9 +70,8 @@ namespace reference {
 /// When `sparsity` ([n_q]) is non-null, sparsity[h] = #{j : s_j - m < kSparsityLogThreshold} / n.
 /// When `prob_sum` ([n]) is non-null, prob_sum[j] += p_j / l for every query row (the attention
 /// each token receives, summed over the rows; H2O and R-KV score tokens by it).
-inline void attend_tokens(const float* q, int n_q, const float* k, const float* v, int n, int d,
-                          float scale, float* out, float* sparsity = nullptr,
-                          float* prob_sum = nullptr) {
+inline void attend_tokens(const float* q, int n_q, const float* k, const float* v, int n, int d, float scale,
+                          float* out, float* sparsity = nullptr, float* prob_sum = nullptr) {
   std::vector<float> p(static_cast<std::size_t>(n));
   std::vector<float> acc(static_cast<std::size_t>(d));
   for (int h = 0; h < n_q; ++h) {

@@ -29,13 +29,13 @@ namespace thinkv {
 
 /// One thought segment of one stream, as the planner sees it.
 struct SegmentState {
-  std::uint32_t id = 0;        ///< segment id (as stored per slot in the block table)
+  std::uint32_t id = 0;  ///< segment id (as stored per slot in the block table)
   ThoughtType type = ThoughtType::kReasoning;
-  std::int32_t start = 0;      ///< position of its first token
-  std::int32_t size = 0;       ///< live tokens it holds now
-  int level = 0;               ///< step-downs so far (0 = untouched)
-  bool closed = false;         ///< a later segment has started; only closed segments are evicted
-  bool pinned = false;         ///< never evicted (the prompt, in the decode-stage setting)
+  std::int32_t start = 0;  ///< position of its first token
+  std::int32_t size = 0;   ///< live tokens it holds now
+  int level = 0;           ///< step-downs so far (0 = untouched)
+  bool closed = false;     ///< a later segment has started; only closed segments are evicted
+  bool pinned = false;     ///< never evicted (the prompt, in the decode-stage setting)
   friend bool operator==(const SegmentState&, const SegmentState&) = default;
 };
 
@@ -44,7 +44,7 @@ struct SegmentStep {
   std::uint32_t segment = 0;
   int to_level = 0;
   std::int32_t from_size = 0;
-  std::int32_t to_size = 0;    ///< tokens the segment keeps after this step
+  std::int32_t to_size = 0;  ///< tokens the segment keeps after this step
   friend bool operator==(const SegmentStep&, const SegmentStep&) = default;
 };
 
@@ -62,8 +62,7 @@ struct EvictionPlan {
 };
 
 inline std::ostream& operator<<(std::ostream& os, const SegmentStep& s) {
-  return os << "{seg " << s.segment << " -> level " << s.to_level << ", " << s.from_size << " -> "
-            << s.to_size << "}";
+  return os << "{seg " << s.segment << " -> level " << s.to_level << ", " << s.from_size << " -> " << s.to_size << "}";
 }
 
 /// Tokens a segment keeps at `level` given its current size.
@@ -77,9 +76,8 @@ inline std::int32_t retained_size(const RetentionSchedule& r, int level, std::in
 /// `live_tokens` counts every live token of the stream that is not in a pinned segment (closed +
 /// open segments + staged);
 /// `budget` <= 0 means no budget (case 2 never fires).
-inline EvictionPlan plan_eviction(std::span<const SegmentState> segments,
-                                  const RetentionSchedule& schedule, bool new_transition,
-                                  std::int64_t budget, std::int64_t live_tokens) {
+inline EvictionPlan plan_eviction(std::span<const SegmentState> segments, const RetentionSchedule& schedule,
+                                  bool new_transition, std::int64_t budget, std::int64_t live_tokens) {
   EvictionPlan plan;
   plan.live_before = live_tokens;
   plan.transition = new_transition;

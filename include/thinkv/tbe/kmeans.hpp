@@ -47,8 +47,7 @@ inline float squared_distance(const float* a, const float* b, int d) noexcept {
 }
 
 /// Selects k of the n points (rows of `points`, [n, d]) as described above.
-inline std::vector<int> kmeans_select(const float* points, int n, int d, int k,
-                                      const KmeansOptions& opt = {}) {
+inline std::vector<int> kmeans_select(const float* points, int n, int d, int k, const KmeansOptions& opt = {}) {
   std::vector<int> kept;
   if (n <= 0 || k <= 0) return kept;
   if (k >= n) {

@@ -60,19 +60,17 @@ inline constexpr int kDefaultMinPrompts = 3;
 /// Band types from lowest to highest sparsity: {E, R, T} for 3 types, {E, T} for 2 (the third
 /// entry is unused and set to T).
 constexpr std::array<ThoughtType, 3> default_band_types(int num_types) noexcept {
-  if (num_types == 2) {
-    return {ThoughtType::kExecution, ThoughtType::kTransition, ThoughtType::kTransition};
-  }
+  if (num_types == 2) { return {ThoughtType::kExecution, ThoughtType::kTransition, ThoughtType::kTransition}; }
   return {ThoughtType::kExecution, ThoughtType::kReasoning, ThoughtType::kTransition};
 }
 
 // ---- options and result ---------------------------------------------------------------------
 
 struct CalibrationOptions {
-  int num_types = 3;              ///< 3 (E, R, T) or 2 (E, T; an explicit fallback)
-  int max_layers = 4;             ///< |L*| at most
-  int tau = 128;                  ///< classifier refresh interval written into the result
-  double bandwidth_scale = 1.0;   ///< multiplies Silverman's bandwidth (> 0)
+  int num_types = 3;             ///< 3 (E, R, T) or 2 (E, T; an explicit fallback)
+  int max_layers = 4;            ///< |L*| at most
+  int tau = 128;                 ///< classifier refresh interval written into the result
+  double bandwidth_scale = 1.0;  ///< multiplies Silverman's bandwidth (> 0)
   /// Fewest prompts the mode rule accepts (>= 1; kDefaultMinPrompts says why 3). Not applied
   /// with user_thresholds (then a note says when fewer prompts chose L*).
   int min_prompts = kDefaultMinPrompts;
@@ -96,19 +94,19 @@ struct LayerReport {
   int layer = 0;
   /// mode_histogram[k] = number of prompts on which the layer's density shows k modes.
   std::vector<int> mode_histogram;
-  int qualifying_prompts = 0;      ///< prompts with exactly num_types modes
-  double score = 0.0;              ///< qualifying_prompts / prompts used
+  int qualifying_prompts = 0;  ///< prompts with exactly num_types modes
+  double score = 0.0;          ///< qualifying_prompts / prompts used
   /// Mean over qualifying prompts of the mean valley depth 1 - valley / min(adjacent peaks).
   double mean_valley_depth = 0.0;
   /// Mean valley positions over the qualifying prompts (num_types - 1 values; empty if none).
   std::vector<double> mean_valleys;
-  bool eligible = false;           ///< score >= kMinLayerScore
-  bool chosen = false;             ///< in L*
+  bool eligible = false;  ///< score >= kMinLayerScore
+  bool chosen = false;    ///< in L*
 };
 
 struct CalibrationResult {
-  std::vector<float> thresholds;   ///< Theta, ascending, num_types - 1 values in (0,1)
-  std::vector<int> layers;         ///< L*, ascending
+  std::vector<float> thresholds;  ///< Theta, ascending, num_types - 1 values in (0,1)
+  std::vector<int> layers;        ///< L*, ascending
   int tau = 128;
   int num_types = 3;
   std::array<ThoughtType, 3> band_types = default_band_types(3);  ///< lowest to highest sparsity
@@ -117,13 +115,13 @@ struct CalibrationResult {
   /// Prompts used: every prompt of the traces, except (user thresholds only) prompts shorter
   /// than kMinStepsPerPrompt, which are left out of the layer selection (notes names them).
   int prompts = 0;
-  long steps = 0;                  ///< decode steps of the prompts used
-  std::string date;                ///< ISO 8601 UTC, e.g. "2025-01-31T12:00:00Z"
-  std::string method;              ///< "kde-silverman" or "user-thresholds"
+  long steps = 0;      ///< decode steps of the prompts used
+  std::string date;    ///< ISO 8601 UTC, e.g. "2025-01-31T12:00:00Z"
+  std::string method;  ///< "kde-silverman" or "user-thresholds"
   double bandwidth_scale = 1.0;
-  std::vector<LayerReport> layer_reports;          ///< one per layer
-  std::vector<std::vector<double>> mean_density;   ///< per layer: mean KDE over prompts, on the grid
-  std::vector<std::string> notes;                  ///< things a user should know (fallbacks taken)
+  std::vector<LayerReport> layer_reports;         ///< one per layer
+  std::vector<std::vector<double>> mean_density;  ///< per layer: mean KDE over prompts, on the grid
+  std::vector<std::string> notes;                 ///< things a user should know (fallbacks taken)
 };
 
 /// The bandwidth rule as written into calibration files.
@@ -135,15 +133,13 @@ inline std::string bandwidth_rule_text(double scale) {
     s += buf;
   }
   char floor_buf[64];
-  std::snprintf(floor_buf, sizeof floor_buf, ", h >= %.4g; grid %d points on [0,1]", kMinBandwidth,
-                kKdeGridPoints);
+  std::snprintf(floor_buf, sizeof floor_buf, ", h >= %.4g; grid %d points on [0,1]", kMinBandwidth, kKdeGridPoints);
   return s + floor_buf;
 }
 
 /// "YYYY-MM-DDThh:mm:ssZ" of a time point (proleptic Gregorian, UTC).
 inline std::string iso8601_utc(std::chrono::system_clock::time_point tp) {
-  const long long secs =
-      std::chrono::duration_cast<std::chrono::seconds>(tp.time_since_epoch()).count();
+  const long long secs = std::chrono::duration_cast<std::chrono::seconds>(tp.time_since_epoch()).count();
   long long days = secs / 86400;
   long long sod = secs % 86400;
   if (sod < 0) {
@@ -162,8 +158,8 @@ inline std::string iso8601_utc(std::chrono::system_clock::time_point tp) {
   const long long m = mp < 10 ? mp + 3 : mp - 9;
   if (m <= 2) ++y;
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%04lld-%02lld-%02lldT%02lld:%02lld:%02lldZ", y, m, d, sod / 3600,
-                (sod / 60) % 60, sod % 60);
+  std::snprintf(buf, sizeof buf, "%04lld-%02lld-%02lldT%02lld:%02lld:%02lldZ", y, m, d, sod / 3600, (sod / 60) % 60,
+                sod % 60);
   return buf;
 }
 
@@ -205,8 +201,7 @@ inline double silverman_bandwidth(std::span<const float> samples, double scale =
 /// h >= 0.02, i.e. 10 grid steps; coarser near the kMinBandwidth floor).
 /// Non-finite samples are ignored, samples outside [0,1] clamped; h below kMinBandwidth (or not
 /// finite) is raised to it. Mass beyond [0,1] is not folded back. All zeros for no samples.
-inline std::vector<double> kde_on_grid(std::span<const float> samples, double h,
-                                       int grid_points = kKdeGridPoints) {
+inline std::vector<double> kde_on_grid(std::span<const float> samples, double h, int grid_points = kKdeGridPoints) {
   const int G = std::max(grid_points, 2);
   std::vector<double> out(static_cast<std::size_t>(G), 0.0);
   if (!(h >= kMinBandwidth) || !std::isfinite(h)) h = kMinBandwidth;
@@ -245,15 +240,15 @@ inline std::vector<double> kde_on_grid(std::span<const float> samples, double h,
 }
 
 struct DensityMode {
-  int index = 0;         ///< grid index
-  double x = 0.0;        ///< position (grid position refined by a parabola through 3 points)
+  int index = 0;   ///< grid index
+  double x = 0.0;  ///< position (grid position refined by a parabola through 3 points)
   double density = 0.0;
 };
 struct DensityValley {
-  int index = 0;         ///< grid index of the minimum between two adjacent modes
-  double x = 0.0;        ///< refined position (the threshold candidate)
+  int index = 0;   ///< grid index of the minimum between two adjacent modes
+  double x = 0.0;  ///< refined position (the threshold candidate)
   double density = 0.0;
-  double depth = 0.0;    ///< 1 - density / min(the two adjacent peaks), in [0,1]
+  double depth = 0.0;  ///< 1 - density / min(the two adjacent peaks), in [0,1]
 };
 struct ModeAnalysis {
   std::vector<DensityMode> modes;      ///< ascending x
@@ -291,8 +286,7 @@ inline int valley_index(std::span<const double> d, int a, int b) {
 /// max are candidates; then, repeatedly, the adjacent pair with the shallowest valley (highest
 /// valley / min(peaks)) is merged, keeping the higher peak, while that ratio exceeds
 /// max_valley_ratio. Valleys are the minima between the surviving adjacent modes.
-inline ModeAnalysis find_modes(std::span<const double> density,
-                               double min_relative_height = kModeMinRelativeHeight,
+inline ModeAnalysis find_modes(std::span<const double> density, double min_relative_height = kModeMinRelativeHeight,
                                double max_valley_ratio = kModeMaxValleyRatio) {
   ModeAnalysis out;
   const int n = static_cast<int>(density.size());
@@ -333,9 +327,7 @@ inline ModeAnalysis find_modes(std::span<const double> density,
     cand.erase(cand.begin() + static_cast<std::ptrdiff_t>(drop));
   }
 
-  for (int i : cand) {
-    out.modes.push_back({i, (i + calib_detail::parabola_offset(density, i)) * step, d(i)});
-  }
+  for (int i : cand) { out.modes.push_back({i, (i + calib_detail::parabola_offset(density, i)) * step, d(i)}); }
   for (std::size_t k = 0; k + 1 < cand.size(); ++k) {
     const int v = calib_detail::valley_index(density, cand[k], cand[k + 1]);
     const double lower_peak = std::min(d(cand[k]), d(cand[k + 1]));
@@ -430,9 +422,7 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
   if (T != 2 && T != 3) {
     return invalid("num_types " + std::to_string(T) + " is not supported; use 3 (E, R, T) or 2 (E, T)");
   }
-  if (opt.max_layers < 1) {
-    return invalid("max_layers " + std::to_string(opt.max_layers) + " must be >= 1");
-  }
+  if (opt.max_layers < 1) { return invalid("max_layers " + std::to_string(opt.max_layers) + " must be >= 1"); }
   if (opt.tau < 1) return invalid("tau " + std::to_string(opt.tau) + " must be >= 1");
   if (opt.min_prompts < 1) return invalid("min_prompts " + std::to_string(opt.min_prompts) + " must be >= 1");
   if (!(std::isfinite(opt.bandwidth_scale) && opt.bandwidth_scale > 0.0)) {
@@ -442,14 +432,13 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
   if (user) {
     const auto& u = opt.user_thresholds;
     if (static_cast<int>(u.size()) != T - 1) {
-      return invalid("user thresholds " + calib_detail::list(u) + ": " + std::to_string(T) +
-                     " thought types need " + std::to_string(T - 1) + " threshold" + (T == 2 ? "" : "s") +
-                     ", found " + std::to_string(u.size()));
+      return invalid("user thresholds " + calib_detail::list(u) + ": " + std::to_string(T) + " thought types need " +
+                     std::to_string(T - 1) + " threshold" + (T == 2 ? "" : "s") + ", found " +
+                     std::to_string(u.size()));
     }
     for (std::size_t i = 0; i < u.size(); ++i) {
       if (!(std::isfinite(u[i]) && u[i] > 0.0f && u[i] < 1.0f) || (i > 0 && !(u[i] > u[i - 1]))) {
-        return invalid("user thresholds " + calib_detail::list(u) +
-                       " must be strictly ascending numbers in (0,1)");
+        return invalid("user thresholds " + calib_detail::list(u) + " must be strictly ascending numbers in (0,1)");
       }
     }
   }
@@ -462,7 +451,8 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
     for (std::size_t i = 0; i < b.size(); ++i) {
       if (static_cast<int>(b[i]) >= kNumThoughtTypes) return invalid("band type " + std::to_string(i) + " is unknown");
       for (std::size_t k = 0; k < i; ++k) {
-        if (b[k] == b[i]) return invalid("band types repeat " + std::string(to_string(b[i])) + "; each band needs its own type");
+        if (b[k] == b[i])
+          return invalid("band types repeat " + std::string(to_string(b[i])) + "; each band needs its own type");
       }
     }
   }
@@ -477,8 +467,10 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
     return invalid("the traces hold no decode steps (no data rows); record traces with `thinkv trace`");
   }
   if (trace.num_layers > kMaxClassifierLayers) {
-    return invalid("the traces have " + std::to_string(trace.num_layers) + " layers; the thought classifier "
-                   "supports at most " + std::to_string(kMaxClassifierLayers) +
+    return invalid("the traces have " + std::to_string(trace.num_layers) +
+                   " layers; the thought classifier "
+                   "supports at most " +
+                   std::to_string(kMaxClassifierLayers) +
                    " (kMaxClassifierLayers), so no calibration file for this model could be used");
   }
   const int num_prompts = static_cast<int>(trace.prompts.size());
@@ -630,19 +622,20 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
       }
       const int need = static_cast<int>(std::ceil(kMinLayerScore * P));
       const int best_q = r.layer_reports[static_cast<std::size_t>(best)].qualifying_prompts;
-      std::string msg = "no layer shows " + std::to_string(T) + " modes on at least half of the " +
-                        std::to_string(P) + " prompts (" +
-                        (best_q > 0 ? "best: layer " + std::to_string(best) + " on " + std::to_string(best_q) +
-                                          "/" + std::to_string(P) + ", needs " + std::to_string(need)
+      std::string msg = "no layer shows " + std::to_string(T) + " modes on at least half of the " + std::to_string(P) +
+                        " prompts (" +
+                        (best_q > 0 ? "best: layer " + std::to_string(best) + " on " + std::to_string(best_q) + "/" +
+                                          std::to_string(P) + ", needs " + std::to_string(need)
                                     : "none does on any prompt") +
                         "). Modes per layer: " + calib_detail::modes_per_layer_text(r.layer_reports, P) +
                         ". To fix: record more prompts or longer traces; check that the layers are right (each "
-             "row must hold every layer's sparsity of the decoded token); or pass --types 2 or "
-             "--thresholds a,b explicitly (CalibrationOptions::num_types / user_thresholds)";
+                        "row must hold every layer's sparsity of the decoded token); or pass --types 2 or "
+                        "--thresholds a,b explicitly (CalibrationOptions::num_types / user_thresholds)";
       return invalid(std::move(msg));
     }
     for (int l = 0; l < L; ++l) order.push_back(l);
-    r.notes.push_back("no layer shows " + std::to_string(T) + " modes on at least half of the prompts; "
+    r.notes.push_back("no layer shows " + std::to_string(T) +
+                      " modes on at least half of the prompts; "
                       "with user thresholds every layer is used");
   }
   std::sort(order.begin(), order.end());
@@ -662,8 +655,7 @@ inline Status calibrate(const SparsityTrace& trace, const CalibrationOptions& op
     }
     for (double s : sum) r.thresholds.push_back(static_cast<float>(s / static_cast<double>(count)));
     for (std::size_t k = 0; k < r.thresholds.size(); ++k) {
-      if (!(r.thresholds[k] > 0.0f && r.thresholds[k] < 1.0f) ||
-          (k > 0 && !(r.thresholds[k] > r.thresholds[k - 1]))) {
+      if (!(r.thresholds[k] > 0.0f && r.thresholds[k] < 1.0f) || (k > 0 && !(r.thresholds[k] > r.thresholds[k - 1]))) {
         return {StatusCode::kInternal, "calibration produced thresholds " + calib_detail::list(r.thresholds) +
                                            " that are not strictly ascending in (0,1); please report this"};
       }

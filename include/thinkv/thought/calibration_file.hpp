@@ -72,8 +72,7 @@ struct CalibrationFile {
 };
 
 /// The file content of a calibration result.
-inline CalibrationFile to_calibration_file(const CalibrationResult& r,
-                                           std::string_view tool = "thinkv calibrate") {
+inline CalibrationFile to_calibration_file(const CalibrationResult& r, std::string_view tool = "thinkv calibrate") {
   CalibrationFile f;
   f.model_name = r.model;
   f.num_layers = r.num_layers;
@@ -122,10 +121,14 @@ inline std::string float_list(const std::vector<float>& v) {
 }
 
 inline bool type_from_letter(std::string_view s, ThoughtType& t) {
-  if (s == "R") t = ThoughtType::kReasoning;
-  else if (s == "E") t = ThoughtType::kExecution;
-  else if (s == "T") t = ThoughtType::kTransition;
-  else return false;
+  if (s == "R")
+    t = ThoughtType::kReasoning;
+  else if (s == "E")
+    t = ThoughtType::kExecution;
+  else if (s == "T")
+    t = ThoughtType::kTransition;
+  else
+    return false;
   return true;
 }
 
@@ -141,8 +144,9 @@ inline Status validate_calibration(const CalibrationFile& f, std::string_view so
     return {StatusCode::kInvalidArgument,
             calib_file_detail::source_or(source) + ": field 'version' is " + std::to_string(f.version) +
                 "; this thinkv reads version " + std::to_string(kCalibrationVersion) +
-                (f.version > kCalibrationVersion ? " (the file was written by a newer thinkv: update thinkv, or recalibrate)"
-                                                 : " — recalibrate with `thinkv calibrate`")};
+                (f.version > kCalibrationVersion
+                     ? " (the file was written by a newer thinkv: update thinkv, or recalibrate)"
+                     : " — recalibrate with `thinkv calibrate`")};
   }
   if (f.model_name.empty()) return bad(source, "field 'model.name' is empty");
   if (f.num_layers > kMaxClassifierLayers) return calib_file_detail::too_many_layers(source, f.num_layers);
@@ -169,8 +173,8 @@ inline Status validate_calibration(const CalibrationFile& f, std::string_view so
   for (int l : f.layers) {
     if (l < 0 || l >= f.num_layers) {
       return bad(source, "field 'layers' names layer " + std::to_string(l) + ", outside [0, " +
-                             std::to_string(f.num_layers) + ") for a model with " +
-                             std::to_string(f.num_layers) + " layers");
+                             std::to_string(f.num_layers) + ") for a model with " + std::to_string(f.num_layers) +
+                             " layers");
     }
     if (!seen.insert(l).second) return bad(source, "field 'layers' names layer " + std::to_string(l) + " twice");
   }
@@ -178,7 +182,8 @@ inline Status validate_calibration(const CalibrationFile& f, std::string_view so
   for (int i = 0; i < f.num_types; ++i) {
     for (int j = 0; j < i; ++j) {
       if (f.band_types[static_cast<std::size_t>(i)] == f.band_types[static_cast<std::size_t>(j)]) {
-        return bad(source, "field 'band_types' names " + std::string(to_string(f.band_types[static_cast<std::size_t>(i)])) +
+        return bad(source, "field 'band_types' names " +
+                               std::string(to_string(f.band_types[static_cast<std::size_t>(i)])) +
                                " twice; it must list " + std::to_string(f.num_types) + " different types");
       }
     }
@@ -263,8 +268,7 @@ class Fields {
  public:
   explicit Fields(std::string_view source) : source_(source) {}
 
-  Status object(const json::Value& parent, std::string_view key, std::string_view path,
-                const json::Value*& out) {
+  Status object(const json::Value& parent, std::string_view key, std::string_view path, const json::Value*& out) {
     return get(parent, key, path, json::Type::kObject, out);
   }
   Status string(const json::Value& parent, std::string_view key, std::string_view path, std::string& out) {
@@ -273,8 +277,8 @@ class Fields {
     out = v->as_string();
     return Status::ok();
   }
-  Status integer(const json::Value& parent, std::string_view key, std::string_view path, long long lo,
-                 long long hi, long long& out) {
+  Status integer(const json::Value& parent, std::string_view key, std::string_view path, long long lo, long long hi,
+                 long long& out) {
     const json::Value* v = nullptr;
     THINKV_RETURN_IF_ERROR(get(parent, key, path, json::Type::kNumber, v));
     if (!v->is_integer() || v->as_number() < static_cast<double>(lo) || v->as_number() > static_cast<double>(hi)) {
@@ -376,8 +380,8 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
   }
   THINKV_RETURN_IF_ERROR(F.array(root, "band_types", "band_types", arr));
   if (static_cast<int>(arr->size()) != f.num_types) {
-    return bad(src, "field 'band_types' has " + std::to_string(arr->size()) + " entries, expected num_types = " +
-                        std::to_string(f.num_types));
+    return bad(src, "field 'band_types' has " + std::to_string(arr->size()) +
+                        " entries, expected num_types = " + std::to_string(f.num_types));
   }
   f.band_types = default_band_types(f.num_types);
   for (std::size_t i = 0; i < arr->size(); ++i) {
@@ -409,10 +413,9 @@ inline Status read_calibration_json(const std::filesystem::path& path, Calibrati
   if (!f) {
     std::error_code ec;
     const bool exists = std::filesystem::exists(path, ec);
-    return {StatusCode::kInvalidArgument,
-            path.string() + ": cannot open the calibration file (" +
-                (exists ? "permission denied or not a regular file" : "no such file") +
-                "); create one with `thinkv calibrate`"};
+    return {StatusCode::kInvalidArgument, path.string() + ": cannot open the calibration file (" +
+                                              (exists ? "permission denied or not a regular file" : "no such file") +
+                                              "); create one with `thinkv calibrate`"};
   }
   return read_calibration_json(f, path.string(), out);
 }
@@ -422,9 +425,9 @@ inline Status read_calibration_json(const std::filesystem::path& path, Calibrati
 inline Status check_model(const CalibrationFile& f, int model_num_layers, std::string_view model_name) {
   const std::string src = f.source.empty() ? std::string("the calibration file") : f.source;
   if (f.num_layers != model_num_layers) {
-    return {StatusCode::kInvalidArgument,
-            src + " was calibrated for a model with " + std::to_string(f.num_layers) + " layers; this model has " +
-                std::to_string(model_num_layers) + " — recalibrate with `thinkv calibrate`"};
+    return {StatusCode::kInvalidArgument, src + " was calibrated for a model with " + std::to_string(f.num_layers) +
+                                              " layers; this model has " + std::to_string(model_num_layers) +
+                                              " — recalibrate with `thinkv calibrate`"};
   }
   if (!model_name.empty() && !f.model_name.empty() && model_name != f.model_name) {
     return {StatusCode::kInvalidArgument,
@@ -445,8 +448,7 @@ inline Status check_model(const CalibrationFile& f, int model_num_layers, std::s
 /// Throws ConfigError if it is not valid after all.
 inline ThoughtClassifier classifier_from_calibration(const CalibrationFile& f) {
   return ThoughtClassifier(f.thresholds, f.layers, f.tau,
-                           std::vector<ThoughtType>(f.band_types.begin(),
-                                                    f.band_types.begin() + f.num_types),
+                           std::vector<ThoughtType>(f.band_types.begin(), f.band_types.begin() + f.num_types),
                            f.num_layers);
 }
 

@@ -31,12 +31,12 @@ inline constexpr int kMaxClassifierLayers = 256;
 
 /// The classifier lowered to a plain struct for device code (trivially copyable).
 struct ThoughtClassifierDesc {
-  float thresholds[kMaxThoughtBands - 1];        ///< [num_bands - 1] ascending
-  std::uint8_t band_types[kMaxThoughtBands];     ///< [num_bands] ThoughtType of each band
-  std::int32_t num_bands;                        ///< 1..3
-  std::int32_t tau;                              ///< refresh period in tokens
+  float thresholds[kMaxThoughtBands - 1];               ///< [num_bands - 1] ascending
+  std::uint8_t band_types[kMaxThoughtBands];            ///< [num_bands] ThoughtType of each band
+  std::int32_t num_bands;                               ///< 1..3
+  std::int32_t tau;                                     ///< refresh period in tokens
   std::uint64_t layer_mask[kMaxClassifierLayers / 64];  ///< bit l set: layer l is in L*
-  std::int32_t num_selected_layers;              ///< |L*|
+  std::int32_t num_selected_layers;                     ///< |L*|
 };
 
 /// Band of a signal value: the number of thresholds it is >= to.
@@ -64,18 +64,13 @@ class ThoughtClassifier {
         band_types_(std::move(band_types)),
         tau_(tau),
         num_layers_(num_layers) {
-    if (Status s = check(thresholds_, layers_, tau_, band_types_, num_layers_); !s.is_ok()) {
-      throw ConfigError(s);
-    }
+    if (Status s = check(thresholds_, layers_, tau_, band_types_, num_layers_); !s.is_ok()) { throw ConfigError(s); }
   }
 
   /// The paper's three types with the default band mapping (E, R, T from least to most sparse).
-  static ThoughtClassifier three_types(float t0, float t1, std::vector<int> layers, int tau,
-                                       int num_layers) {
+  static ThoughtClassifier three_types(float t0, float t1, std::vector<int> layers, int tau, int num_layers) {
     return ThoughtClassifier({t0, t1}, std::move(layers), tau,
-                             {ThoughtType::kExecution, ThoughtType::kReasoning,
-                              ThoughtType::kTransition},
-                             num_layers);
+                             {ThoughtType::kExecution, ThoughtType::kReasoning, ThoughtType::kTransition}, num_layers);
   }
 
   static Status check(const std::vector<float>& thresholds, const std::vector<int>& layers, int tau,
@@ -86,8 +81,8 @@ class ThoughtClassifier {
       return bad("classifier has " + std::to_string(bands) + " bands; allowed: 1..3");
     }
     if (static_cast<int>(thresholds.size()) != bands - 1) {
-      return bad("classifier has " + std::to_string(thresholds.size()) + " thresholds for " +
-                 std::to_string(bands) + " bands; need exactly " + std::to_string(bands - 1));
+      return bad("classifier has " + std::to_string(thresholds.size()) + " thresholds for " + std::to_string(bands) +
+                 " bands; need exactly " + std::to_string(bands - 1));
     }
     for (std::size_t i = 0; i < thresholds.size(); ++i) {
       const float t = thresholds[i];
@@ -96,8 +91,8 @@ class ThoughtClassifier {
                    " is outside the open interval (0, 1)");
       }
       if (i > 0 && !(t > thresholds[i - 1])) {
-        return bad("thresholds must be strictly ascending, but threshold " + std::to_string(i) +
-                   " = " + std::to_string(t) + " <= threshold " + std::to_string(i - 1) + " = " +
+        return bad("thresholds must be strictly ascending, but threshold " + std::to_string(i) + " = " +
+                   std::to_string(t) + " <= threshold " + std::to_string(i - 1) + " = " +
                    std::to_string(thresholds[i - 1]));
       }
     }
@@ -107,8 +102,7 @@ class ThoughtClassifier {
       }
       for (int j = 0; j < i; ++j) {
         if (band_types[static_cast<std::size_t>(i)] == band_types[static_cast<std::size_t>(j)]) {
-          return bad("bands " + std::to_string(j) + " and " + std::to_string(i) +
-                     " both map to thought type " +
+          return bad("bands " + std::to_string(j) + " and " + std::to_string(i) + " both map to thought type " +
                      std::string(thinkv::to_string(band_types[static_cast<std::size_t>(i)])));
         }
       }
@@ -125,9 +119,7 @@ class ThoughtClassifier {
                    std::to_string(num_layers - 1));
       }
       for (std::size_t j = 0; j < i; ++j) {
-        if (layers[j] == layers[i]) {
-          return bad("layer " + std::to_string(layers[i]) + " is listed twice in L*");
-        }
+        if (layers[j] == layers[i]) { return bad("layer " + std::to_string(layers[i]) + " is listed twice in L*"); }
       }
     }
     return Status::ok();
@@ -137,10 +129,10 @@ class ThoughtClassifier {
   /// falls on a group boundary and a group never mixes thought types.
   [[nodiscard]] Status check_alignment(int group_size) const {
     if (group_size < 1 || tau_ % group_size != 0) {
-      return {StatusCode::kInvalidArgument,
-              "tau " + std::to_string(tau_) + " is not a multiple of group_size " +
-                  std::to_string(group_size) + "; thought refreshes must fall on quantization "
-                  "group boundaries (use tau = k * group_size, e.g. 128)"};
+      return {StatusCode::kInvalidArgument, "tau " + std::to_string(tau_) + " is not a multiple of group_size " +
+                                                std::to_string(group_size) +
+                                                "; thought refreshes must fall on quantization "
+                                                "group boundaries (use tau = k * group_size, e.g. 128)"};
     }
     return Status::ok();
   }
@@ -207,9 +199,7 @@ class ThoughtClassifier {
     return s + "}, tau=" + std::to_string(tau_) + ", layers=" + std::to_string(num_layers_) + "}";
   }
   friend bool operator==(const ThoughtClassifier&, const ThoughtClassifier&) = default;
-  friend std::ostream& operator<<(std::ostream& os, const ThoughtClassifier& c) {
-    return os << c.to_string();
-  }
+  friend std::ostream& operator<<(std::ostream& os, const ThoughtClassifier& c) { return os << c.to_string(); }
 
  private:
   std::vector<float> thresholds_;
@@ -230,9 +220,9 @@ static_assert(thought_classifier<ThoughtClassifier>);
 
 /// Counters of a ThoughtTracker.
 struct ThoughtStats {
-  std::int64_t refreshes = 0;     ///< refresh() calls
-  std::int64_t refresh_ns = 0;    ///< wall time spent inside refresh()
-  std::int64_t changes = 0;       ///< refreshes whose type differs from the type before
+  std::int64_t refreshes = 0;   ///< refresh() calls
+  std::int64_t refresh_ns = 0;  ///< wall time spent inside refresh()
+  std::int64_t changes = 0;     ///< refreshes whose type differs from the type before
   std::array<std::int64_t, kNumThoughtTypes> refresh_histogram{};  ///< refresh outcomes by type
   std::array<std::int64_t, kNumThoughtTypes> tokens{};             ///< tokens labelled, by type
   friend bool operator==(const ThoughtStats&, const ThoughtStats&) = default;
@@ -251,8 +241,7 @@ struct ThoughtStats {
 class ThoughtTracker {
  public:
   ThoughtTracker() : ThoughtTracker(ThoughtClassifier{}) {}
-  explicit ThoughtTracker(ThoughtClassifier classifier,
-                          ThoughtType initial = ThoughtType::kReasoning)
+  explicit ThoughtTracker(ThoughtClassifier classifier, ThoughtType initial = ThoughtType::kReasoning)
       : classifier_(std::move(classifier)), current_(initial) {}
 
   [[nodiscard]] const ThoughtClassifier& classifier() const noexcept { return classifier_; }
@@ -274,21 +263,19 @@ class ThoughtTracker {
                                ThoughtType* new_type = nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
     if (!classifier_.is_refresh_step(position)) {
-      return {StatusCode::kInvalidArgument, "position " + std::to_string(position) +
-                                                " is not a refresh step (tau = " +
+      return {StatusCode::kInvalidArgument, "position " + std::to_string(position) + " is not a refresh step (tau = " +
                                                 std::to_string(classifier_.tau()) + ")"};
     }
     if (static_cast<int>(layer_sparsity.size()) < classifier_.num_layers()) {
-      return {StatusCode::kShapeMismatch,
-              "refresh got sparsity for " + std::to_string(layer_sparsity.size()) +
-                  " layers; the classifier was calibrated for " +
-                  std::to_string(classifier_.num_layers())};
+      return {StatusCode::kShapeMismatch, "refresh got sparsity for " + std::to_string(layer_sparsity.size()) +
+                                              " layers; the classifier was calibrated for " +
+                                              std::to_string(classifier_.num_layers())};
     }
     for (int l : classifier_.layers()) {
       const float s = layer_sparsity[static_cast<std::size_t>(l)];
       if (!(s >= 0.0f && s <= 1.0f)) {
-        return {StatusCode::kNonFinite, "sparsity of layer " + std::to_string(l) + " is " +
-                                            std::to_string(s) + "; expected a share in [0, 1]"};
+        return {StatusCode::kNonFinite,
+                "sparsity of layer " + std::to_string(l) + " is " + std::to_string(s) + "; expected a share in [0, 1]"};
       }
     }
     const ThoughtType t = classifier_.classify(classifier_.signal(layer_sparsity));
@@ -301,9 +288,8 @@ class ThoughtTracker {
     current_ = t;
     ++stats_.refreshes;
     ++stats_.refresh_histogram[static_cast<std::size_t>(t)];
-    stats_.refresh_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now() - t0)
-                             .count();
+    stats_.refresh_ns +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     if (new_type) *new_type = t;
     return Status::ok();
   }

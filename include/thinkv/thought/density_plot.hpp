@@ -54,9 +54,9 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
   using plot_detail::xml_escape;
   const int L = r.num_layers;
   if (L < 1 || static_cast<int>(r.mean_density.size()) != L) {
-    return {StatusCode::kInvalidArgument,
-            "write_density_svg: the result has " + std::to_string(r.mean_density.size()) +
-                " density curves for " + std::to_string(L) + " layers; plot a result returned by calibrate()"};
+    return {StatusCode::kInvalidArgument, "write_density_svg: the result has " + std::to_string(r.mean_density.size()) +
+                                              " density curves for " + std::to_string(L) +
+                                              " layers; plot a result returned by calibrate()"};
   }
   const int cols = std::min(L, 8);
   const int rows = (L + cols - 1) / cols;
@@ -82,9 +82,11 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
   std::string ls;
   for (std::size_t i = 0; i < r.layers.size(); ++i) ls += (i ? ", " : "") + std::to_string(r.layers[i]);
   std::string bands;
-  for (int i = 0; i < r.num_types; ++i) bands += std::string(i ? " < " : "") + std::string(to_string(r.band_types[static_cast<std::size_t>(i)]));
-  s += "<text x=\"" + num(left) + "\" y=\"26\" font-size=\"18\" font-weight=\"bold\">ThinKV calibration: " +
-       xml_escape(r.model) + " (" + std::to_string(L) + " layers)</text>\n";
+  for (int i = 0; i < r.num_types; ++i)
+    bands += std::string(i ? " < " : "") + std::string(to_string(r.band_types[static_cast<std::size_t>(i)]));
+  s += "<text x=\"" + num(left) +
+       "\" y=\"26\" font-size=\"18\" font-weight=\"bold\">ThinKV calibration: " + xml_escape(r.model) + " (" +
+       std::to_string(L) + " layers)</text>\n";
   s += "<text x=\"" + num(left) + "\" y=\"46\" font-size=\"12\">thresholds " + xml_escape(th.empty() ? "-" : th) +
        "   |   L* = {" + xml_escape(ls) + "}   |   bands by sparsity: " + xml_escape(bands) + "   |   tau " +
        std::to_string(r.tau) + "</text>\n";
@@ -93,8 +95,7 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
        xml_escape(bandwidth_rule_text(r.bandwidth_scale)) + "   |   " + xml_escape(r.date) + "</text>\n";
   // Legend.
   s += "<rect x=\"" + num(left) + "\" y=\"72\" width=\"14\" height=\"10\" fill=\"none\" stroke=\"" + kChosen +
-       "\" stroke-width=\"2\"/><text x=\"" + num(left + 20) +
-       "\" y=\"81\" font-size=\"11\">chosen layer (L*)</text>\n";
+       "\" stroke-width=\"2\"/><text x=\"" + num(left + 20) + "\" y=\"81\" font-size=\"11\">chosen layer (L*)</text>\n";
   s += "<line x1=\"" + num(left + 130) + "\" y1=\"77\" x2=\"" + num(left + 150) + "\" y2=\"77\" stroke=\"" +
        kThreshold + "\" stroke-width=\"1.5\" stroke-dasharray=\"4,3\"/><text x=\"" + num(left + 156) +
        "\" y=\"81\" font-size=\"11\">threshold</text>\n";
@@ -110,13 +111,20 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
     const double x0 = left + cx * (pw + gap), y0 = top + cy * (ph + gap);
     const double ax0 = x0 + ml, ax1 = x0 + pw - mr, ay0 = y0 + mt, ay1 = y0 + ph - mb;  // plot area
     const bool chosen = std::find(r.layers.begin(), r.layers.end(), l) != r.layers.end();
-    const LayerReport* rep = static_cast<std::size_t>(l) < r.layer_reports.size() ? &r.layer_reports[static_cast<std::size_t>(l)] : nullptr;
+    const LayerReport* rep =
+        static_cast<std::size_t>(l) < r.layer_reports.size() ? &r.layer_reports[static_cast<std::size_t>(l)] : nullptr;
     const bool eligible = !chosen && rep != nullptr && rep->eligible;
     s += "<g>\n";
     s += "<rect x=\"" + num(x0) + "\" y=\"" + num(y0) + "\" width=\"" + num(pw) + "\" height=\"" + num(ph) +
          "\" fill=\"" + (chosen ? "#fff5f5" : "#fafafa") + "\" stroke=\"" +
-         (chosen ? kChosen : eligible ? kEligible : "#bbb") + "\" stroke-width=\"" +
-         (chosen ? "2.5" : eligible ? "1.5\" stroke-dasharray=\"5,3" : "1") + "\"/>\n";
+         (chosen     ? kChosen
+          : eligible ? kEligible
+                     : "#bbb") +
+         "\" stroke-width=\"" +
+         (chosen     ? "2.5"
+          : eligible ? "1.5\" stroke-dasharray=\"5,3"
+                     : "1") +
+         "\"/>\n";
     s += "<text x=\"" + num(x0 + 6) + "\" y=\"" + num(y0 + 14) + "\" font-size=\"11\" font-weight=\"bold\">layer " +
          std::to_string(l) + "</text>\n";
     if (rep != nullptr) {
@@ -129,8 +137,8 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
       }
     }
     if (chosen) {
-      s += "<text x=\"" + num(x0 + pw - 8) + "\" y=\"" + num(y0 + 15) + "\" font-size=\"12\" font-weight=\"bold\" fill=\"" +
-           kChosen + "\" text-anchor=\"end\">L*</text>\n";
+      s += "<text x=\"" + num(x0 + pw - 8) + "\" y=\"" + num(y0 + 15) +
+           "\" font-size=\"12\" font-weight=\"bold\" fill=\"" + kChosen + "\" text-anchor=\"end\">L*</text>\n";
     }
     // Axis with ticks at 0, 0.25, 0.5, 0.75, 1.
     s += "<line x1=\"" + num(ax0) + "\" y1=\"" + num(ay1) + "\" x2=\"" + num(ax1) + "\" y2=\"" + num(ay1) +
@@ -141,7 +149,10 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
            "\" stroke=\"#333\"/>\n";
       if (t % 2 == 0) {
         s += "<text x=\"" + num(tx) + "\" y=\"" + num(ay1 + 13) + "\" font-size=\"9\" text-anchor=\"middle\">" +
-             (t == 0 ? "0" : t == 2 ? "0.5" : "1") + "</text>\n";
+             (t == 0   ? "0"
+              : t == 2 ? "0.5"
+                       : "1") +
+             "</text>\n";
       }
     }
     s += "<text x=\"" + num((ax0 + ax1) / 2) + "\" y=\"" + num(ay1 + 24) +
@@ -152,7 +163,8 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
       const double next = k < r.thresholds.size() ? static_cast<double>(r.thresholds[k]) : 1.0;
       if (k < static_cast<std::size_t>(r.num_types) && std::isfinite(next)) {
         const double bx = ax0 + (ax1 - ax0) * std::clamp((prev + next) / 2, 0.0, 1.0);
-        s += "<text x=\"" + num(bx) + "\" y=\"" + num(ay0 - 3) + "\" font-size=\"10\" font-weight=\"bold\" fill=\"#999\" text-anchor=\"middle\">" +
+        s += "<text x=\"" + num(bx) + "\" y=\"" + num(ay0 - 3) +
+             "\" font-size=\"10\" font-weight=\"bold\" fill=\"#999\" text-anchor=\"middle\">" +
              std::string(to_string(r.band_types[std::min<std::size_t>(k, 2)])) + "</text>\n";
       }
       if (k < r.thresholds.size() && std::isfinite(next)) {
@@ -181,7 +193,8 @@ inline Status write_density_svg(std::ostream& os, const CalibrationResult& r) {
     }
     s += "</g>\n";
   }
-  s += "<text x=\"14\" y=\"" + num(top + rows * ph / 2.0) + "\" font-size=\"11\" fill=\"#555\" text-anchor=\"middle\" transform=\"rotate(-90 14 " +
+  s += "<text x=\"14\" y=\"" + num(top + rows * ph / 2.0) +
+       "\" font-size=\"11\" fill=\"#555\" text-anchor=\"middle\" transform=\"rotate(-90 14 " +
        num(top + rows * ph / 2.0) + ")\">density (per-panel scale)</text>\n";
   s += "</svg>\n";
   os << s;

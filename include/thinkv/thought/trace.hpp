@@ -160,44 +160,45 @@ inline Status validate_sparsity_trace(const SparsityTrace& t, std::string_view s
     return error(source, 0, "the model name contains a line break");
   }
   if (t.num_layers < 1 || t.num_layers > kMaxTraceLayers) {
-    return error(source, 0, "num_layers " + std::to_string(t.num_layers) + " is outside [1, " +
-                                std::to_string(kMaxTraceLayers) + "]");
+    return error(
+        source, 0,
+        "num_layers " + std::to_string(t.num_layers) + " is outside [1, " + std::to_string(kMaxTraceLayers) + "]");
   }
   std::unordered_map<std::string_view, std::size_t> seen;
   const auto L = static_cast<std::size_t>(t.num_layers);
   for (std::size_t p = 0; p < t.prompts.size(); ++p) {
     const PromptTrace& pr = t.prompts[p];
     if (const std::string why = trace_detail::valid_id_problem(pr.id); !why.empty()) {
-      return error(source, 0, "prompt #" + std::to_string(p) + " id " + trace_detail::quote(pr.id) +
-                                  " " + why + "; prompt ids must be non-empty, without commas or "
-                                  "line breaks, and not start with '#'");
+      return error(source, 0,
+                   "prompt #" + std::to_string(p) + " id " + trace_detail::quote(pr.id) + " " + why +
+                       "; prompt ids must be non-empty, without commas or "
+                       "line breaks, and not start with '#'");
     }
     if (!seen.emplace(pr.id, p).second) {
       return error(source, 0, "prompt id " + trace_detail::quote(pr.id) + " is used twice");
     }
     if (pr.values.size() != pr.steps.size() * L) {
-      return error(source, 0, "prompt " + trace_detail::quote(pr.id) + " has " +
-                                  std::to_string(pr.steps.size()) + " steps but " +
-                                  std::to_string(pr.values.size()) + " values; expected steps x " +
-                                  std::to_string(t.num_layers) + " layers = " +
-                                  std::to_string(pr.steps.size() * L));
+      return error(source, 0,
+                   "prompt " + trace_detail::quote(pr.id) + " has " + std::to_string(pr.steps.size()) + " steps but " +
+                       std::to_string(pr.values.size()) + " values; expected steps x " + std::to_string(t.num_layers) +
+                       " layers = " + std::to_string(pr.steps.size() * L));
     }
     for (std::size_t i = 0; i < pr.steps.size(); ++i) {
       if (pr.steps[i] < 0 || (i > 0 && pr.steps[i] <= pr.steps[i - 1])) {
-        return error(source, 0, "prompt " + trace_detail::quote(pr.id) + " step " +
-                                    std::to_string(pr.steps[i]) + " (row " + std::to_string(i) +
-                                    ") is negative or does not increase; steps must be >= 0 and "
-                                    "strictly increasing within a prompt");
+        return error(source, 0,
+                     "prompt " + trace_detail::quote(pr.id) + " step " + std::to_string(pr.steps[i]) + " (row " +
+                         std::to_string(i) +
+                         ") is negative or does not increase; steps must be >= 0 and "
+                         "strictly increasing within a prompt");
       }
       for (std::size_t l = 0; l < L; ++l) {
         const float x = pr.values[i * L + l];
         if (!std::isfinite(x) || x < 0.0f || x > 1.0f) {
           char buf[32];
           const auto r = std::to_chars(buf, buf + sizeof buf, x);
-          return error(source, 0, "prompt " + trace_detail::quote(pr.id) + " step " +
-                                      std::to_string(pr.steps[i]) + ": layer " + std::to_string(l) +
-                                      " sparsity '" + std::string(buf, r.ptr) +
-                                      "' is not a number in [0,1]");
+          return error(source, 0,
+                       "prompt " + trace_detail::quote(pr.id) + " step " + std::to_string(pr.steps[i]) + ": layer " +
+                           std::to_string(l) + " sparsity '" + std::string(buf, r.ptr) + "' is not a number in [0,1]");
         }
       }
     }
@@ -216,7 +217,7 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
   SparsityTrace t;
   bool have_magic = false, have_model = false, have_layers = false, have_columns = false;
   std::unordered_map<std::string, std::size_t> index;  // prompt id -> position in t.prompts
-  std::vector<long> last_line;                          // per prompt: line of its last row
+  std::vector<long> last_line;                         // per prompt: line of its last row
   std::vector<std::string_view> fields;
   std::string line_buf;
   long line_no = 0, end_line = 0, rows = 0;
@@ -231,34 +232,38 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     line = trace_detail::trim(line);
     if (line.empty()) continue;
     if (end_line > 0) {
-      return error(src, line_no, "content after the '# end:' line (line " + std::to_string(end_line) +
-                                     "); the end line must be the last; the file is corrupt");
+      return error(src, line_no,
+                   "content after the '# end:' line (line " + std::to_string(end_line) +
+                       "); the end line must be the last; the file is corrupt");
     }
 
     if (first_content) {
       first_content = false;
-      const bool magic_line = line.front() == '#' &&
-                              trace_detail::trim(line.substr(1)).starts_with(kSparsityTraceMagic);
+      const bool magic_line =
+          line.front() == '#' && trace_detail::trim(line.substr(1)).starts_with(kSparsityTraceMagic);
       if (!magic_line) {
-        return error(src, line_no, "not a ThinKV sparsity trace: the first line must be '# " +
-                                       std::string(kSparsityTraceMagic) + " v2', found " +
-                                       quote(line) + "; record traces with `thinkv trace`");
+        return error(src, line_no,
+                     "not a ThinKV sparsity trace: the first line must be '# " + std::string(kSparsityTraceMagic) +
+                         " v2', found " + quote(line) + "; record traces with `thinkv trace`");
       }
     }
 
     if (line.front() == '#') {
       const std::string_view body = trace_detail::trim(line.substr(1));
       if (body.starts_with(kSparsityTraceMagic)) {
-        if (have_magic) return error(src, line_no, "the '# " + std::string(kSparsityTraceMagic) + "' line appears twice");
+        if (have_magic)
+          return error(src, line_no, "the '# " + std::string(kSparsityTraceMagic) + "' line appears twice");
         const std::string_view ver = trace_detail::trim(body.substr(kSparsityTraceMagic.size()));
         if (ver == "v1") {
-          return error(src, line_no, "trace version v1 has no end line, so a file cut short cannot be told "
-                                     "from a whole one; re-record it with this thinkv (v2)");
+          return error(src, line_no,
+                       "trace version v1 has no end line, so a file cut short cannot be told "
+                       "from a whole one; re-record it with this thinkv (v2)");
         }
         if (ver != "v2") {
-          return error(src, line_no, "unsupported trace version " + quote(ver) +
-                                         "; this reader knows v2 — use a thinkv that matches the "
-                                         "recorder, or re-record the trace");
+          return error(src, line_no,
+                       "unsupported trace version " + quote(ver) +
+                           "; this reader knows v2 — use a thinkv that matches the "
+                           "recorder, or re-record the trace");
         }
         have_magic = true;
         continue;
@@ -275,8 +280,9 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
           return error(src, line_no, "the end line must read '# end: N rows' after the rows, found " + quote(line));
         }
         if (n != rows) {
-          return error(src, line_no, "the end line says " + std::to_string(n) + " rows, but the file holds " +
-                                         std::to_string(rows) + "; the file is corrupt — re-record it");
+          return error(src, line_no,
+                       "the end line says " + std::to_string(n) + " rows, but the file holds " + std::to_string(rows) +
+                           "; the file is corrupt — re-record it");
         }
         end_line = line_no;
         continue;
@@ -295,8 +301,9 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
         if (have_layers) return error(src, line_no, "'# num_layers:' is given twice");
         long long n = 0;
         if (!trace_detail::parse_int(value, n) || n < 1 || n > kMaxTraceLayers) {
-          return error(src, line_no, "num_layers " + quote(value) + " is not an integer in [1, " +
-                                         std::to_string(kMaxTraceLayers) + "]; the header is corrupt");
+          return error(src, line_no,
+                       "num_layers " + quote(value) + " is not an integer in [1, " + std::to_string(kMaxTraceLayers) +
+                           "]; the header is corrupt");
         }
         t.num_layers = static_cast<int>(n);
         have_layers = true;
@@ -306,27 +313,29 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
 
     if (!have_columns) {
       if (!have_model || !have_layers) {
-        return error(src, line_no, std::string("missing '# ") + (!have_model ? "model" : "num_layers") +
-                                       ":' header before the first non-comment line" + fix_header);
+        return error(src, line_no,
+                     std::string("missing '# ") + (!have_model ? "model" : "num_layers") +
+                         ":' header before the first non-comment line" + fix_header);
       }
       trace_detail::split_commas(line, fields);
       const std::string expected = trace_detail::column_header(t.num_layers);
       const bool names_ok = fields.size() >= 2 && fields[0] == "prompt" && fields[1] == "step";
       if (!names_ok) {
-        return error(src, line_no, "expected the column header line '" +
-                                       trace_detail::short_column_header(t.num_layers) + "', found " +
-                                       quote(line));
+        return error(src, line_no,
+                     "expected the column header line '" + trace_detail::short_column_header(t.num_layers) +
+                         "', found " + quote(line));
       }
       if (fields.size() != static_cast<std::size_t>(t.num_layers) + 2) {
-        return error(src, line_no, "the column header names " + std::to_string(fields.size() - 2) +
-                                       " layers but '# num_layers:' says " +
-                                       std::to_string(t.num_layers) + "; the header is corrupt");
+        return error(src, line_no,
+                     "the column header names " + std::to_string(fields.size() - 2) +
+                         " layers but '# num_layers:' says " + std::to_string(t.num_layers) +
+                         "; the header is corrupt");
       }
       for (int l = 0; l < t.num_layers; ++l) {
         if (fields[static_cast<std::size_t>(l) + 2] != "l" + std::to_string(l)) {
-          return error(src, line_no, "column " + std::to_string(l + 3) + " of the header is " +
-                                         quote(fields[static_cast<std::size_t>(l) + 2]) +
-                                         ", expected 'l" + std::to_string(l) + "'");
+          return error(src, line_no,
+                       "column " + std::to_string(l + 3) + " of the header is " +
+                           quote(fields[static_cast<std::size_t>(l) + 2]) + ", expected 'l" + std::to_string(l) + "'");
         }
       }
       have_columns = true;
@@ -337,20 +346,22 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     trace_detail::split_commas(line, fields);
     const std::size_t want = static_cast<std::size_t>(t.num_layers) + 2;
     if (fields.size() != want) {
-      return error(src, line_no, "row has " + std::to_string(fields.size()) + " columns, expected " +
-                                     std::to_string(want) + " (prompt, step and " +
-                                     std::to_string(t.num_layers) +
-                                     " layers); the trace is corrupt or truncated — re-record it");
+      return error(src, line_no,
+                   "row has " + std::to_string(fields.size()) + " columns, expected " + std::to_string(want) +
+                       " (prompt, step and " + std::to_string(t.num_layers) +
+                       " layers); the trace is corrupt or truncated — re-record it");
     }
     if (fields[0].empty()) return error(src, line_no, "empty prompt id; every row starts with a prompt id");
     if (const std::string why = trace_detail::valid_id_problem(fields[0]); !why.empty()) {
-      return error(src, line_no, "prompt id " + quote(fields[0]) + " " + why +
-                                     "; prompt ids must be non-empty, without commas or line breaks, and not "
-                                     "start with '#' — the trace is corrupt");
+      return error(src, line_no,
+                   "prompt id " + quote(fields[0]) + " " + why +
+                       "; prompt ids must be non-empty, without commas or line breaks, and not "
+                       "start with '#' — the trace is corrupt");
     }
     long long step = 0;
     if (!trace_detail::parse_int(fields[1], step) || step < 0 || step > 2147483647LL) {
-      return error(src, line_no, "step " + quote(fields[1]) + " is not an integer >= 0; the trace is corrupt — re-record it");
+      return error(src, line_no,
+                   "step " + quote(fields[1]) + " is not an integer >= 0; the trace is corrupt — re-record it");
     }
     const std::string id(fields[0]);
     auto [it, inserted] = index.emplace(id, t.prompts.size());
@@ -360,21 +371,21 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
     }
     PromptTrace& pr = t.prompts[it->second];
     if (!pr.steps.empty() && step <= pr.steps.back()) {
-      return error(src, line_no, "prompt " + quote(id) + " step " + std::to_string(step) +
-                                     " does not follow its previous step " +
-                                     std::to_string(pr.steps.back()) + " (line " +
-                                     std::to_string(last_line[it->second]) +
-                                     "); steps must increase within a prompt — the trace is corrupt "
-                                     "or two runs were concatenated: re-record it or give the runs "
-                                     "different prompt ids");
+      return error(src, line_no,
+                   "prompt " + quote(id) + " step " + std::to_string(step) + " does not follow its previous step " +
+                       std::to_string(pr.steps.back()) + " (line " + std::to_string(last_line[it->second]) +
+                       "); steps must increase within a prompt — the trace is corrupt "
+                       "or two runs were concatenated: re-record it or give the runs "
+                       "different prompt ids");
     }
     const std::size_t base = pr.values.size();
     pr.values.resize(base + static_cast<std::size_t>(t.num_layers));
     for (int l = 0; l < t.num_layers; ++l) {
       const std::string_view f = fields[static_cast<std::size_t>(l) + 2];
       if (!trace_detail::parse_sparsity(f, pr.values[base + static_cast<std::size_t>(l)])) {
-        return error(src, line_no, "layer " + std::to_string(l) + " sparsity " + quote(f) +
-                                       " is not a number in [0,1]; the trace is corrupt — re-record it");
+        return error(src, line_no,
+                     "layer " + std::to_string(l) + " sparsity " + quote(f) +
+                         " is not a number in [0,1]; the trace is corrupt — re-record it");
       }
     }
     pr.steps.push_back(static_cast<int>(step));
@@ -384,15 +395,18 @@ inline Status read_sparsity_trace(std::istream& in, std::string_view source_name
   if (in.bad()) return error(src, 0, "read error after line " + std::to_string(line_no));
   if (first_content) return error(src, 0, "the file is empty; expected a ThinKV sparsity trace" + fix_header);
   if (!have_model || !have_layers) {
-    return error(src, 0, std::string("missing '# ") + (!have_model ? "model" : "num_layers") + ":' header" + fix_header);
+    return error(src, 0,
+                 std::string("missing '# ") + (!have_model ? "model" : "num_layers") + ":' header" + fix_header);
   }
   if (!have_columns) {
-    return error(src, 0, "no column header line '" + trace_detail::short_column_header(t.num_layers) +
-                             "' (the file ends after its headers)");
+    return error(src, 0,
+                 "no column header line '" + trace_detail::short_column_header(t.num_layers) +
+                     "' (the file ends after its headers)");
   }
   if (end_line == 0) {
-    return error(src, 0, "no '# end: N rows' line after " + std::to_string(rows) +
-                             " rows: the file was cut short (a trace ends with that line) — re-record it");
+    return error(src, 0,
+                 "no '# end: N rows' line after " + std::to_string(rows) +
+                     " rows: the file was cut short (a trace ends with that line) — re-record it");
   }
   // The reader and the writer agree: whatever was read passes the writer's checks.
   THINKV_RETURN_IF_ERROR(validate_sparsity_trace(t, src));
@@ -406,9 +420,9 @@ inline Status read_sparsity_trace(const std::filesystem::path& path, SparsityTra
   if (!f) {
     std::error_code ec;
     const bool exists = std::filesystem::exists(path, ec);
-    return {StatusCode::kInvalidArgument,
-            path.string() + ": cannot open the trace file (" +
-                (exists ? "permission denied or not a regular file" : "no such file") + ")"};
+    return {StatusCode::kInvalidArgument, path.string() + ": cannot open the trace file (" +
+                                              (exists ? "permission denied or not a regular file" : "no such file") +
+                                              ")"};
   }
   return read_sparsity_trace(f, path.string(), out);
 }
@@ -418,7 +432,8 @@ inline Status read_sparsity_trace(const std::filesystem::path& path, SparsityTra
 inline Status write_sparsity_trace(std::ostream& os, const SparsityTrace& t) {
   THINKV_RETURN_IF_ERROR(validate_sparsity_trace(t, "write_sparsity_trace"));
   if (t.model.empty()) {
-    return {StatusCode::kInvalidArgument, "write_sparsity_trace: the trace has no model name; set SparsityTrace::model"};
+    return {StatusCode::kInvalidArgument,
+            "write_sparsity_trace: the trace has no model name; set SparsityTrace::model"};
   }
   std::string buf;
   buf += "# ";
@@ -455,12 +470,8 @@ inline Status write_sparsity_trace(std::ostream& os, const SparsityTrace& t) {
 /// prompts are distinct samples. On error `out` is left unchanged.
 inline Status merge_traces(std::span<const SparsityTrace> parts, std::span<const std::string> names,
                            SparsityTrace& out) {
-  auto name = [&](std::size_t i) {
-    return i < names.size() ? names[i] : "trace #" + std::to_string(i + 1);
-  };
-  if (parts.empty()) {
-    return {StatusCode::kInvalidArgument, "no traces to merge; give at least one trace file"};
-  }
+  auto name = [&](std::size_t i) { return i < names.size() ? names[i] : "trace #" + std::to_string(i + 1); };
+  if (parts.empty()) { return {StatusCode::kInvalidArgument, "no traces to merge; give at least one trace file"}; }
   SparsityTrace m;
   m.model = parts[0].model;
   m.num_layers = parts[0].num_layers;
@@ -468,11 +479,10 @@ inline Status merge_traces(std::span<const SparsityTrace> parts, std::span<const
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const SparsityTrace& p = parts[i];
     if (p.num_layers != m.num_layers || p.model != m.model) {
-      return {StatusCode::kInvalidArgument,
-              "traces of different models: " + name(0) + " is for model '" + m.model + "' with " +
-                  std::to_string(m.num_layers) + " layers, " + name(i) + " for '" + p.model +
-                  "' with " + std::to_string(p.num_layers) +
-                  " layers; calibrate each model from its own traces"};
+      return {StatusCode::kInvalidArgument, "traces of different models: " + name(0) + " is for model '" + m.model +
+                                                "' with " + std::to_string(m.num_layers) + " layers, " + name(i) +
+                                                " for '" + p.model + "' with " + std::to_string(p.num_layers) +
+                                                " layers; calibrate each model from its own traces"};
     }
     for (const PromptTrace& pr : p.prompts) {
       PromptTrace c = pr;

@@ -113,15 +113,9 @@ class Value {
 
   [[nodiscard]] bool as_bool() const noexcept { return type_ == Type::kBool && bool_; }
   [[nodiscard]] double as_number() const noexcept { return type_ == Type::kNumber ? num_ : 0.0; }
-  [[nodiscard]] const std::string& as_string() const noexcept {
-    return type_ == Type::kString ? str_ : empty_string();
-  }
-  [[nodiscard]] const Array& as_array() const noexcept {
-    return type_ == Type::kArray ? arr_ : empty_array();
-  }
-  [[nodiscard]] const Object& as_object() const noexcept {
-    return type_ == Type::kObject ? obj_ : empty_object();
-  }
+  [[nodiscard]] const std::string& as_string() const noexcept { return type_ == Type::kString ? str_ : empty_string(); }
+  [[nodiscard]] const Array& as_array() const noexcept { return type_ == Type::kArray ? arr_ : empty_array(); }
+  [[nodiscard]] const Object& as_object() const noexcept { return type_ == Type::kObject ? obj_ : empty_object(); }
 
   /// Array append (a non-array becomes an empty array first).
   Value& push_back(Value v) {
@@ -202,8 +196,8 @@ class Parser {
       : s_(text), source_(source), opt_(opt) {}
 
   Status run(Value& out) {
-    if (s_.size() >= 3 && static_cast<unsigned char>(s_[0]) == 0xEF &&
-        static_cast<unsigned char>(s_[1]) == 0xBB && static_cast<unsigned char>(s_[2]) == 0xBF) {
+    if (s_.size() >= 3 && static_cast<unsigned char>(s_[0]) == 0xEF && static_cast<unsigned char>(s_[1]) == 0xBB &&
+        static_cast<unsigned char>(s_[2]) == 0xBF) {
       i_ = 3;  // UTF-8 byte order mark
     }
     skip_ws();
@@ -253,9 +247,7 @@ class Parser {
   }
 
   bool literal(std::string_view word, Value v, Value& out) {
-    if (s_.substr(i_, word.size()) != word) {
-      return fail("invalid literal: expected '" + std::string(word) + "'");
-    }
+    if (s_.substr(i_, word.size()) != word) { return fail("invalid literal: expected '" + std::string(word) + "'"); }
     i_ += word.size();
     out = std::move(v);
     return true;
@@ -283,9 +275,7 @@ class Parser {
   }
 
   bool enter(int depth) {
-    if (depth > opt_.max_depth) {
-      return fail("nesting deeper than " + std::to_string(opt_.max_depth) + " levels");
-    }
+    if (depth > opt_.max_depth) { return fail("nesting deeper than " + std::to_string(opt_.max_depth) + " levels"); }
     return true;
   }
 
@@ -305,15 +295,11 @@ class Parser {
     std::unordered_set<std::string> seen;
     for (;;) {
       skip_ws();
-      if (peek() != '"' || at_end()) {
-        return fail("expected a string key in an object, found " + found());
-      }
+      if (peek() != '"' || at_end()) { return fail("expected a string key in an object, found " + found()); }
       const std::size_t key_pos = i_;
       std::string key;
       if (!parse_string(key)) return false;
-      if (!seen.insert(key).second) {
-        return fail_at(key_pos, "duplicate key \"" + key + "\" in an object");
-      }
+      if (!seen.insert(key).second) { return fail_at(key_pos, "duplicate key \"" + key + "\" in an object"); }
       skip_ws();
       if (peek() != ':' || at_end()) return fail("expected ':' after an object key, found " + found());
       ++i_;
@@ -419,9 +405,7 @@ class Parser {
           const long hi = read_hex4();
           if (hi < 0) return fail_at(esc, "invalid \\u escape: expected 4 hex digits");
           unsigned long cp = static_cast<unsigned long>(hi);
-          if (hi >= 0xDC00 && hi <= 0xDFFF) {
-            return fail_at(esc, "invalid \\u escape: unpaired low surrogate");
-          }
+          if (hi >= 0xDC00 && hi <= 0xDFFF) { return fail_at(esc, "invalid \\u escape: unpaired low surrogate"); }
           if (hi >= 0xD800 && hi <= 0xDBFF) {
             if (s_.substr(i_, 2) != "\\u") {
               return fail_at(esc, "invalid \\u escape: high surrogate not followed by a low one");
@@ -431,15 +415,13 @@ class Parser {
             if (lo < 0xDC00 || lo > 0xDFFF) {
               return fail_at(esc, "invalid \\u escape: high surrogate not followed by a low one");
             }
-            cp = 0x10000 + ((static_cast<unsigned long>(hi) - 0xD800) << 10) +
-                 (static_cast<unsigned long>(lo) - 0xDC00);
+            cp =
+                0x10000 + ((static_cast<unsigned long>(hi) - 0xD800) << 10) + (static_cast<unsigned long>(lo) - 0xDC00);
           }
           ::thinkv::append_utf8(out, cp);
           break;
         }
-        default:
-          i_ = esc;
-          return fail("invalid escape '\\" + std::string(1, e) + "' in a string");
+        default: i_ = esc; return fail("invalid escape '\\" + std::string(1, e) + "' in a string");
       }
     }
   }
@@ -603,8 +585,7 @@ inline void write_value(std::string& out, const Value& v, int indent, int level)
 
 /// Parses one JSON document (surrounding whitespace and a UTF-8 byte order mark allowed). On
 /// error returns kInvalidArgument "<source>:<line>:<column>: <what>" and leaves `out` unchanged.
-inline Status parse(std::string_view text, std::string_view source, Value& out,
-                    const ParseOptions& options = {}) {
+inline Status parse(std::string_view text, std::string_view source, Value& out, const ParseOptions& options = {}) {
   return detail::Parser(text, source, options).run(out);
 }
 

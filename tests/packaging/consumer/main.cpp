@@ -14,10 +14,9 @@
 
 int main() {
   const thinkv::Status status(thinkv::StatusCode::kUnsupported, "consumer check");
-  std::cout << "thinkv " << THINKV_FOUND_VERSION << ": " << thinkv::ThoughtType::kReasoning
-            << " has importance " << thinkv::importance(thinkv::ThoughtType::kReasoning)
-            << ", NVFP4 stores " << thinkv::bits_of(thinkv::Precision::kNvfp4)
-            << " bits per element, status prints as '" << status << "'\n";
+  std::cout << "thinkv " << THINKV_FOUND_VERSION << ": " << thinkv::ThoughtType::kReasoning << " has importance "
+            << thinkv::importance(thinkv::ThoughtType::kReasoning) << ", NVFP4 stores "
+            << thinkv::bits_of(thinkv::Precision::kNvfp4) << " bits per element, status prints as '" << status << "'\n";
 #if defined(THINKV_CONSUMER_WITH_KERNELS)
   int runtime_version = 0;  // needs libcudart, not a GPU
   if (cudaRuntimeGetVersion(&runtime_version) != cudaSuccess) return 1;
