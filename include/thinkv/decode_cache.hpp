@@ -48,6 +48,13 @@ struct CacheShape {
   [[nodiscard]] std::size_t kv_size() const noexcept {
     return static_cast<std::size_t>(num_kv_heads) * static_cast<std::size_t>(head_dim);
   }
+  /// The shape check of every cache's append: k and v of one layer hold kv_size() floats each.
+  [[nodiscard]] Status check_append(int layer, std::span<const float> k, std::span<const float> v) const {
+    if (k.size() == kv_size() && v.size() == kv_size()) return Status::ok();
+    return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
+                                            std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
+                                            " values; expected num_kv_heads * head_dim = " + std::to_string(kv_size())};
+  }
   /// Query / output floats of one layer's attend ([num_q_heads, head_dim]).
   [[nodiscard]] std::size_t q_size() const noexcept {
     return static_cast<std::size_t>(num_q_heads) * static_cast<std::size_t>(head_dim);

@@ -398,12 +398,7 @@ class ThinKvCache {
                                                 std::to_string(seq) + " was already appended at position " +
                                                 std::to_string(seq_(seq).position) + " (each layer once per token)"};
     }
-    const std::size_t n = static_cast<std::size_t>(config_.num_kv_heads) * config_.head_dim;
-    if (k.size() != n || v.size() != n) {
-      return {StatusCode::kShapeMismatch, "append layer " + std::to_string(layer) + ": k has " +
-                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
-                                              " values; expected num_kv_heads * head_dim = " + std::to_string(n)};
-    }
+    THINKV_RETURN_IF_ERROR(shape().check_append(layer, k, v));
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "layer " + std::to_string(layer)));
     SeqState& s = seq_(seq);
     // One commit plan per KV head whose token completes a group, made once for the whole layer

@@ -197,12 +197,7 @@ class DenseKvCache {
   [[nodiscard]] Status append(int seq, int layer, std::span<const float> k, std::span<const float> v) {
     THINKV_RETURN_IF_ERROR(protocol_.check_append(seq, layer));
     const CacheShape& sh = config_.shape;
-    if (k.size() != sh.kv_size() || v.size() != sh.kv_size()) {
-      return {StatusCode::kShapeMismatch,
-              "append layer " + std::to_string(layer) + ": k has " + std::to_string(k.size()) + " and v has " +
-                  std::to_string(v.size()) +
-                  " values; expected num_kv_heads * head_dim = " + std::to_string(sh.kv_size())};
-    }
+    THINKV_RETURN_IF_ERROR(sh.check_append(layer, k, v));
     THINKV_RETURN_IF_ERROR(check_kv_values(k, v,
                                            "layer " + std::to_string(layer) + " of sequence " + std::to_string(seq),
                                            kFp16Max, "the largest FP16 value, 65504"));
