@@ -303,8 +303,7 @@ Status CudaKvBackend::commit(const CommitPlan& plan) {
   ++m.stats.groups_quantized;
   // What the quantize-append kernel stores for this job: g slots (K row, V row, value scales) and,
   // quantized, the record's head_dim key scales.
-  m.stats.page_bytes_written += static_cast<std::int64_t>(g) * m.layout.slot_data_bytes(plan.precision) +
-                                (plan.precision == Precision::kBf16 ? 0 : m.config.head_dim);
+  m.stats.page_bytes_written += m.layout.commit_bytes(plan.precision);
   return Status::ok();
 }
 

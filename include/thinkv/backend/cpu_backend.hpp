@@ -117,7 +117,7 @@ class CpuKvBackend {
       rec[c] = quantize_group(p, kf.data() + c, d, g, s2k_use, codes.data() + c, d);
     }
     stats_.page_bytes_written += d;  // the record's key scales
-    const int row_bytes = (d * bits_of(p) + 7) / 8;
+    const int row_bytes = layout_.row_bytes(p);
     for (int i = 0; i < g; ++i) {
       std::uint8_t* dst = row_ptr(plan.slots[static_cast<std::size_t>(i)], 0);
       for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(i * d + c)]);
@@ -134,7 +134,7 @@ class CpuKvBackend {
         vs[j] = quantize_group(p, x, 1, g, s2v_use, codes.data() + j * g, 1);
       }
       for (int c = 0; c < d; ++c) store_code(p, dst, c, codes[static_cast<std::size_t>(c)]);
-      stats_.page_bytes_written += row_bytes + d / g;
+      stats_.page_bytes_written += row_bytes + layout_.value_scale_bytes(p);
     }
     ++stats_.groups_quantized;
     return Status::ok();

@@ -152,6 +152,11 @@ struct CacheLayout {
   [[nodiscard]] constexpr int slot_data_bytes(Precision p) const noexcept {
     return 2 * row_bytes(p) + value_scale_bytes(p);
   }
+  /// Bytes one commit of a staging group stores at precision p: g slots' data, plus the key-scale
+  /// record's head_dim E4M3 scales when p is quantized.
+  [[nodiscard]] constexpr std::int64_t commit_bytes(Precision p) const noexcept {
+    return std::int64_t{group_size} * slot_data_bytes(p) + (has_group_scale(p) ? head_dim : 0);
+  }
   /// Data bytes of one page (block) at precision p: what the pool allocates per block.
   [[nodiscard]] constexpr std::int64_t page_bytes(Precision p) const noexcept {
     return std::int64_t{block_size} * slot_data_bytes(p);

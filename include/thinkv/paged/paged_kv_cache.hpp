@@ -127,26 +127,22 @@ class PagedKvCache {
                                       std::string(to_string(given->thought)) + ", " +
                                       std::to_string(given->slots.size()) + " slots")};
     }
-    CommitPlan plan;
-    if (fills_group) {
-      if (given != nullptr) {
-        plan = *given;
-      } else {
-        THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, plan));
-      }
+    CommitPlan own;  // planned here when the caller gave no plan
+    const CommitPlan* plan = given;
+    if (fills_group && plan == nullptr) {
+      THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, own));
+      plan = &own;
     }
     // From here on nothing can fail but the backend; undo the staging record if it does.
     THINKV_RETURN_IF_ERROR(backend_.stage(stream, table_.staged_count(stream), k.data(), v.data()));
     table_.push_staged(stream, thought, segment);
     if (fills_group) {
-      if (Status s = backend_.commit(plan); !s.is_ok()) {
+      if (Status s = backend_.commit(*plan); !s.is_ok()) {
         table_.pop_staged(stream);
         return s;
       }
-      table_.apply_commit(plan);
-      const CacheLayout& lay = layout();
-      planned_bytes_ += std::int64_t{config().group_size} * lay.slot_data_bytes(plan.precision) +
-                        (plan.precision == Precision::kBf16 ? 0 : lay.head_dim);
+      table_.apply_commit(*plan);
+      planned_bytes_ += layout().commit_bytes(plan->precision);
     }
     return Status::ok();
   }
