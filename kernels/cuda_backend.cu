@@ -51,18 +51,25 @@ struct CudaKvBackend::Impl {
   CacheLayout layout{};
   PoolMap pools{};
   BackendStats stats{};
+  std::int64_t fixed_bytes = 0;  // staging and second-level scales
   std::vector<void*> allocations;
+  // Storage that grows with the cache (resize_pool / resize_records): per pool a device buffer
+  // of cap[p] pages (at least the pages the cache asked for, grown by doubling, shrunk when the
+  // cache needs half or less), the records likewise. Owned here, not in `allocations`.
   std::uint8_t* pages[kNumPrecisions] = {};
+  std::uint32_t cap[kNumPrecisions] = {};
   std::uint8_t* records = nullptr;
-  std::uint32_t num_records = 0;
+  std::uint32_t num_records = 0;  // records' buffer capacity
   std::uint16_t* staging = nullptr;
   float* s2 = nullptr;
-  // Device mirror of the block table (uploaded by attend).
+  // Device mirror of the block table (uploaded by attend), in the compact numbering of
+  // FlatBlockTable over cap[]: fill, mask, slot_record and indices sized for meta_blocks blocks.
   std::uint16_t* fill = nullptr;
   std::uint64_t* mask = nullptr;
   std::uint32_t* slot_record = nullptr;
-  std::int32_t* indptr = nullptr;
   std::uint32_t* indices = nullptr;
+  std::size_t meta_blocks = 0;
+  std::int32_t* indptr = nullptr;
   std::int32_t* staged = nullptr;
   // Commit scratch: one job.
   kernels::QuantizeAppendJob* job = nullptr;
@@ -79,11 +86,92 @@ struct CudaKvBackend::Impl {
   void release() {
     for (void* p : allocations) (void)cudaFree(p);
     allocations.clear();
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      if (pages[p] != nullptr) (void)cudaFree(pages[p]);
+      pages[p] = nullptr;
+      cap[p] = 0;
+    }
+    if (records != nullptr) (void)cudaFree(records);
+    records = nullptr;
+    num_records = 0;
+    free_meta();
     if (attn != nullptr) (void)cudaFree(attn);
     attn = nullptr;
     attn_bytes = 0;
     ready = false;
   }
+
+  void free_meta() {
+    for (void* q : {static_cast<void*>(fill), static_cast<void*>(mask), static_cast<void*>(slot_record),
+                    static_cast<void*>(indices)}) {
+      if (q != nullptr) (void)cudaFree(q);
+    }
+    fill = nullptr;
+    mask = nullptr;
+    slot_record = nullptr;
+    indices = nullptr;
+    meta_blocks = 0;
+  }
+
+  /// Device allocation owned by the caller (pages, records, metadata mirror).
+  static Status raw_alloc(void** p, std::size_t bytes, const char* what) {
+    *p = nullptr;
+    const cudaError_t e = cudaMalloc(p, bytes == 0 ? 1 : bytes);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return {StatusCode::kPoolExhausted, std::string("cudaMalloc of ") + std::to_string(bytes) + " bytes for " + what +
+                                              " failed: out of device memory (lower memory_limit_bytes, the token "
+                                              "budget or the number of sequences)"};
+    }
+    return cuda_status(e, "cudaMalloc");
+  }
+
+  /// Replaces *buf (old_bytes) by a buffer of new_bytes keeping its first keep bytes, the rest
+  /// poisoned with 0xA5. Nothing changes on an error.
+  static Status realloc_keep(std::uint8_t** buf, std::size_t keep, std::size_t new_bytes, const char* what) {
+    void* fresh = nullptr;
+    if (new_bytes > 0) {
+      THINKV_RETURN_IF_ERROR(raw_alloc(&fresh, new_bytes, what));
+      if (keep > 0) {
+        if (cudaError_t e = cudaMemcpy(fresh, *buf, keep, cudaMemcpyDeviceToDevice); e != cudaSuccess) {
+          (void)cudaFree(fresh);
+          return cuda_status(e, "cudaMemcpy (growing device storage)");
+        }
+      }
+      if (new_bytes > keep) {
+        if (cudaError_t e = cudaMemset(static_cast<std::uint8_t*>(fresh) + keep, 0xA5, new_bytes - keep);
+            e != cudaSuccess) {
+          (void)cudaFree(fresh);
+          return cuda_status(e, "cudaMemset");
+        }
+      }
+    }
+    if (*buf != nullptr) (void)cudaFree(*buf);
+    *buf = static_cast<std::uint8_t*>(fresh);
+    return Status::ok();
+  }
+
+  /// New capacity for `want` items when `cap` are held: at least want, doubling on growth (up to
+  /// `limit`), down to want when want is half of cap or less.
+  static std::uint32_t next_capacity(std::uint32_t cap, std::uint32_t want, std::uint32_t limit) {
+    if (want > cap)
+      return std::min<std::uint32_t>(limit, std::max<std::uint32_t>(want, cap > limit / 2 ? limit : 2 * cap));
+    if (want * 2 <= cap) return want;
+    return cap;
+  }
+
+  [[nodiscard]] std::int64_t storage_bytes() const {
+    std::int64_t n = static_cast<std::int64_t>(num_records) * config.head_dim;
+    for (Precision p : kAllPrecisions) n += std::int64_t{cap[static_cast<int>(p)]} * layout.page_bytes(p);
+    return n;
+  }
+  /// The compact numbering (FlatBlockTable): pool p's page i is block base(p) + i.
+  [[nodiscard]] std::uint32_t dev_base(int p) const {
+    std::uint32_t b = 0;
+    for (int q = 0; q < p; ++q) b += cap[q];
+    return b;
+  }
+  [[nodiscard]] std::uint32_t dev_total() const { return dev_base(kNumPrecisions); }
 
   Status alloc(void** p, std::size_t bytes, const char* what) {
     *p = nullptr;
@@ -105,16 +193,19 @@ struct CudaKvBackend::Impl {
   [[nodiscard]] std::size_t page_offset(std::uint32_t block) const {
     return pools.local_index(block) * static_cast<std::size_t>(layout.page_bytes(pools.precision_of(block)));
   }
+  [[nodiscard]] bool has_storage(std::uint32_t block) const {
+    return block < pools.total && pools.local_index(block) < cap[static_cast<int>(pools.precision_of(block))];
+  }
 
   /// The pool fields both kernel views share.
   template <class View>
   void fill_pools(View& v) const {
     for (int p = 0; p < kNumPrecisions; ++p) {
       v.pages[p] = pages[p];
-      v.pool_base[p] = pools.base[p];
-      v.pool_count[p] = pools.count[p];
+      v.pool_base[p] = dev_base(p);
+      v.pool_count[p] = cap[p];
     }
-    v.total_blocks = pools.total;
+    v.total_blocks = dev_total();
     v.key_scales = records;
     v.s2 = s2;
     v.staging = staging;
@@ -169,27 +260,9 @@ Status CudaKvBackend::init(const CacheConfig& config) {
   m.stats = {};
   const int d = config.head_dim;
   const int g = config.group_size;
-  const int bs = config.block_size;
   const auto streams = static_cast<std::size_t>(config.num_streams);
   std::int64_t bytes = 0;
   void* p = nullptr;
-  for (Precision pr : kAllPrecisions) {
-    const int i = static_cast<int>(pr);
-    const std::size_t n =
-        static_cast<std::size_t>(config.pool_blocks[i]) * static_cast<std::size_t>(m.layout.page_bytes(pr));
-    if (n == 0) continue;
-    THINKV_RETURN_IF_ERROR(m.alloc(&p, n, "pages"));
-    m.pages[i] = typed<std::uint8_t>(p);
-    THINKV_CUDA_TRY(cudaMemset(p, 0xA5, n));  // poison, as the CPU backend does
-    bytes += static_cast<std::int64_t>(n);
-  }
-  m.num_records = static_cast<std::uint32_t>(effective_record_capacity(config));
-  const std::size_t rec_bytes = static_cast<std::size_t>(m.num_records) * d;
-  if (rec_bytes > 0) {
-    THINKV_RETURN_IF_ERROR(m.alloc(&p, rec_bytes, "key-scale records"));
-    m.records = typed<std::uint8_t>(p);
-    THINKV_CUDA_TRY(cudaMemset(p, 0xA5, rec_bytes));
-  }
   const std::size_t staging_elems = streams * 2 * g * d;
   THINKV_RETURN_IF_ERROR(m.alloc(&p, staging_elems * 2, "staging"));
   m.staging = typed<std::uint16_t>(p);
@@ -198,20 +271,11 @@ Status CudaKvBackend::init(const CacheConfig& config) {
   THINKV_RETURN_IF_ERROR(m.alloc(&p, s2_elems * sizeof(float), "second-level scales"));
   m.s2 = typed<float>(p);
   THINKV_CUDA_TRY(cudaMemset(p, 0, s2_elems * sizeof(float)));
-  bytes += static_cast<std::int64_t>(rec_bytes + staging_elems * 2 + s2_elems * 4);
-  // Block-table mirror and commit scratch (not counted in bytes_allocated, like the host table).
-  const std::size_t n_blocks = m.pools.total;
-  const std::size_t words = static_cast<std::size_t>(m.layout.evict_mask_words());
-  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * 2, "block fill"));
-  m.fill = typed<std::uint16_t>(p);
-  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * words * 8, "eviction masks"));
-  m.mask = typed<std::uint64_t>(p);
-  THINKV_RETURN_IF_ERROR(m.alloc(&p, n_blocks * bs * 4, "slot records"));
-  m.slot_record = typed<std::uint32_t>(p);
+  bytes += static_cast<std::int64_t>(staging_elems * 2 + s2_elems * 4);
+  // Block-table mirror and commit scratch (not counted in bytes_allocated, like the host table;
+  // the per-block arrays are sized by attend, for the storage there is then).
   THINKV_RETURN_IF_ERROR(m.alloc(&p, (streams + 1) * 4, "block list pointers"));
   m.indptr = typed<std::int32_t>(p);
-  THINKV_RETURN_IF_ERROR(m.alloc(&p, (n_blocks + 1) * 4, "block lists"));
-  m.indices = typed<std::uint32_t>(p);
   THINKV_RETURN_IF_ERROR(m.alloc(&p, streams * 4, "staged counts"));
   m.staged = typed<std::int32_t>(p);
   THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(kernels::QuantizeAppendJob), "commit job"));
@@ -224,7 +288,45 @@ Status CudaKvBackend::init(const CacheConfig& config) {
   m.rejected = typed<unsigned int>(p);
   THINKV_CUDA_TRY(cudaDeviceSynchronize());
   m.stats.bytes_allocated = bytes;
+  m.fixed_bytes = bytes;
   m.ready = true;
+  return Status::ok();
+}
+
+Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  const int i = static_cast<int>(p);
+  if (blocks > m.pools.count[i]) {
+    return {StatusCode::kOutOfRange, "resize_pool(" + std::string(to_string(p)) + ", " + std::to_string(blocks) +
+                                         "): the pool's range holds " + std::to_string(m.pools.count[i]) + " blocks"};
+  }
+  const std::uint32_t cap = Impl::next_capacity(m.cap[i], blocks, m.pools.count[i]);
+  if (cap != m.cap[i]) {
+    const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
+    THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
+    m.cap[i] = cap;
+    m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
+  }
+  return Status::ok();
+}
+
+Status CudaKvBackend::resize_records(std::uint32_t records) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  const auto limit = static_cast<std::uint32_t>(effective_record_capacity(m.config));
+  if (records > limit) {
+    return {StatusCode::kOutOfRange,
+            "resize_records(" + std::to_string(records) + "): the record range holds " + std::to_string(limit)};
+  }
+  const std::uint32_t cap = Impl::next_capacity(m.num_records, records, limit);
+  if (cap != m.num_records) {
+    const auto d = static_cast<std::size_t>(m.config.head_dim);
+    THINKV_RETURN_IF_ERROR(
+        Impl::realloc_keep(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
+    m.num_records = cap;
+    m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
+  }
   return Status::ok();
 }
 
@@ -275,7 +377,12 @@ Status CudaKvBackend::commit(const CommitPlan& plan) {
   std::vector<std::uint32_t> dest(static_cast<std::size_t>(g));
   for (int i = 0; i < g; ++i) {
     const SlotRef s = plan.slots[static_cast<std::size_t>(i)];
-    dest[static_cast<std::size_t>(i)] = s.block * static_cast<std::uint32_t>(m.config.block_size) + s.slot;
+    if (!m.has_storage(s.block)) {
+      return {StatusCode::kInternal, "commit to block " + std::to_string(s.block) + ", which has no device storage"};
+    }
+    const int pr = static_cast<int>(m.pools.precision_of(s.block));
+    const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(s.block);
+    dest[static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + s.slot;
   }
   THINKV_CUDA_TRY(cudaMemcpy(m.job, &job, sizeof(job), cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(cudaMemcpy(m.dest, dest.data(), dest.size() * 4, cudaMemcpyHostToDevice));
@@ -322,6 +429,10 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
     return {StatusCode::kOutOfRange,
             "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} does not exist"};
   }
+  if (!m.has_storage(slot.block)) {
+    return {StatusCode::kInvalidArgument,
+            "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} has no storage"};
+  }
   const int d = m.config.head_dim;
   const int g = m.config.group_size;
   const int bs = m.config.block_size;
@@ -338,7 +449,7 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   }
   const std::int32_t owner = table.block_owner(slot.block);
   const std::uint32_t r = table.slot_record(slot);
-  if (owner == kNoStream || r == kNoRecord) {
+  if (owner == kNoStream || r == kNoRecord || r >= m.num_records) {
     return {StatusCode::kInvalidArgument,
             "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
   }
@@ -378,8 +489,25 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
                                           "kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
-  // Mirror the block table (whole metadata: version 1).
-  flatten_block_table(table, m.flat);
+  // Mirror the block table (whole metadata: version 1), numbered over the device storage.
+  flatten_block_table(table, m.flat, m.cap);
+  const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
+  if (nb > m.meta_blocks || m.flat.block_indices.size() > m.meta_blocks + 1) {
+    m.free_meta();
+    const std::size_t want = std::max(nb, m.flat.block_indices.size());
+    const auto words = static_cast<std::size_t>(m.layout.evict_mask_words());
+    void* p = nullptr;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, want * 2, "block fill"));
+    m.fill = typed<std::uint16_t>(p);
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, want * words * 8, "eviction masks"));
+    m.mask = typed<std::uint64_t>(p);
+    THINKV_RETURN_IF_ERROR(
+        Impl::raw_alloc(&p, want * static_cast<std::size_t>(m.config.block_size) * 4, "slot records"));
+    m.slot_record = typed<std::uint32_t>(p);
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (want + 1) * 4, "block lists"));
+    m.indices = typed<std::uint32_t>(p);
+    m.meta_blocks = want;
+  }
   THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(
@@ -462,6 +590,9 @@ Status CudaKvBackend::copy_page(std::uint32_t block, std::vector<std::uint8_t>& 
   const Impl& m = *impl_;
   if (block >= m.pools.total) {
     return {StatusCode::kOutOfRange, "block " + std::to_string(block) + " does not exist"};
+  }
+  if (!m.has_storage(block)) {
+    return {StatusCode::kInvalidArgument, "block " + std::to_string(block) + " has no device storage"};
   }
   const Precision p = m.pools.precision_of(block);
   out.resize(static_cast<std::size_t>(m.layout.page_bytes(p)));

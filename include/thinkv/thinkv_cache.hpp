@@ -81,7 +81,7 @@ struct ThinKvConfig {
   int num_kv_heads = 1;
   int num_q_heads = 1;  ///< a multiple of num_kv_heads (GQA)
   int head_dim = 128;
-  int max_tokens = 4096;  ///< positions per sequence the pools are sized for
+  int max_tokens = 4096;  ///< positions per sequence (bounds the pools' block-id ranges)
   int group_size = 16;
   int block_size = 16;
   PrecisionMap precision{};  ///< used by kTbq and kThinKv (kFull and kTbe store BF16)
@@ -91,8 +91,13 @@ struct ThinKvConfig {
   ThoughtClassifier classifier{};  ///< uncalibrated by default: every token R
   KmeansOptions kmeans{};
   SegmentSelection selection = SegmentSelection::kKmeans;  ///< kept tokens of a shrinking segment
-  /// Blocks per precision pool; 0 = sized so that no stream can run out (see pool_blocks()).
+  /// Block-id range of each precision pool; 0 = the worst case, so that no stream can run out
+  /// (paged_config()). Ranges cost nothing: storage is allocated in chunks as blocks are taken.
   int pool_blocks = 0;
+  /// Most bytes the cache may allocate for all its sequences (CacheConfig::memory_limit_bytes);
+  /// 0 = no limit. max_sequences() says how many sequences fit in a given number of bytes.
+  std::int64_t memory_limit_bytes = 0;
+  int chunk_blocks = 64;          ///< blocks per allocation chunk (CacheConfig::chunk_blocks)
   float softmax_scale = 0.0f;     ///< 0 = 1/sqrt(head_dim)
   bool trace_all_layers = false;  ///< record sparsity of every layer on every step (for traces)
   /// The first positions of every sequence that are never evicted, stored as R and not
@@ -191,13 +196,18 @@ struct ThinKvConfig {
     c.precision = quantizes(mode) ? precision : kFullKvMap;
     c.token_budget = evicts(mode) ? token_budget : 0;
     c.retention = retention;
+    c.chunk_blocks = chunk_blocks;
+    c.memory_limit_bytes = memory_limit_bytes;
     // Worst case per stream: every position live (no eviction yet) plus one partly filled block
     // per thought type; holes never exceed what was once live, so this bound holds with eviction.
     const std::int64_t per_stream = (std::int64_t{max_tokens} + block_size - 1) / block_size + kNumThoughtTypes;
     const std::int64_t auto_blocks = per_stream * c.num_streams;
+    // Block and record ids are 32-bit and the pools hold < 2^31 slots in all: share that range.
+    const int used = static_cast<int>(
+        std::count_if(kAllPrecisions.begin(), kAllPrecisions.end(), [&](Precision p) { return c.precision.uses(p); }));
+    const std::int64_t max_blocks = ((std::int64_t{1} << 31) - 1) / block_size / std::max(1, used);
     const int blocks =
-        pool_blocks > 0 ? pool_blocks
-                        : static_cast<int>(std::min<std::int64_t>(auto_blocks, (std::int64_t{1} << 31) / block_size));
+        pool_blocks > 0 ? pool_blocks : static_cast<int>(std::min<std::int64_t>(auto_blocks, max_blocks));
     for (Precision p : kAllPrecisions) {
       if (c.precision.uses(p)) c.pool_blocks[static_cast<int>(p)] = blocks;
     }
@@ -249,19 +259,15 @@ class ThinKvCache {
     }
     return s;
   }
-  /// Bytes of host metadata and device pools the cache allocated, all sequences together:
-  /// the backend's pages, key-scale records, staging and second-level scales, plus the block
-  /// table's per-block metadata, record headers and stream headers.
-  [[nodiscard]] std::int64_t allocated_bytes() const {
-    const BlockTable& t = cache_.table();
-    const CacheLayout& L = cache_.layout();
-    return cache_.backend().stats().bytes_allocated +
-           std::int64_t{t.pools().total} * (L.block_meta_bytes() + CacheLayout::kBlockTableEntryBytes) +
-           std::int64_t{t.record_capacity()} * CacheLayout::kRecordHeaderBytes +
-           std::int64_t{t.num_streams()} * CacheLayout::kStreamHeaderBytes;
-  }
+  /// Bytes the cache has allocated, all sequences together (PagedKvCache::allocated()): the
+  /// allocated chunks of every pool (pages, block metadata, table entries), allocated key-scale
+  /// records, and every stream's staging buffer and header. It grows and shrinks with what the
+  /// sequences hold; memory_limit_bytes bounds it.
+  [[nodiscard]] std::int64_t allocated_bytes() const { return cache_.allocated_bytes(); }
+  /// What the cache has allocated, itemised (PagedKvCache::allocated()).
+  [[nodiscard]] MemoryUsage allocated() const { return cache_.allocated(); }
   /// The decode_cache report of one sequence: held bytes are exact (memory(seq)); allocated bytes
-  /// are the sequence's share of allocated_bytes().
+  /// are the sequence's share of allocated_bytes() (allocated / num_sequences).
   [[nodiscard]] CacheReport report(int seq) const {
     const SeqState& s = seq_(seq);
     CacheReport r;
@@ -324,42 +330,29 @@ class ThinKvCache {
     const ThoughtType type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
     // What this token's commits take from the shared pools: every stream of the sequence has the
     // same staged count, so the token completes a group either in all of them or in none.
-    Reservation need;
+    PlanClaims need;
     const int first = stream_of(seq, 0, 0);
     if (cache_.table().staged_count(first) + 1 == config_.group_size) {
       for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
         if (!cache_.table().check_stage(st, type).is_ok()) continue;  // append will say why
         CommitPlan plan;
-        if (!cache_.table().plan_commit(st, type, plan).is_ok()) continue;
+        if (Status e = cache_.table().plan_commit(st, type, plan); !e.is_ok()) {
+          if (e.code() != StatusCode::kPoolExhausted) continue;  // append will say why
+          return {e.code(), "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) +
+                                ": " + e.message()};
+        }
         need.blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
         if (plan.record != kNoRecord) ++need.records;
       }
     }
-    for (Precision p : kAllPrecisions) {
-      const std::size_t have = available_blocks(p, s);
-      if (need.blocks[static_cast<int>(p)] > have) {
-        return {StatusCode::kPoolExhausted,
-                "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) + ": the " +
-                    std::string(to_string(p)) + " pool has " + std::to_string(have) +
-                    " free blocks (after other open tokens' reservations); this token's commits in all " +
-                    std::to_string(config_.streams_per_sequence()) + " streams of the sequence need " +
-                    std::to_string(need.blocks[static_cast<int>(p)]) +
-                    " (raise pool_blocks, lower the token budget, or end other sequences)"};
-      }
-    }
-    if (need.records > available_records(s)) {
-      return {StatusCode::kPoolExhausted, "begin_token(" + std::to_string(seq) + "): the key-scale record pool has " +
-                                              std::to_string(available_records(s)) +
-                                              " free records; this token's commits need " +
-                                              std::to_string(need.records)};
-    }
+    // Together with every other open token's reservation it must fit the pools and the limit.
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+        need, reserved_ - s.reserved,
+        "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) + " (its commits in all " +
+            std::to_string(config_.streams_per_sequence()) + " streams of the sequence)"));
     // Nothing can fail from here on.
-    for (Precision p : kAllPrecisions) {
-      s.reserved.blocks[static_cast<int>(p)] = need.blocks[static_cast<int>(p)];
-      reserved_.blocks[static_cast<int>(p)] += need.blocks[static_cast<int>(p)];
-    }
-    s.reserved.records = need.records;
-    reserved_.records += need.records;
+    reserved_ = reserved_ - s.reserved + need;
+    s.reserved = need;
     s.type = type;
     // Segments start every segment_len positions and at refresh steps; the pinned prefix is
     // segmented the same way, and the first token after it starts a segment of its own.
@@ -419,24 +412,11 @@ class ThinKvCache {
         }
       }
     }
-    const std::size_t* need_blocks = claims.blocks;
-    const std::size_t need_records = claims.records;
-    for (Precision p : kAllPrecisions) {
-      const std::size_t have = available_blocks(p, s);
-      if (need_blocks[static_cast<int>(p)] > have) {
-        return {StatusCode::kPoolExhausted, "append layer " + std::to_string(layer) + ": the " +
-                                                std::string(to_string(p)) + " pool has " + std::to_string(have) +
-                                                " free blocks; the layer's " + std::to_string(config_.num_kv_heads) +
-                                                " KV heads need " + std::to_string(need_blocks[static_cast<int>(p)]) +
-                                                " (raise pool_blocks, lower the token budget, or evict)"};
-      }
-    }
-    if (need_records > available_records(s)) {
-      return {StatusCode::kPoolExhausted, "append layer " + std::to_string(layer) + ": the key-scale record pool has " +
-                                              std::to_string(available_records(s)) +
-                                              " free records; the layer's KV heads need " +
-                                              std::to_string(need_records)};
-    }
+    // The layer's plans and the other open tokens' reservations must fit together.
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(claims, reserved_ - s.reserved,
+                                                       "append layer " + std::to_string(layer) + " of sequence " +
+                                                           std::to_string(seq) + " (its " +
+                                                           std::to_string(config_.num_kv_heads) + " KV heads)"));
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       const auto hd = static_cast<std::size_t>(h) * d;
       const CommitPlan& plan = plans_[static_cast<std::size_t>(h)];
@@ -446,14 +426,9 @@ class ThinKvCache {
                                  : cache_.append(st, k.subspan(hd, d), v.subspan(hd, d), s.type, seg, plan));
     }
     // The layer's commits took what begin_token reserved for them.
-    for (Precision p : kAllPrecisions) {
-      const std::size_t used = std::min(need_blocks[static_cast<int>(p)], s.reserved.blocks[static_cast<int>(p)]);
-      s.reserved.blocks[static_cast<int>(p)] -= used;
-      reserved_.blocks[static_cast<int>(p)] -= used;
-    }
-    const std::size_t used_records = std::min(need_records, s.reserved.records);
-    s.reserved.records -= used_records;
-    reserved_.records -= used_records;
+    const PlanClaims used = s.reserved - (s.reserved - claims);  // min(reserved, claims), per term
+    s.reserved = s.reserved - used;
+    reserved_ = reserved_ - used;
     s.appended[static_cast<std::size_t>(layer)] = 1;
     return Status::ok();
   }
@@ -570,11 +545,6 @@ class ThinKvCache {
   }
 
  private:
-  /// Pool capacity held for an open token's commits.
-  struct Reservation {
-    std::size_t blocks[kNumPrecisions] = {};
-    std::size_t records = 0;
-  };
   struct SeqState {
     ThoughtTracker tracker;
     std::vector<std::uint8_t> appended;  ///< [num_layers] this token
@@ -587,27 +557,12 @@ class ThinKvCache {
     std::int32_t pinned = 0;          ///< pinned prefix (positions never evicted)
     std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
     std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
-    Reservation reserved;             ///< what the open token still holds of the pools
+    PlanClaims reserved;              ///< what the open token still holds of the pools
   };
 
-  /// Free blocks of a pool not reserved by another sequence's open token.
-  [[nodiscard]] std::size_t available_blocks(Precision p, const SeqState& s) const {
-    const std::size_t others = reserved_.blocks[static_cast<int>(p)] - s.reserved.blocks[static_cast<int>(p)];
-    const std::size_t free = cache_.table().free_blocks(p);
-    return free > others ? free - others : 0;
-  }
-  [[nodiscard]] std::size_t available_records(const SeqState& s) const {
-    const std::size_t others = reserved_.records - s.reserved.records;
-    const std::size_t free = cache_.table().free_records();
-    return free > others ? free - others : 0;
-  }
   void release_reservation(SeqState& s) {
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      reserved_.blocks[p] -= s.reserved.blocks[p];
-      s.reserved.blocks[p] = 0;
-    }
-    reserved_.records -= s.reserved.records;
-    s.reserved.records = 0;
+    reserved_ = reserved_ - s.reserved;
+    s.reserved = PlanClaims{};
   }
 
   static const ThinKvConfig& checked(const ThinKvConfig& c) {
@@ -736,11 +691,87 @@ class ThinKvCache {
   PagedKvCache<B> cache_;
   std::vector<SeqState> seqs_;
   ThinKvStats stats_;
-  Reservation reserved_;  ///< sum over sequences of their open tokens' reservations
+  PlanClaims reserved_;  ///< sum over sequences of their open tokens' reservations
   std::vector<std::int32_t> streams_;
   std::vector<float> sparsity_;
   std::vector<CommitPlan> plans_;  // one layer's commit plans, per KV head (scratch)
 };
 static_assert(decode_cache<ThinKvCache<>>);
+
+/// What one sequence of a ThinKvConfig's shape can hold at most, whatever it decodes: a bound
+/// proved from how the cache places and evicts (docs/design.md, "How many sequences fit").
+///  - Live tokens per stream: with eviction, at most pinned + max(budget, m x segments +
+///    segment_len) + 1 (over budget the oldest least important closed segment steps down; only
+///    when every closed one is at the minimum m is the budget out of reach; the open segment is
+///    never evicted), else max_tokens.
+///  - Blocks per stream and thought type: a fresh block of type t is taken only when every
+///    held slot of type t is live, so at most ceil(peak live / block_size) per type.
+///  - Key-scale records: each holds >= 1 live slot and stands for one committed group, so at
+///    most min(live tokens, groups committed).
+struct SequenceFootprint {
+  std::int64_t live_tokens = 0;        ///< live tokens per stream, at most
+  std::int64_t blocks = 0;             ///< blocks per stream, at most (all thought types)
+  std::int64_t records = 0;            ///< key-scale records per stream, at most
+  std::int64_t bytes = 0;              ///< bytes per sequence, at most (all its streams, fixed parts included)
+  std::int64_t fullkv_fp16_bytes = 0;  ///< what FullKV FP16 holds for one sequence at max_tokens
+};
+
+/// The footprint bound of one sequence of `c`'s shape (c.num_sequences is ignored; c must be
+/// valid).
+inline SequenceFootprint sequence_footprint(const ThinKvConfig& c) {
+  ThinKvConfig one = c;
+  one.num_sequences = 1;
+  const CacheConfig pc = one.paged_config();
+  const CacheLayout L = CacheLayout::from(pc);
+  const std::int64_t T = c.max_tokens;
+  std::int64_t live = T;
+  if (evicts(c.mode) && c.token_budget > 0) {
+    const std::int64_t thoughts = T - c.pinned_prefix;
+    // Segments start every segment_len positions, at refresh steps (multiples of tau) and after
+    // the pinned prefix.
+    std::int64_t segments = (thoughts + c.segment_len - 1) / c.segment_len + 2;
+    if (c.classifier.needs_signal()) segments += (T + c.classifier.tau() - 1) / c.classifier.tau();
+    const std::int64_t floor = std::int64_t{c.retention.min_retention()} * segments + c.segment_len;
+    live = std::min<std::int64_t>(T, c.pinned_prefix + std::max<std::int64_t>(c.token_budget, floor) + 1);
+  }
+  SequenceFootprint f;
+  f.live_tokens = live;
+  const bool typed = c.mode != CacheMode::kFull && c.classifier.needs_signal();
+  const std::int64_t per_type = (live + c.block_size - 1) / c.block_size;
+  std::int64_t stream_bytes = L.stream_fixed_bytes();
+  bool quantized = false;
+  for (ThoughtType t : kAllThoughtTypes) {
+    if (!typed && t != ThoughtType::kReasoning) continue;
+    const Precision p = pc.precision.precision_of(t);
+    f.blocks += per_type;
+    stream_bytes += per_type * L.block_bytes(p);
+    quantized = quantized || has_group_scale(p);
+  }
+  if (quantized) f.records = std::min<std::int64_t>(live, (T + c.group_size - 1) / c.group_size);
+  stream_bytes += f.records * L.record_bytes();
+  f.bytes = stream_bytes * one.streams_per_sequence();
+  f.fullkv_fp16_bytes = L.fullkv_fp16_bytes(T) * one.streams_per_sequence();
+  return f;
+}
+
+/// How many sequences of `c`'s shape always fit in `bytes` of cache memory (what
+/// ThinKvConfig::memory_limit_bytes would be set to): the largest n with n x
+/// sequence_footprint(c).bytes, plus one allocation chunk per pool and one record chunk (pools
+/// grow in whole chunks), <= bytes. With a limit of that many bytes, n sequences never see
+/// kPoolExhausted. 0 when not even one fits.
+inline int max_sequences(const ThinKvConfig& c, std::int64_t bytes) {
+  const SequenceFootprint f = sequence_footprint(c);
+  ThinKvConfig one = c;
+  one.num_sequences = 1;
+  const CacheConfig pc = one.paged_config();
+  const CacheLayout L = CacheLayout::from(pc);
+  std::int64_t slack = std::int64_t{c.chunk_blocks} * c.block_size / c.group_size * L.record_bytes();
+  for (Precision p : kAllPrecisions) {
+    if (pc.precision.uses(p)) slack += std::int64_t{c.chunk_blocks} * L.block_bytes(p);
+  }
+  if (bytes <= slack || f.bytes <= 0) return 0;
+  const std::int64_t n = (bytes - slack) / f.bytes;
+  return static_cast<int>(std::min<std::int64_t>(n, CacheConfig::kMaxStreams / one.streams_per_sequence()));
+}
 
 }  // namespace thinkv

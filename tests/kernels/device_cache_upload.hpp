@@ -33,14 +33,18 @@ class DeviceCacheUpload {
     const int d = cfg.head_dim;
     const int g = cfg.group_size;
     const int streams = cfg.num_streams;
+    // Numbered over the pools' whole id ranges, so the view's block ids are the table's (pages
+    // without storage upload as the CPU backend shows them: poison). Tests keep ranges small.
+    FlatBlockTable flat;
+    flatten_block_table(table, flat, pools.count);
     view_ = {};
     view_.num_streams = streams;
-    view_.total_blocks = pools.total;
+    view_.total_blocks = flat.total_blocks;
     for (int p = 0; p < kNumPrecisions; ++p) {
-      view_.pool_base[p] = pools.base[p];
-      view_.pool_count[p] = pools.count[p];
+      view_.pool_base[p] = flat.pool_base[p];
+      view_.pool_count[p] = flat.pool_count[p];
       std::vector<std::uint8_t> bytes;
-      for (std::uint32_t i = 0; i < pools.count[p]; ++i) {
+      for (std::uint32_t i = 0; i < flat.pool_count[p]; ++i) {
         const auto page = be.page(pools.base[p] + i);
         bytes.insert(bytes.end(), page.begin(), page.end());
       }
@@ -48,7 +52,7 @@ class DeviceCacheUpload {
         if (cudaError_t e = put(bytes, view_.pages[p]); e != cudaSuccess) return e;
       }
     }
-    const auto records = static_cast<std::uint32_t>(effective_record_capacity(cfg));
+    const auto records = static_cast<std::uint32_t>(table.record_capacity());
     std::vector<std::uint8_t> rec(static_cast<std::size_t>(records) * d);
     for (std::uint32_t r = 0; r < records; ++r) {
       const auto s = be.record_scales(r);
@@ -71,8 +75,6 @@ class DeviceCacheUpload {
         }
       }
     }
-    FlatBlockTable flat;
-    flatten_block_table(table, flat);
     cudaError_t e = cudaSuccess;
     if (e == cudaSuccess && !rec.empty()) e = put(rec, view_.key_scales);
     if (e == cudaSuccess) e = put(s2, view_.s2);

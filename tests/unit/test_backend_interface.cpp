@@ -30,12 +30,21 @@ class FlakyBackend {
     StatusCode init = StatusCode::kOk;
     bool fail_stage = false;
     bool fail_commit = false;
+    bool fail_grow = false;  ///< refuse to give a pool or the records more storage
   };
   explicit FlakyBackend(std::shared_ptr<Control> c = std::make_shared<Control>()) : ctl_(std::move(c)) {}
   std::string_view name() const { return "flaky"; }
   Status init(const CacheConfig& c) {
     if (ctl_->init != StatusCode::kOk) return {ctl_->init, "flaky init refused"};
     return cpu_.init(c);
+  }
+  Status resize_pool(Precision p, std::uint32_t n) {
+    if (ctl_->fail_grow && n > cpu_.pool_pages(p)) return {StatusCode::kPoolExhausted, "flaky: out of memory"};
+    return cpu_.resize_pool(p, n);
+  }
+  Status resize_records(std::uint32_t n) {
+    if (ctl_->fail_grow && n > cpu_.records_allocated()) return {StatusCode::kPoolExhausted, "flaky: out of memory"};
+    return cpu_.resize_records(n);
   }
   Status stage(int s, int r, const float* k, const float* v) {
     if (ctl_->fail_stage) return {StatusCode::kCudaError, "flaky stage failed"};
@@ -265,4 +274,46 @@ TEST_CASE("PagedKvCache: a backend failure in stage or commit leaves the cache u
   REQUIRE(tt::append_both(c, m, 0, k, v, ThoughtType::kReasoning, 1, diff).is_ok());
   TT_REQUIRE_OK_DIFF(diff);
   TT_REQUIRE_OK_DIFF(tt::check_cache(c, m));
+}
+
+TEST_CASE("PagedKvCache: a backend that cannot grow, or fails after growing, leaves cache and storage unchanged",
+          "[backend][errors][arena]") {
+  TT_SEEDED_RNG();
+  const int d = 16, g = 8;
+  CacheConfig cfg = config_for(kR4E4T2, d, g, 8, 2, 6);
+  cfg.chunk_blocks = 1;  // every fresh block is a new chunk
+  auto ctl = std::make_shared<FlakyBackend::Control>();
+  PagedKvCache<FlakyBackend> c(cfg, FlakyBackend(ctl));
+  CtModel m(cfg);
+  Diff diff;
+  auto add = [&](int s, ThoughtType th, int n) {
+    for (int i = 0; i < n; ++i) {
+      const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+      REQUIRE(tt::append_both(c, m, s, k, v, th, 1, diff).is_ok());
+    }
+  };
+  add(0, ThoughtType::kReasoning, 2 * g);
+  add(0, ThoughtType::kReasoning, g - 1);  // the next append commits into a fresh block
+  TT_REQUIRE_OK_DIFF(diff);
+  const auto before = tt::snapshot_cache(c);
+  const std::int64_t allocated = c.allocated_bytes();
+  const std::int64_t backend_bytes = c.backend().stats().bytes_allocated;
+  const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+  ctl->fail_grow = true;
+  Status st = c.append(0, k, v, ThoughtType::kReasoning);
+  CHECK(st.code() == StatusCode::kPoolExhausted);
+  CHECK_THAT(st.message(), Contains("flaky: out of memory"));
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(c));
+  ctl->fail_grow = false;
+  ctl->fail_commit = true;  // storage given, then the commit fails: the storage goes back
+  st = c.append(0, k, v, ThoughtType::kReasoning);
+  CHECK(st.code() == StatusCode::kCudaError);
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(c));
+  CHECK(c.allocated_bytes() == allocated);
+  CHECK(c.backend().stats().bytes_allocated == backend_bytes);
+  ctl->fail_commit = false;
+  REQUIRE(tt::append_both(c, m, 0, k, v, ThoughtType::kReasoning, 1, diff).is_ok());
+  TT_REQUIRE_OK_DIFF(diff);
+  TT_REQUIRE_OK_DIFF(tt::check_cache(c, m));
+  CHECK(c.allocated_bytes() > allocated);
 }

@@ -603,32 +603,63 @@ TEST_CASE("flatten_block_table gives the arrays a device kernel reads, equal to 
   }
   Diff d;
   REQUIRE(push_token(t, m, 1, R, 0, d).is_ok());  // one staged token
-  FlatBlockTable f;
-  flatten_block_table(t, f);
-  const auto n = t.pools().total;
-  REQUIRE(f.evict_mask_words == 2);
-  REQUIRE(f.block_fill.size() == n);
-  REQUIRE(f.evict_mask.size() == static_cast<std::size_t>(n) * 2);
-  REQUIRE(f.slot_record.size() == static_cast<std::size_t>(n) * 100);
-  for (std::uint32_t b = 0; b < n; ++b) {
-    if (f.block_fill[b] != t.block_fill(b)) d.fail("fill of block ", b);
-    for (std::uint32_t i = 0; i < 100; ++i) {
-      const bool evicted = (f.evict_mask[b * 2 + i / 64] >> (i % 64)) & 1u;
-      if (evicted != t.is_evicted({b, i})) d.fail("mask bit of block ", b, " slot ", i);
-      if (f.slot_record[b * 100 + i] != t.slot_record({b, i})) d.fail("record of block ", b, " slot ", i);
+  // The flat arrays number the blocks with storage compactly, pool after pool; a device may
+  // give a pool more pages than the table has allocated (its buffer's capacity).
+  for (const bool wider : {false, true}) {
+    CAPTURE(wider);
+    std::uint32_t pages[kNumPrecisions];
+    std::uint32_t n = 0;
+    for (Precision p : kAllPrecisions) {
+      pages[static_cast<int>(p)] = t.allocated_blocks(p) + (wider ? 3u : 0u);
+      n += pages[static_cast<int>(p)];
     }
-  }
-  for (int s = 0; s < 3; ++s) {
-    const auto blocks = t.blocks(s);
-    const auto lo = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s)]);
-    const auto hi = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s) + 1]);
-    REQUIRE(hi - lo == blocks.size());
-    for (std::size_t j = 0; j < blocks.size(); ++j) {
-      if (f.block_indices[lo + j] != blocks[j]) d.fail("block list of stream ", s, " entry ", j);
+    FlatBlockTable f;
+    flatten_block_table(t, f, wider ? pages : nullptr);
+    REQUIRE(f.evict_mask_words == 2);
+    REQUIRE(f.total_blocks == n);
+    REQUIRE(f.block_fill.size() == n);
+    REQUIRE(f.evict_mask.size() == static_cast<std::size_t>(n) * 2);
+    REQUIRE(f.slot_record.size() == static_cast<std::size_t>(n) * 100);
+    std::uint32_t base = 0;
+    for (Precision p : kAllPrecisions) {
+      const int pi = static_cast<int>(p);
+      REQUIRE(f.pool_base[pi] == base);
+      REQUIRE(f.pool_count[pi] == pages[pi]);
+      for (std::uint32_t i = 0; i < pages[pi]; ++i) {
+        const std::uint32_t fb = base + i;  // the flat id
+        if (i >= t.allocated_blocks(p)) {   // past the table's storage: an empty block
+          if (f.block_fill[fb] != 0) d.fail("fill of flat block ", fb);
+          for (std::uint32_t k = 0; k < 100; ++k) {
+            if ((f.evict_mask[fb * 2 + k / 64] >> (k % 64)) & 1u) d.fail("mask bit of flat block ", fb);
+            if (f.slot_record[fb * 100 + k] != thinkv::kNoRecord) d.fail("record of flat block ", fb);
+          }
+          continue;
+        }
+        const std::uint32_t b = t.pools().base[pi] + i;  // the table's id
+        if (f.flat_id(t, b) != fb) d.fail("flat id of block ", b);
+        if (f.block_fill[fb] != t.block_fill(b)) d.fail("fill of block ", b);
+        for (std::uint32_t k = 0; k < 100; ++k) {
+          const bool evicted = (f.evict_mask[fb * 2 + k / 64] >> (k % 64)) & 1u;
+          if (evicted != t.is_evicted({b, k})) d.fail("mask bit of block ", b, " slot ", k);
+          if (f.slot_record[fb * 100 + k] != t.slot_record({b, k})) d.fail("record of block ", b, " slot ", k);
+        }
+      }
+      base += pages[pi];
     }
-    if (f.staged_count[static_cast<std::size_t>(s)] != t.staged_count(s)) d.fail("staged count of stream ", s);
+    for (int s = 0; s < 3; ++s) {
+      const auto blocks = t.blocks(s);
+      const auto lo = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s)]);
+      const auto hi = static_cast<std::size_t>(f.block_indptr[static_cast<std::size_t>(s) + 1]);
+      REQUIRE(hi - lo == blocks.size());
+      for (std::size_t j = 0; j < blocks.size(); ++j) {
+        const Precision p = t.block_precision(blocks[j]);
+        const std::uint32_t want = f.pool_base[static_cast<int>(p)] + (blocks[j] - t.pools().base[static_cast<int>(p)]);
+        if (f.block_indices[lo + j] != want) d.fail("block list of stream ", s, " entry ", j);
+      }
+      if (f.staged_count[static_cast<std::size_t>(s)] != t.staged_count(s)) d.fail("staged count of stream ", s);
+    }
+    CHECK(f.staged_count[1] == 1);
   }
-  CHECK(f.staged_count[1] == 1);
   CHECK(t.stats().slots_evicted > 0);
   TT_REQUIRE_OK_DIFF(d);
 }

@@ -277,7 +277,13 @@ TEST_CASE("PagedKvCache: eviction moves no data", "[paged][evict]") {
       }
       const auto batch = tt::random_live_subset(rng, m, s, round == 5 ? 1000 : 12);  // the last frees blocks
       evict_both(c, m, s, batch);
-      CHECK(all_pages(c) == pages);  // every page of every pool, held or freed
+      // Every page that still has storage, held or freed, is as it was (a chunk left empty at
+      // the top of its pool is released, which moves nothing either).
+      const auto after = all_pages(c);
+      for (std::uint32_t b = 0; b < c.table().pools().total; ++b) {
+        if (c.table().pools().local_index(b) >= c.table().allocated_blocks(c.table().block_precision(b))) continue;
+        REQUIRE(after[b] == pages[b]);
+      }
       for (int r = 0; r < c.table().record_capacity(); ++r) {
         const auto x = c.backend().record_scales(static_cast<std::uint32_t>(r));
         REQUIRE(std::vector<std::uint8_t>(x.begin(), x.end()) == records[static_cast<std::size_t>(r)]);

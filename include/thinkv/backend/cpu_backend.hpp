@@ -7,9 +7,17 @@
 ///   [B x row_bytes(P)] key rows | [B x row_bytes(P)] value rows | [B x D/g] value scales (E4M3)
 /// Key scales live in key-scale records: record r holds D E4M3 scales, one per channel, for the
 /// g tokens of one committed group; every slot names its record (BlockTable::slot_record).
+///
+/// Storage follows the block table: a pool's pages come in chunks (BlockTable::chunk_blocks), each
+/// one allocation of the backend's allocator, made and freed as the cache grows and shrinks the
+/// pool (resize_pool); records likewise (resize_records). No page ever moves. The allocator is
+/// a template parameter (any standard allocator of bytes, stateful ones included), so a runtime
+/// can put the pages in its own memory and a test can count every byte.
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -24,8 +32,15 @@
 
 namespace thinkv {
 
-class CpuKvBackend {
+template <class Alloc = std::allocator<std::uint8_t>>
+class BasicCpuKvBackend {
+  template <class T>
+  using Vec = std::vector<T, typename std::allocator_traits<Alloc>::template rebind_alloc<T>>;
+
  public:
+  BasicCpuKvBackend() requires std::is_default_constructible_v<Alloc> : BasicCpuKvBackend(Alloc{}) {}
+  explicit BasicCpuKvBackend(const Alloc& alloc) : alloc_(alloc), staging_(alloc_), s2_(alloc_) {}
+
   [[nodiscard]] std::string_view name() const { return "cpu"; }
 
   [[nodiscard]] Status init(const CacheConfig& config) {
@@ -34,20 +49,80 @@ class CpuKvBackend {
     layout_ = CacheLayout::from(config);
     pools_ = PoolMap::from(config);
     stats_ = {};
-    std::int64_t bytes = 0;
-    for (Precision p : kAllPrecisions) {
-      const auto n = static_cast<std::size_t>(config.pool_blocks[static_cast<int>(p)]) *
-                     static_cast<std::size_t>(layout_.page_bytes(p));
-      // Poison: a read of a never-written byte shows up as garbage in tests, not as zeros.
-      pages_[static_cast<int>(p)].assign(n, 0xA5);
-      bytes += static_cast<std::int64_t>(n);
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      chunks_[p] = std::vector<Vec<std::uint8_t>>{};
+      pool_pages_[p] = 0;
+      chunk_pages_[p] = static_cast<std::uint32_t>(std::max(1, std::min(config.chunk_blocks, config.pool_blocks[p])));
     }
-    const auto rec = static_cast<std::size_t>(effective_record_capacity(config));
-    records_.assign(rec * static_cast<std::size_t>(config.head_dim), 0xA5);
-    staging_.assign(static_cast<std::size_t>(config.num_streams) * 2 * config.group_size * config.head_dim, 0);
-    s2_.assign(static_cast<std::size_t>(config.num_streams) * 2 * kNumPrecisions, 0.0f);
-    bytes += static_cast<std::int64_t>(records_.size() + staging_.size() * 2 + s2_.size() * 4);
-    stats_.bytes_allocated = bytes;
+    record_chunks_.clear();
+    records_ = 0;
+    const auto cap = static_cast<std::uint32_t>(effective_record_capacity(config));
+    record_chunk_ = static_cast<std::uint32_t>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>(std::int64_t{config.chunk_blocks} * config.block_size / config.group_size,
+                                  std::max<std::uint32_t>(cap, 1))));
+    staging_ = Vec<std::uint16_t>(
+        static_cast<std::size_t>(config.num_streams) * 2 * config.group_size * config.head_dim, 0, alloc_);
+    s2_ = Vec<float>(static_cast<std::size_t>(config.num_streams) * 2 * kNumPrecisions, 0.0f, alloc_);
+    stats_.bytes_allocated = static_cast<std::int64_t>(staging_.size() * 2 + s2_.size() * 4);
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status resize_pool(Precision p, std::uint32_t blocks) {
+    const int i = static_cast<int>(p);
+    if (blocks > pools_.count[i]) {
+      return {StatusCode::kOutOfRange, "resize_pool(" + std::string(to_string(p)) + ", " + std::to_string(blocks) +
+                                           "): the pool's range holds " + std::to_string(pools_.count[i]) + " blocks"};
+    }
+    const std::uint32_t cp = chunk_pages_[i];
+    const auto page = static_cast<std::size_t>(layout_.page_bytes(p));
+    auto& chunks = chunks_[i];
+    const std::size_t want = (blocks + cp - 1) / cp;
+    try {
+      while (chunks.size() < want) {
+        const std::size_t c = chunks.size();
+        const std::size_t pages = std::min<std::size_t>(cp, pools_.count[i] - c * cp);
+        // Poison: a read of a never-written byte shows up as garbage in tests, not as zeros.
+        chunks.emplace_back(pages * page, std::uint8_t{0xA5}, alloc_);
+        stats_.bytes_allocated += static_cast<std::int64_t>(pages * page);
+      }
+    } catch (const std::bad_alloc&) {
+      while (chunks.size() > (pool_pages_[i] + cp - 1) / cp) {
+        stats_.bytes_allocated -= static_cast<std::int64_t>(chunks.back().size());
+        chunks.pop_back();
+      }
+      return {StatusCode::kPoolExhausted, "out of host memory giving the " + std::string(to_string(p)) +
+                                              " pool storage for " + std::to_string(blocks) + " blocks"};
+    }
+    while (chunks.size() > want) {
+      stats_.bytes_allocated -= static_cast<std::int64_t>(chunks.back().size());
+      chunks.pop_back();
+    }
+    pool_pages_[i] = blocks;
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status resize_records(std::uint32_t records) {
+    const auto d = static_cast<std::size_t>(config_.head_dim);
+    const std::size_t want = (records + record_chunk_ - 1) / record_chunk_;
+    const std::size_t before = record_chunks_.size();
+    try {
+      while (record_chunks_.size() < want) {
+        record_chunks_.emplace_back(std::size_t{record_chunk_} * d, std::uint8_t{0xA5}, alloc_);
+        stats_.bytes_allocated += static_cast<std::int64_t>(record_chunks_.back().size());
+      }
+    } catch (const std::bad_alloc&) {
+      while (record_chunks_.size() > before) {
+        stats_.bytes_allocated -= static_cast<std::int64_t>(record_chunks_.back().size());
+        record_chunks_.pop_back();
+      }
+      return {StatusCode::kPoolExhausted,
+              "out of host memory giving storage to " + std::to_string(records) + " key-scale records"};
+    }
+    while (record_chunks_.size() > want) {
+      stats_.bytes_allocated -= static_cast<std::int64_t>(record_chunks_.back().size());
+      record_chunks_.pop_back();
+    }
+    records_ = records;
     return Status::ok();
   }
 
@@ -111,7 +186,7 @@ class CpuKvBackend {
     const float s2v_use = s2v > 0.0f ? s2v : 1.0f;
     std::vector<std::uint8_t> codes(kf.size());
     // Keys: per channel, a group = the g tokens of one channel.
-    std::uint8_t* rec = records_.data() + static_cast<std::size_t>(plan.record) * d;
+    std::uint8_t* rec = record_ptr(plan.record);
     for (int c = 0; c < d; ++c) {
       if (group_scale_saturates(p, group_amax(kf.data() + c, d, g), s2k_use)) ++stats_.scale_saturations;
       rec[c] = quantize_group(p, kf.data() + c, d, g, s2k_use, codes.data() + c, d);
@@ -152,6 +227,10 @@ class CpuKvBackend {
       return {StatusCode::kOutOfRange,
               "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} does not exist"};
     }
+    if (!has_storage(slot.block)) {
+      return {StatusCode::kInvalidArgument,
+              "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} has no storage"};
+    }
     const int d = config_.head_dim;
     const Precision p = pools_.precision_of(slot.block);
     const std::uint8_t* kr = row_ptr(slot, 0);
@@ -167,8 +246,9 @@ class CpuKvBackend {
               "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
     }
     // 0 (unset) only when every group so far was all zero: their codes decode to 0 for any s2.
-    dequantize_token(p, kr, vr, value_scales_ptr(slot), records_.data() + static_cast<std::size_t>(r) * d,
-                     s2_[s2_index(owner, 0, p)], s2_[s2_index(owner, 1, p)], d, config_.group_size, k, v);
+    if (r >= records_) { return {StatusCode::kInvalidArgument, "record " + std::to_string(r) + " has no storage"}; }
+    dequantize_token(p, kr, vr, value_scales_ptr(slot), record_ptr(r), s2_[s2_index(owner, 0, p)],
+                     s2_[s2_index(owner, 1, p)], d, config_.group_size, k, v);
     return Status::ok();
   }
 
@@ -250,17 +330,23 @@ class CpuKvBackend {
   /// Second-level scale of (stream, K = 0 / V = 1, precision); 0 until the stream's first group of
   /// that precision is committed.
   [[nodiscard]] float stream_scale(int stream, int kv, Precision p) const { return s2_[s2_index(stream, kv, p)]; }
-  /// Raw bytes of a block's page (for tests and debugging).
+  /// Raw bytes of a block's page (for tests and debugging); poison (0xA5) for a block without
+  /// storage.
   [[nodiscard]] std::span<const std::uint8_t> page(std::uint32_t block) const {
     const Precision p = pools_.precision_of(block);
     const auto bytes = static_cast<std::size_t>(layout_.page_bytes(p));
-    return {pages_[static_cast<int>(p)].data() + pools_.local_index(block) * bytes, bytes};
+    if (!has_storage(block)) return poison(bytes);
+    return {page_ptr(block), bytes};
   }
-  /// The head_dim E4M3 key scales of a record.
+  /// The head_dim E4M3 key scales of a record (poison for a record without storage).
   [[nodiscard]] std::span<const std::uint8_t> record_scales(std::uint32_t record) const {
-    return {records_.data() + static_cast<std::size_t>(record) * config_.head_dim,
-            static_cast<std::size_t>(config_.head_dim)};
+    const auto d = static_cast<std::size_t>(config_.head_dim);
+    if (record >= records_) return poison(d);
+    return {record_ptr(record), d};
   }
+  /// Pages of pool p with storage, and records with storage.
+  [[nodiscard]] std::uint32_t pool_pages(Precision p) const noexcept { return pool_pages_[static_cast<int>(p)]; }
+  [[nodiscard]] std::uint32_t records_allocated() const noexcept { return records_; }
 
  private:
   struct Tables {
@@ -290,36 +376,60 @@ class CpuKvBackend {
     return staging_.data() +
            ((static_cast<std::size_t>(stream) * 2 + kv) * config_.group_size + row) * config_.head_dim;
   }
-  [[nodiscard]] std::size_t page_offset(std::uint32_t block) const {
-    return pools_.local_index(block) * static_cast<std::size_t>(layout_.page_bytes(pools_.precision_of(block)));
+  [[nodiscard]] bool has_storage(std::uint32_t block) const noexcept {
+    return block < pools_.total &&
+           pools_.local_index(block) < pool_pages_[static_cast<int>(pools_.precision_of(block))];
   }
+  [[nodiscard]] std::span<const std::uint8_t> poison(std::size_t bytes) const {
+    if (poison_.size() < bytes) poison_.assign(bytes, 0xA5);
+    return {poison_.data(), bytes};
+  }
+  [[nodiscard]] const std::uint8_t* page_ptr(std::uint32_t block) const {
+    const int p = static_cast<int>(pools_.precision_of(block));
+    const std::uint32_t local = pools_.local_index(block);
+    return chunks_[p][local / chunk_pages_[p]].data() +
+           static_cast<std::size_t>(local % chunk_pages_[p]) *
+               static_cast<std::size_t>(layout_.page_bytes(static_cast<Precision>(p)));
+  }
+  [[nodiscard]] const std::uint8_t* record_ptr(std::uint32_t r) const {
+    return record_chunks_[r / record_chunk_].data() +
+           static_cast<std::size_t>(r % record_chunk_) * static_cast<std::size_t>(config_.head_dim);
+  }
+  std::uint8_t* record_ptr(std::uint32_t r) { return const_cast<std::uint8_t*>(std::as_const(*this).record_ptr(r)); }
   [[nodiscard]] const std::uint8_t* row_ptr(SlotRef s, int kv) const {
     const Precision p = pools_.precision_of(s.block);
     const std::size_t rb = static_cast<std::size_t>(layout_.row_bytes(p));
-    return pages_[static_cast<int>(p)].data() + page_offset(s.block) +
-           (static_cast<std::size_t>(kv) * config_.block_size + s.slot) * rb;
+    return page_ptr(s.block) + (static_cast<std::size_t>(kv) * config_.block_size + s.slot) * rb;
   }
   std::uint8_t* row_ptr(SlotRef s, int kv) { return const_cast<std::uint8_t*>(std::as_const(*this).row_ptr(s, kv)); }
   [[nodiscard]] const std::uint8_t* value_scales_ptr(SlotRef s) const {
     const Precision p = pools_.precision_of(s.block);
     const std::size_t rb = static_cast<std::size_t>(layout_.row_bytes(p));
-    return pages_[static_cast<int>(p)].data() + page_offset(s.block) +
-           2 * static_cast<std::size_t>(config_.block_size) * rb +
+    return page_ptr(s.block) + 2 * static_cast<std::size_t>(config_.block_size) * rb +
            static_cast<std::size_t>(s.slot) * layout_.value_scale_bytes(p);
   }
   std::uint8_t* value_scales_ptr(SlotRef s) {
     return const_cast<std::uint8_t*>(std::as_const(*this).value_scales_ptr(s));
   }
 
+  Alloc alloc_;
   CacheConfig config_{};
   CacheLayout layout_{};
   PoolMap pools_{};
   BackendStats stats_{};
-  std::vector<std::uint8_t> pages_[kNumPrecisions];  // per pool: [blocks, page_bytes]
-  std::vector<std::uint8_t> records_;                // [record_capacity, head_dim] E4M3
-  std::vector<std::uint16_t> staging_;               // [streams, 2, g, head_dim] BF16
-  std::vector<float> s2_;                            // [streams, 2, precisions]
+  std::vector<Vec<std::uint8_t>> chunks_[kNumPrecisions];  // per pool: chunks of [pages, page_bytes]
+  std::uint32_t pool_pages_[kNumPrecisions] = {};          // pages with storage per pool
+  std::uint32_t chunk_pages_[kNumPrecisions] = {1, 1, 1, 1};
+  std::vector<Vec<std::uint8_t>> record_chunks_;  // chunks of [record_chunk_, head_dim] E4M3
+  std::uint32_t record_chunk_ = 1;
+  std::uint32_t records_ = 0;                 // records with storage
+  Vec<std::uint16_t> staging_;                // [streams, 2, g, head_dim] BF16
+  Vec<float> s2_;                             // [streams, 2, precisions]
+  mutable std::vector<std::uint8_t> poison_;  // what page() shows of a block without storage
 };
+
+/// The CPU backend with the standard allocator.
+using CpuKvBackend = BasicCpuKvBackend<>;
 static_assert(kv_backend<CpuKvBackend>);
 
 }  // namespace thinkv

@@ -46,9 +46,16 @@ class CudaKvBackend {
 
   [[nodiscard]] std::string_view name() const { return "cuda"; }
 
-  /// Allocates every pool on the current CUDA device (pages poisoned with 0xA5, like the CPU
-  /// backend's). Fails with kCudaError when there is no usable device.
+  /// Sets up on the current CUDA device: staging and second-level scales; no page yet. Fails
+  /// with kCudaError when there is no usable device.
   [[nodiscard]] Status init(const CacheConfig& config);
+  /// Device storage for pool p's pages 0 .. blocks - 1: one buffer per pool, grown by doubling
+  /// (a device-to-device copy of the pages held, between calls: no kernel sees a page move)
+  /// and shrunk when the cache needs half of it or less; new pages poisoned with 0xA5.
+  /// bytes_allocated reports the buffers' size. kPoolExhausted when the device is out of memory.
+  [[nodiscard]] Status resize_pool(Precision p, std::uint32_t blocks);
+  /// The same for the key-scale records.
+  [[nodiscard]] Status resize_records(std::uint32_t records);
   /// Converts one token (host floats) to BF16 and writes it into staging row `row` on the device.
   [[nodiscard]] Status stage(int stream, int row, const float* k, const float* v);
   /// Quantizes the stream's full staging group into plan.slots (launch_quantize_append, one job).

@@ -4,7 +4,9 @@
 ///
 /// The cache (PagedKvCache) owns the host metadata (BlockTable) and decides where data goes; a
 /// backend owns the bytes (pages, key-scale records, staging buffers, second-level scales) and
-/// executes: stage a token, commit a staged group into planned slots, read a token back, attend.
+/// executes: give a pool storage for n blocks, stage a token, commit a staged group into planned
+/// slots, read a token back, attend. Pages of pool p are numbered by their index in the pool
+/// (block id - PoolMap::base[p]); the cache grows and shrinks a pool's storage in whole chunks.
 /// Two forms of the same interface:
 ///   - `kv_backend<B>`: a C++20 concept for header-only code (no virtual calls);
 ///   - `KvBackend`: one coarse virtual interface for runtimes that choose a backend at run time,
@@ -28,7 +30,9 @@ namespace thinkv {
 struct BackendStats {
   std::int64_t groups_quantized = 0;   ///< staged groups committed (quantized or copied)
   std::int64_t scale_saturations = 0;  ///< groups whose E4M3 scale saturated (values clipped)
-  std::int64_t bytes_allocated = 0;    ///< pages + records + staging + scales, at init
+  /// Bytes the backend holds now: pages, key-scale records' scales, staging and second-level
+  /// scales (it follows resize_pool / resize_records).
+  std::int64_t bytes_allocated = 0;
   /// Bytes commits stored into pages and key-scale records (K/V codes, value scales, key
   /// scales), counted where they are written. PagedKvCache compares it with what its commit
   /// plans of new tokens account for: any other write (a compaction) shows as moved bytes. A
@@ -39,12 +43,20 @@ struct BackendStats {
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
 /// is host memory.
 template <class B>
-concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, int stream, int row, const float* k,
-                              const float* v, float* k_out, float* v_out, const CommitPlan& plan,
-                              const BlockTable& table, SlotRef slot, const DecodeAttentionArgs& args) {
+concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, Precision p, std::uint32_t n, int stream,
+                              int row, const float* k, const float* v, float* k_out, float* v_out,
+                              const CommitPlan& plan, const BlockTable& table, SlotRef slot,
+                              const DecodeAttentionArgs& args) {
   { cb.name() } -> std::convertible_to<std::string_view>;
-  /// Allocates every pool for `config` (already validated).
+  /// Sets up for `config` (already validated): staging and second-level scales of every stream;
+  /// no page or record yet.
   { b.init(config) } -> std::same_as<Status>;
+  /// Gives pool p storage for pages 0 .. blocks - 1, keeping the bytes of those it had (grow), or
+  /// releases the pages from `blocks` on (shrink: the cache holds none of them). New pages may
+  /// hold any bytes. On an error (out of memory) nothing changes.
+  { b.resize_pool(p, n) } -> std::same_as<Status>;
+  /// The same for key-scale records 0 .. n - 1 (the cache only grows them).
+  { b.resize_records(n) } -> std::same_as<Status>;
   /// Writes one token (head_dim floats each, already checked finite) into staging row `row`.
   { b.stage(stream, row, k, v) } -> std::same_as<Status>;
   /// Quantizes the stream's full staging group at plan.precision into plan.slots.
@@ -66,6 +78,8 @@ class KvBackend {
   virtual ~KvBackend() = default;
   [[nodiscard]] virtual std::string_view name() const = 0;
   [[nodiscard]] virtual Status init(const CacheConfig& config) = 0;
+  [[nodiscard]] virtual Status resize_pool(Precision p, std::uint32_t blocks) = 0;
+  [[nodiscard]] virtual Status resize_records(std::uint32_t records) = 0;
   [[nodiscard]] virtual Status stage(int stream, int row, const float* k, const float* v) = 0;
   [[nodiscard]] virtual Status commit(const CommitPlan& plan) = 0;
   [[nodiscard]] virtual Status reset_stream(int stream) = 0;
@@ -82,6 +96,8 @@ class BackendModel final : public KvBackend {
   explicit BackendModel(B backend = B{}) : b_(std::move(backend)) {}
   std::string_view name() const override { return b_.name(); }
   Status init(const CacheConfig& c) override { return b_.init(c); }
+  Status resize_pool(Precision p, std::uint32_t n) override { return b_.resize_pool(p, n); }
+  Status resize_records(std::uint32_t n) override { return b_.resize_records(n); }
   Status stage(int s, int r, const float* k, const float* v) override { return b_.stage(s, r, k, v); }
   Status commit(const CommitPlan& p) override { return b_.commit(p); }
   Status reset_stream(int s) override { return b_.reset_stream(s); }
@@ -108,6 +124,8 @@ class DynamicBackend {
     if (!impl_) return {StatusCode::kInvalidArgument, "DynamicBackend holds no backend"};
     return impl_->init(c);
   }
+  Status resize_pool(Precision p, std::uint32_t n) { return impl_->resize_pool(p, n); }
+  Status resize_records(std::uint32_t n) { return impl_->resize_records(n); }
   Status stage(int s, int r, const float* k, const float* v) { return impl_->stage(s, r, k, v); }
   Status commit(const CommitPlan& p) { return impl_->commit(p); }
   Status reset_stream(int s) { return impl_->reset_stream(s); }

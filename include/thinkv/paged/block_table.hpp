@@ -87,6 +87,19 @@ struct CommitPlan {
 struct PlanClaims {
   std::size_t blocks[kNumPrecisions] = {};
   std::size_t records = 0;
+
+  PlanClaims& operator+=(const PlanClaims& o) noexcept {
+    for (int p = 0; p < kNumPrecisions; ++p) blocks[p] += o.blocks[p];
+    records += o.records;
+    return *this;
+  }
+  friend PlanClaims operator+(PlanClaims a, const PlanClaims& b) noexcept { return a += b; }
+  /// a - b, each term clamped at 0.
+  friend PlanClaims operator-(PlanClaims a, const PlanClaims& b) noexcept {
+    for (int p = 0; p < kNumPrecisions; ++p) a.blocks[p] = a.blocks[p] > b.blocks[p] ? a.blocks[p] - b.blocks[p] : 0;
+    a.records = a.records > b.records ? a.records - b.records : 0;
+    return a;
+  }
 };
 
 struct BlockTableStats {
@@ -98,37 +111,32 @@ struct BlockTableStats {
   std::int64_t blocks_freed = 0;
   std::int64_t records_allocated = 0;
   std::int64_t records_freed = 0;
+  std::int64_t chunks_grown = 0;     ///< block chunks given storage (all pools)
+  std::int64_t chunks_released = 0;  ///< block chunks whose storage was released
 };
 
 /// Host metadata of the CT cache. Single-threaded; not copyable by accident (use copy()).
+///
+/// Memory follows what is held: a pool's block ids are a range (PoolMap) of which only the low
+/// chunks have storage (pages in the backend, metadata here). A commit that needs a block past
+/// them grows its pool by whole chunks; a chunk at the top of a pool whose blocks are all free is
+/// released at once (eviction, end of a sequence), so its bytes serve any pool. Fresh blocks are
+/// the lowest free id of their pool, which keeps held blocks at the low end. Key-scale records
+/// grow the same way (and are not released). allocated_bytes() is what all this costs, and
+/// CacheConfig::memory_limit_bytes bounds it.
 class BlockTable {
  public:
   /// `config` must be valid (CacheConfig::validate()); throws ConfigError otherwise.
   explicit BlockTable(const CacheConfig& config)
       : config_(config), layout_(CacheLayout::from(config)), pools_(PoolMap::from(config)) {
     if (Status s = config.validate(); !s.is_ok()) throw ConfigError(s);
-    const std::size_t nb = pools_.total;
-    const std::size_t ns = static_cast<std::size_t>(config.block_size) * nb;
-    block_thought_.assign(nb, ThoughtType::kReasoning);
-    block_fill_.assign(nb, 0);
-    block_live_.assign(nb, 0);
-    block_owner_.assign(nb, kNoStream);
-    evict_mask_.assign(nb * static_cast<std::size_t>(layout_.evict_mask_words()), 0);
-    slot_record_.assign(ns, kNoRecord);
-    slot_segment_.assign(ns, 0);
-    slot_position_.assign(ns, -1);
     for (int p = 0; p < kNumPrecisions; ++p) {
-      // Ordered, so allocation takes the lowest free id: deterministic, and freed blocks at the
-      // low end are reused first (pages stay dense at the front of the pool).
-      for (std::uint32_t i = 0; i < pools_.count[p]; ++i) {
-        free_blocks_[p].insert(free_blocks_[p].end(), pools_.base[p] + i);
-      }
+      chunk_[p] = static_cast<std::uint32_t>(std::max(1, std::min(config.chunk_blocks, config.pool_blocks[p])));
     }
-    const std::int64_t rec_cap = effective_record_capacity(config);
-    record_refs_.assign(static_cast<std::size_t>(rec_cap), 0);
-    record_owner_.assign(static_cast<std::size_t>(rec_cap), kNoStream);
-    free_records_.reserve(static_cast<std::size_t>(rec_cap));
-    for (std::int64_t r = rec_cap; r-- > 0;) free_records_.push_back(static_cast<std::uint32_t>(r));
+    record_cap_ = static_cast<std::uint32_t>(effective_record_capacity(config));
+    record_chunk_ = static_cast<std::uint32_t>(std::max<std::int64_t>(
+        1, std::min<std::int64_t>(std::int64_t{config.chunk_blocks} * config.block_size / config.group_size,
+                                  std::max<std::uint32_t>(record_cap_, 1))));
     streams_.resize(static_cast<std::size_t>(config.num_streams));
     for (auto& s : streams_) {
       s.staged_segment.assign(static_cast<std::size_t>(config.group_size), 0);
@@ -141,7 +149,71 @@ class BlockTable {
   [[nodiscard]] const PoolMap& pools() const noexcept { return pools_; }
   [[nodiscard]] const BlockTableStats& stats() const noexcept { return stats_; }
   [[nodiscard]] int num_streams() const noexcept { return config_.num_streams; }
-  [[nodiscard]] int record_capacity() const noexcept { return static_cast<int>(record_refs_.size()); }
+  /// Most key-scale records the record pool may hold (its id range).
+  [[nodiscard]] int record_capacity() const noexcept { return static_cast<int>(record_cap_); }
+
+  // ---- storage: what is allocated ------------------------------------------------------------
+
+  /// Blocks of pool p that have storage (ids pools().base[p] .. + allocated_blocks(p) - 1).
+  [[nodiscard]] std::uint32_t allocated_blocks(Precision p) const noexcept { return pool_[static_cast<int>(p)].grown; }
+  /// Key-scale records that have storage (ids 0 .. allocated_records() - 1).
+  [[nodiscard]] std::uint32_t allocated_records() const noexcept { return records_grown_; }
+  /// Blocks per allocation chunk of pool p, and records per record chunk.
+  [[nodiscard]] std::uint32_t chunk_blocks(Precision p) const noexcept { return chunk_[static_cast<int>(p)]; }
+  [[nodiscard]] std::uint32_t chunk_records() const noexcept { return record_chunk_; }
+  /// Blocks of pool p held by streams.
+  [[nodiscard]] std::uint32_t held_blocks(Precision p) const noexcept {
+    const PoolState& ps = pool_[static_cast<int>(p)];
+    return ps.grown - static_cast<std::uint32_t>(ps.free.size());
+  }
+  /// Bytes the cache allocates in all for its current storage, by the formats of CacheLayout:
+  /// allocated pages and their block metadata, allocated key-scale records, every stream's
+  /// staging buffer and header. The CPU backend's allocator sees exactly the page, record-scale,
+  /// staging and second-level-scale part of it (tests check this).
+  [[nodiscard]] std::int64_t allocated_bytes() const noexcept {
+    std::int64_t n = std::int64_t{config_.num_streams} * layout_.stream_fixed_bytes();
+    for (Precision p : kAllPrecisions) n += std::int64_t{allocated_blocks(p)} * layout_.block_bytes(p);
+    return n + std::int64_t{records_grown_} * layout_.record_bytes();
+  }
+  /// Bytes allocating `claims` (fresh blocks and records beyond those free now, as plans with
+  /// PlanClaims count them) would add to allocated_bytes(): whole chunks.
+  [[nodiscard]] std::int64_t growth_bytes(const PlanClaims& claims) const noexcept {
+    std::int64_t n = 0;
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      n += std::int64_t{grown_for_blocks(p, claims.blocks[i]) - pool_[i].grown} * layout_.block_bytes(p);
+    }
+    return n + std::int64_t{grown_for_records(claims.records) - records_grown_} * layout_.record_bytes();
+  }
+  /// Checks that `claims` (fresh blocks per pool and records, e.g. a batch's plans) fit together
+  /// with `reserved` (what other open tokens reserved): each pool's range, the record range, and
+  /// memory_limit_bytes. `who` starts the message ("append layer 3", ...); kPoolExhausted names
+  /// what ran out and by how much.
+  [[nodiscard]] Status check_claims(const PlanClaims& claims, const PlanClaims& reserved,
+                                    const std::string& who) const {
+    const PlanClaims total = claims + reserved;
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      if (total.blocks[i] > free_blocks(p)) {
+        const std::size_t left = free_blocks(p) > reserved.blocks[i] ? free_blocks(p) - reserved.blocks[i] : 0;
+        return {StatusCode::kPoolExhausted,
+                who + ": the " + std::string(to_string(p)) + " pool has " + std::to_string(left) +
+                    " free blocks after other open tokens' reservations (" + std::to_string(free_blocks(p)) +
+                    " free of " + std::to_string(pools_.count[i]) + ", " + std::to_string(reserved.blocks[i]) +
+                    " reserved); the commits need " + std::to_string(claims.blocks[i]) +
+                    "; raise pool_blocks, lower the token budget, or end other sequences"};
+      }
+    }
+    if (total.records > free_records()) {
+      const std::size_t left = free_records() > reserved.records ? free_records() - reserved.records : 0;
+      return {StatusCode::kPoolExhausted,
+              who + ": the key-scale record pool has " + std::to_string(left) +
+                  " free records after other open tokens' reservations (" + std::to_string(free_records()) +
+                  " free of " + std::to_string(record_capacity()) + "); the commits need " +
+                  std::to_string(claims.records) + "; raise record_capacity or set it to 0 (worst case)"};
+    }
+    return check_limit(total, who);
+  }
 
   // ---- per-stream queries ------------------------------------------------------------------
 
@@ -175,12 +247,25 @@ class BlockTable {
   [[nodiscard]] std::int64_t records_held(int stream) const { return stream_(stream).records; }
 
   // ---- per-block / per-slot queries ----------------------------------------------------------
+  // A block without storage (past its pool's allocated chunks) reads as a free, empty block.
 
-  [[nodiscard]] ThoughtType block_thought(std::uint32_t b) const { return block_thought_[b]; }
+  [[nodiscard]] ThoughtType block_thought(std::uint32_t b) const {
+    const Loc l = loc(b);
+    return l.ok ? l.pool->thought[l.local] : ThoughtType::kReasoning;
+  }
   [[nodiscard]] Precision block_precision(std::uint32_t b) const { return pools_.precision_of(b); }
-  [[nodiscard]] int block_fill(std::uint32_t b) const { return block_fill_[b]; }
-  [[nodiscard]] int block_live(std::uint32_t b) const { return block_live_[b]; }
-  [[nodiscard]] std::int32_t block_owner(std::uint32_t b) const { return block_owner_[b]; }
+  [[nodiscard]] int block_fill(std::uint32_t b) const {
+    const Loc l = loc(b);
+    return l.ok ? l.pool->fill[l.local] : 0;
+  }
+  [[nodiscard]] int block_live(std::uint32_t b) const {
+    const Loc l = loc(b);
+    return l.ok ? l.pool->live[l.local] : 0;
+  }
+  [[nodiscard]] std::int32_t block_owner(std::uint32_t b) const {
+    const Loc l = loc(b);
+    return l.ok ? l.pool->owner[l.local] : kNoStream;
+  }
   /// True when the slot exists (block id within the pools, slot index within the block).
   [[nodiscard]] bool contains(SlotRef s) const noexcept {
     return s.block < pools_.total && s.slot < static_cast<std::uint32_t>(config_.block_size);
@@ -188,20 +273,37 @@ class BlockTable {
   /// Evicted and not reused yet (false for a slot that does not exist).
   [[nodiscard]] bool is_evicted(SlotRef s) const {
     if (!contains(s)) return false;
-    const std::uint64_t w = evict_mask_[mask_index(s)];
+    const Loc l = loc(s.block);
+    if (!l.ok) return false;
+    const std::uint64_t w = l.pool->mask[mask_index(l, s.slot)];
     return (w >> (s.slot % 64)) & 1u;
   }
   /// Written and not evicted (false for a slot that does not exist).
-  [[nodiscard]] bool is_live(SlotRef s) const { return contains(s) && s.slot < block_fill_[s.block] && !is_evicted(s); }
-  [[nodiscard]] std::uint32_t slot_record(SlotRef s) const { return slot_record_[slot_index(s)]; }
-  [[nodiscard]] std::uint32_t slot_segment(SlotRef s) const { return slot_segment_[slot_index(s)]; }
-  [[nodiscard]] std::int32_t slot_position(SlotRef s) const { return slot_position_[slot_index(s)]; }
-  [[nodiscard]] int record_refs(std::uint32_t r) const { return record_refs_[r]; }
-  [[nodiscard]] std::int32_t record_owner(std::uint32_t r) const { return record_owner_[r]; }
+  [[nodiscard]] bool is_live(SlotRef s) const {
+    return contains(s) && static_cast<int>(s.slot) < block_fill(s.block) && !is_evicted(s);
+  }
+  [[nodiscard]] std::uint32_t slot_record(SlotRef s) const {
+    const Loc l = loc(s.block);
+    return l.ok ? l.pool->slot_record[slot_index(l, s.slot)] : kNoRecord;
+  }
+  [[nodiscard]] std::uint32_t slot_segment(SlotRef s) const {
+    const Loc l = loc(s.block);
+    return l.ok ? l.pool->slot_segment[slot_index(l, s.slot)] : 0;
+  }
+  [[nodiscard]] std::int32_t slot_position(SlotRef s) const {
+    const Loc l = loc(s.block);
+    return l.ok ? l.pool->slot_position[slot_index(l, s.slot)] : -1;
+  }
+  [[nodiscard]] int record_refs(std::uint32_t r) const { return r < records_grown_ ? record_refs_[r] : 0; }
+  [[nodiscard]] std::int32_t record_owner(std::uint32_t r) const {
+    return r < records_grown_ ? record_owner_[r] : kNoStream;
+  }
   /// Raw eviction-mask words of a block (bit i of word i/64 = slot i evicted).
   [[nodiscard]] std::span<const std::uint64_t> evict_mask(std::uint32_t b) const {
-    return {evict_mask_.data() + static_cast<std::size_t>(b) * layout_.evict_mask_words(),
-            static_cast<std::size_t>(layout_.evict_mask_words())};
+    const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
+    const Loc l = loc(b);
+    if (!l.ok) return {kZeroMask, words};
+    return {l.pool->mask.data() + static_cast<std::size_t>(l.local) * words, words};
   }
   /// The thought segments a block's live slots belong to: per segment its id, its start index in
   /// the block (the lowest live slot naming it) and its segment mask (bit i = live slot i belongs
@@ -215,7 +317,7 @@ class BlockTable {
   };
   [[nodiscard]] std::vector<BlockSegment> block_segments(std::uint32_t b) const {
     std::vector<BlockSegment> out;
-    for (int i = 0; i < block_fill_[b]; ++i) {
+    for (int i = 0; i < block_fill(b); ++i) {
       const SlotRef r{b, static_cast<std::uint32_t>(i)};
       if (is_evicted(r)) continue;
       const std::uint32_t id = slot_segment(r);
@@ -228,15 +330,20 @@ class BlockTable {
     }
     return out;
   }
-  [[nodiscard]] std::size_t free_blocks(Precision p) const { return free_blocks_[static_cast<int>(p)].size(); }
-  [[nodiscard]] std::size_t free_records() const { return free_records_.size(); }
+  /// Blocks pool p can still supply (its range minus the held ones), allocated or not.
+  [[nodiscard]] std::size_t free_blocks(Precision p) const {
+    const int i = static_cast<int>(p);
+    return pool_[i].free.size() + (pools_.count[i] - pool_[i].grown);
+  }
+  /// Records the record pool can still supply, allocated or not.
+  [[nodiscard]] std::size_t free_records() const { return free_records_.size() + (record_cap_ - records_grown_); }
 
   /// Live slots of a stream in attention order (block list order, then slot order).
   [[nodiscard]] std::vector<SlotRef> live_slot_list(int stream) const {
     std::vector<SlotRef> out;
     out.reserve(static_cast<std::size_t>(stream_(stream).live));
     for (std::uint32_t b : blocks(stream)) {
-      for (int i = 0; i < block_fill_[b]; ++i) {
+      for (int i = 0; i < block_fill(b); ++i) {
         SlotRef s{b, static_cast<std::uint32_t>(i)};
         if (!is_evicted(s)) out.push_back(s);
       }
@@ -295,28 +402,32 @@ class BlockTable {
 
   /// Plans where a full staging group of `thought` goes: evicted slots of the stream's blocks of
   /// the same thought type first (oldest block first, lowest slot first), then unwritten slots of
-  /// those blocks, then fresh blocks from the precision's pool. Fails with kPoolExhausted (and
-  /// changes nothing) when the pool or the record pool cannot supply enough. With `claims`, the
-  /// fresh blocks and records earlier plans of the batch claimed are skipped, and on success this
-  /// plan's are added to them.
+  /// those blocks, then fresh blocks from the precision's pool (lowest free id first, past the
+  /// allocated chunks when none of them is free). Fails with kPoolExhausted (and changes nothing)
+  /// when the pool's range, the record range or memory_limit_bytes cannot supply enough. With
+  /// `claims`, the fresh blocks and records earlier plans of the batch claimed are skipped (and
+  /// their growth counted against the limit), and on success this plan's are added to them.
   [[nodiscard]] Status plan_commit(int stream, ThoughtType thought, CommitPlan& plan,
                                    PlanClaims* claims = nullptr) const {
     THINKV_RETURN_IF_ERROR(check_stream(stream));
     const int g = config_.group_size;
     const int bs = config_.block_size;
     const Precision p = config_.precision.precision_of(thought);
+    const int pi = static_cast<int>(p);
     plan = CommitPlan{};
     plan.stream = stream;
     plan.thought = thought;
     plan.precision = p;
     plan.slots.reserve(static_cast<std::size_t>(g));
     const StreamState& s = stream_(stream);
+    const int words = layout_.evict_mask_words();
     // 1. holes of the same thought type (in place reuse)
     if (s.holes_by_thought[static_cast<int>(thought)] > 0) {
       for (std::uint32_t b : s.blocks) {
-        if (block_thought_[b] != thought) continue;
-        for (int w = 0; w < layout_.evict_mask_words() && plan_full(plan, g) == false; ++w) {
-          std::uint64_t bits = evict_mask_[static_cast<std::size_t>(b) * layout_.evict_mask_words() + w];
+        if (block_thought(b) != thought) continue;
+        const auto mask = evict_mask(b);
+        for (int w = 0; w < words && !plan_full(plan, g); ++w) {
+          std::uint64_t bits = mask[static_cast<std::size_t>(w)];
           while (bits != 0 && !plan_full(plan, g)) {
             const int i = __builtin_ctzll(bits);
             bits &= bits - 1;
@@ -330,55 +441,78 @@ class BlockTable {
     // 2. unwritten slots of open blocks of the same thought type
     for (std::uint32_t b : s.blocks) {
       if (plan_full(plan, g)) break;
-      if (block_thought_[b] != thought) continue;
-      for (int i = block_fill_[b]; i < bs && !plan_full(plan, g); ++i) {
+      if (block_thought(b) != thought) continue;
+      for (int i = block_fill(b); i < bs && !plan_full(plan, g); ++i) {
         plan.slots.push_back({b, static_cast<std::uint32_t>(i)});
       }
     }
     // 3. fresh blocks
-    const auto& fl = free_blocks_[static_cast<int>(p)];
-    const std::size_t skip = claims != nullptr ? claims->blocks[static_cast<int>(p)] : 0;
-    auto next_free = skip < fl.size() ? std::next(fl.begin(), static_cast<std::ptrdiff_t>(skip)) : fl.end();
+    std::size_t next = claims != nullptr ? claims->blocks[pi] : 0;
+    const std::size_t first_fresh = next;
     while (!plan_full(plan, g)) {
-      if (next_free == fl.end()) {
+      const std::uint32_t b = nth_free_block(p, next++);
+      if (b == kNoBlock) {
         return {StatusCode::kPoolExhausted, "the " + std::string(to_string(p)) + " pool has no free block for stream " +
-                                                std::to_string(stream) + " (" +
-                                                std::to_string(pools_.count[static_cast<int>(p)]) +
+                                                std::to_string(stream) + " (" + std::to_string(pools_.count[pi]) +
                                                 " blocks, all held); raise pool_blocks[" + std::string(to_string(p)) +
                                                 "], lower the token budget, or evict"};
       }
-      const std::uint32_t b = *next_free++;
       plan.new_blocks.push_back(b);
       for (int i = 0; i < bs && !plan_full(plan, g); ++i) { plan.slots.push_back({b, static_cast<std::uint32_t>(i)}); }
     }
+    const std::size_t taken = claims != nullptr ? claims->records : 0;
     if (has_group_scale(p)) {
-      const std::size_t taken = claims != nullptr ? claims->records : 0;
-      if (free_records_.size() <= taken) {
+      plan.record = nth_free_record(taken);
+      if (plan.record == kNoRecord) {
         return {StatusCode::kPoolExhausted,
                 "the key-scale record pool is exhausted (" + std::to_string(record_capacity()) +
                     " records, all held); raise record_capacity or set it to 0 (worst case)"};
       }
-      plan.record = free_records_[free_records_.size() - 1 - taken];
     }
-    if (claims != nullptr) {
-      claims->blocks[static_cast<int>(p)] += plan.new_blocks.size();
-      if (plan.record != kNoRecord) ++claims->records;
-    }
+    PlanClaims after = claims != nullptr ? *claims : PlanClaims{};
+    after.blocks[pi] = first_fresh + plan.new_blocks.size();
+    after.records = taken + (plan.record != kNoRecord ? 1 : 0);
+    THINKV_RETURN_IF_ERROR(check_limit(after, "stream " + std::to_string(stream)));
+    if (claims != nullptr) *claims = after;
     return Status::ok();
   }
 
-  /// Records a planned commit: takes the planned blocks and record, fills the slots, clears the
-  /// reused slots' eviction bits and the staging group. The plan must come from plan_commit on
-  /// the current state (no other mutation in between).
+  /// Blocks pool `plan.precision` must have storage for before the plan's data is written (the
+  /// current allocation when it already covers the plan's fresh blocks), in whole chunks.
+  [[nodiscard]] std::uint32_t blocks_needed(const CommitPlan& plan) const noexcept {
+    const int pi = static_cast<int>(plan.precision);
+    std::uint32_t need = pool_[pi].grown;
+    for (std::uint32_t b : plan.new_blocks) {
+      const std::uint32_t local = b - pools_.base[pi];
+      if (local >= need) need = round_blocks(plan.precision, local + 1);
+    }
+    return need;
+  }
+  /// Records that must have storage before the plan's key scales are written.
+  [[nodiscard]] std::uint32_t records_needed(const CommitPlan& plan) const noexcept {
+    if (plan.record == kNoRecord || plan.record < records_grown_) return records_grown_;
+    return round_records(plan.record + 1);
+  }
+
+  /// Records a planned commit: gives storage to the planned blocks and record when they have
+  /// none yet (blocks_needed, records_needed), takes them, fills the slots, clears the reused
+  /// slots' eviction bits and the staging group. The plan must come from plan_commit on the
+  /// current state (no other mutation in between), or from a batch planned with PlanClaims and
+  /// applied in order.
   void apply_commit(const CommitPlan& plan) {
     StreamState& s = stream_(plan.stream);
     const int p = static_cast<int>(plan.precision);
+    grow_pool(plan.precision, blocks_needed(plan));
+    grow_records(records_needed(plan));
+    PoolState& ps = pool_[p];
     for (std::uint32_t b : plan.new_blocks) {
-      free_blocks_[p].erase(b);
-      block_owner_[b] = plan.stream;
-      block_thought_[b] = plan.thought;
-      block_fill_[b] = 0;
-      block_live_[b] = 0;
+      ps.free.erase(b);
+      const std::uint32_t local = b - pools_.base[p];
+      ps.owner[local] = plan.stream;
+      ps.thought[local] = plan.thought;
+      ps.fill[local] = 0;
+      ps.live[local] = 0;
+      ++ps.chunk_held[local / chunk_[p]];
       s.blocks.push_back(b);
       ++stats_.blocks_allocated;
     }
@@ -395,18 +529,20 @@ class BlockTable {
     }
     for (std::size_t i = 0; i < plan.slots.size(); ++i) {
       const SlotRef r = plan.slots[i];
-      const std::size_t si = slot_index(r);
+      const Loc l = loc(r.block);
+      PoolState& q = *const_cast<PoolState*>(l.pool);
+      const std::size_t si = slot_index(l, r.slot);
       if (is_evicted(r)) {
-        evict_mask_[mask_index(r)] &= ~(std::uint64_t{1} << (r.slot % 64));
+        q.mask[mask_index(l, r.slot)] &= ~(std::uint64_t{1} << (r.slot % 64));
         --s.holes;
         --s.holes_by_thought[static_cast<int>(plan.thought)];
       } else {
-        block_fill_[r.block] = std::max<int>(block_fill_[r.block], static_cast<int>(r.slot) + 1);
+        q.fill[l.local] = static_cast<std::uint16_t>(std::max<int>(q.fill[l.local], static_cast<int>(r.slot) + 1));
       }
-      slot_record_[si] = plan.record;
-      slot_segment_[si] = s.staged_segment[i];
-      slot_position_[si] = s.staged_position[i];
-      ++block_live_[r.block];
+      q.slot_record[si] = plan.record;
+      q.slot_segment[si] = s.staged_segment[i];
+      q.slot_position[si] = s.staged_position[i];
+      ++q.live[l.local];
       ++s.live;
     }
     stats_.slots_written += static_cast<std::int64_t>(plan.slots.size());
@@ -418,8 +554,9 @@ class BlockTable {
   // ---- eviction ----------------------------------------------------------------------------
 
   /// Marks live slots of a stream evicted. Moves no data. Releases key-scale records whose last
-  /// live slot went, and returns blocks with no live slot to their pool. All-or-nothing: a slot
-  /// that is not a live slot of this stream, or a duplicate, fails the call with nothing changed.
+  /// live slot went, returns blocks with no live slot to their pool, and releases the storage of
+  /// chunks at the top of a pool left with no held block. All-or-nothing: a slot that is not a
+  /// live slot of this stream, or a duplicate, fails the call with nothing changed.
   [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) {
     THINKV_RETURN_IF_ERROR(check_stream(stream));
     for (std::size_t i = 0; i < slots.size(); ++i) {
@@ -428,7 +565,7 @@ class BlockTable {
         return {StatusCode::kOutOfRange,
                 "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} does not exist"};
       }
-      if (block_owner_[r.block] != stream || !is_live(r)) {
+      if (block_owner(r.block) != stream || !is_live(r)) {
         return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(r.block) + ", slot " +
                                                   std::to_string(r.slot) + "} is not a live slot of stream " +
                                                   std::to_string(stream)};
@@ -442,13 +579,15 @@ class BlockTable {
     }
     StreamState& s = stream_(stream);
     for (const SlotRef r : slots) {
-      evict_mask_[mask_index(r)] |= std::uint64_t{1} << (r.slot % 64);
-      --block_live_[r.block];
+      const Loc l = loc(r.block);
+      PoolState& q = *const_cast<PoolState*>(l.pool);
+      q.mask[mask_index(l, r.slot)] |= std::uint64_t{1} << (r.slot % 64);
+      --q.live[l.local];
       --s.live;
       ++s.holes;
-      ++s.holes_by_thought[static_cast<int>(block_thought_[r.block])];
+      ++s.holes_by_thought[static_cast<int>(q.thought[l.local])];
       ++stats_.slots_evicted;
-      const std::uint32_t rec = slot_record_[slot_index(r)];
+      const std::uint32_t rec = q.slot_record[slot_index(l, r.slot)];
       if (rec != kNoRecord && --record_refs_[rec] == 0) {
         record_owner_[rec] = kNoStream;
         free_records_.push_back(rec);
@@ -459,27 +598,29 @@ class BlockTable {
     // Return blocks with no live slot to their pools (their holes go with them).
     for (std::size_t k = 0; k < s.blocks.size();) {
       const std::uint32_t b = s.blocks[k];
-      if (block_live_[b] == 0) {
+      if (block_live(b) == 0) {
         const int holes = count_holes(b);
         s.holes -= holes;
-        s.holes_by_thought[static_cast<int>(block_thought_[b])] -= holes;
+        s.holes_by_thought[static_cast<int>(block_thought(b))] -= holes;
         release_block(b);
         s.blocks.erase(s.blocks.begin() + static_cast<std::ptrdiff_t>(k));
       } else {
         ++k;
       }
     }
+    release_empty_chunks();
     return Status::ok();
   }
 
-  /// Releases everything a stream holds (end of sequence): blocks, records, staging.
+  /// Releases everything a stream holds (end of sequence): blocks, records, staging, and the
+  /// storage of chunks left with no held block at the top of their pool.
   void reset_stream(int stream) {
     StreamState& s = stream_(stream);
     for (std::uint32_t b : s.blocks) {
-      for (int i = 0; i < block_fill_[b]; ++i) {
+      for (int i = 0; i < block_fill(b); ++i) {
         const SlotRef r{b, static_cast<std::uint32_t>(i)};
         if (is_evicted(r)) continue;
-        const std::uint32_t rec = slot_record_[slot_index(r)];
+        const std::uint32_t rec = slot_record(r);
         if (rec != kNoRecord && --record_refs_[rec] == 0) {
           record_owner_[rec] = kNoStream;
           free_records_.push_back(rec);
@@ -492,6 +633,7 @@ class BlockTable {
     fresh.staged_segment.assign(static_cast<std::size_t>(config_.group_size), 0);
     fresh.staged_position.assign(static_cast<std::size_t>(config_.group_size), -1);
     s = std::move(fresh);
+    release_empty_chunks();
   }
 
   // ---- accounting --------------------------------------------------------------------------
@@ -514,32 +656,184 @@ class BlockTable {
     std::vector<std::int32_t> staged_position;
     std::int32_t next_position = 0;
   };
+  /// One precision's pool: the allocated part of its id range and its blocks' metadata.
+  struct PoolState {
+    std::uint32_t grown = 0;                // blocks with storage: local ids [0, grown)
+    std::set<std::uint32_t> free;           // free global ids among them
+    std::vector<std::uint32_t> chunk_held;  // held blocks per chunk
+    std::vector<ThoughtType> thought;       // per block, by local id
+    std::vector<std::uint16_t> fill;
+    std::vector<std::uint16_t> live;
+    std::vector<std::int32_t> owner;
+    std::vector<std::uint64_t> mask;          // [grown, evict_mask_words]
+    std::vector<std::uint32_t> slot_record;   // [grown, block_size]
+    std::vector<std::uint32_t> slot_segment;  // [grown, block_size]
+    std::vector<std::int32_t> slot_position;  // [grown, block_size]
+  };
+  /// Where a global block id lives: its pool and local id; ok = false without storage.
+  struct Loc {
+    const PoolState* pool = nullptr;
+    std::uint32_t local = 0;
+    bool ok = false;
+  };
+  static constexpr std::uint64_t kZeroMask[64] = {};  // words of a block without storage (B <= 4096)
+
+  [[nodiscard]] Loc loc(std::uint32_t b) const noexcept {
+    if (b >= pools_.total) return {};
+    const int p = static_cast<int>(pools_.precision_of(b));
+    const std::uint32_t local = b - pools_.base[p];
+    return {&pool_[p], local, local < pool_[p].grown};
+  }
+  [[nodiscard]] std::size_t slot_index(const Loc& l, std::uint32_t slot) const noexcept {
+    return static_cast<std::size_t>(l.local) * static_cast<std::size_t>(config_.block_size) + slot;
+  }
+  [[nodiscard]] std::size_t mask_index(const Loc& l, std::uint32_t slot) const noexcept {
+    return static_cast<std::size_t>(l.local) * static_cast<std::size_t>(layout_.evict_mask_words()) + slot / 64;
+  }
+  [[nodiscard]] std::uint32_t round_blocks(Precision p, std::uint32_t n) const noexcept {
+    const std::uint64_t c = chunk_[static_cast<int>(p)];
+    const std::uint64_t r = (n + c - 1) / c * c;
+    return static_cast<std::uint32_t>(std::min<std::uint64_t>(r, pools_.count[static_cast<int>(p)]));
+  }
+  [[nodiscard]] std::uint32_t round_records(std::uint32_t n) const noexcept {
+    const std::uint64_t c = record_chunk_;
+    return static_cast<std::uint32_t>(std::min<std::uint64_t>((n + c - 1) / c * c, record_cap_));
+  }
+  /// Allocated blocks pool p needs for `fresh` fresh blocks (those free now go first).
+  [[nodiscard]] std::uint32_t grown_for_blocks(Precision p, std::size_t fresh) const noexcept {
+    const PoolState& ps = pool_[static_cast<int>(p)];
+    if (fresh <= ps.free.size()) return ps.grown;
+    const std::size_t beyond =
+        std::min<std::size_t>(fresh - ps.free.size(), pools_.count[static_cast<int>(p)] - ps.grown);
+    return round_blocks(p, ps.grown + static_cast<std::uint32_t>(beyond));
+  }
+  [[nodiscard]] std::uint32_t grown_for_records(std::size_t fresh) const noexcept {
+    if (fresh <= free_records_.size()) return records_grown_;
+    const std::size_t beyond = std::min<std::size_t>(fresh - free_records_.size(), record_cap_ - records_grown_);
+    return round_records(records_grown_ + static_cast<std::uint32_t>(beyond));
+  }
+  /// The k-th free block of pool p in allocation order (the free allocated ids, lowest first,
+  /// then the ids past the allocated chunks), or kNoBlock.
+  [[nodiscard]] std::uint32_t nth_free_block(Precision p, std::size_t k) const {
+    const int i = static_cast<int>(p);
+    const PoolState& ps = pool_[i];
+    if (k < ps.free.size()) return *std::next(ps.free.begin(), static_cast<std::ptrdiff_t>(k));
+    const std::size_t j = ps.grown + (k - ps.free.size());
+    return j < pools_.count[i] ? pools_.base[i] + static_cast<std::uint32_t>(j) : kNoBlock;
+  }
+  /// The k-th free record in allocation order (the freed ones, last freed first, then the ids
+  /// past the allocated chunks), or kNoRecord.
+  [[nodiscard]] std::uint32_t nth_free_record(std::size_t k) const {
+    if (k < free_records_.size()) return free_records_[free_records_.size() - 1 - k];
+    const std::size_t j = records_grown_ + (k - free_records_.size());
+    return j < record_cap_ ? static_cast<std::uint32_t>(j) : kNoRecord;
+  }
+  [[nodiscard]] Status check_limit(const PlanClaims& claims, const std::string& who) const {
+    const std::int64_t limit = config_.memory_limit_bytes;
+    if (limit <= 0) return Status::ok();
+    const std::int64_t now = allocated_bytes();
+    const std::int64_t more = growth_bytes(claims);
+    if (more == 0 || now + more <= limit) return Status::ok();
+    std::string what;
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      const std::uint32_t n = grown_for_blocks(p, claims.blocks[i]) - pool_[i].grown;
+      if (n > 0) {
+        what += (what.empty() ? "" : ", ") + std::to_string(n) + " " + std::string(to_string(p)) + " blocks of " +
+                std::to_string(layout_.block_bytes(p)) + " bytes";
+      }
+    }
+    const std::uint32_t nr = grown_for_records(claims.records) - records_grown_;
+    if (nr > 0) {
+      what += (what.empty() ? "" : ", ") + std::to_string(nr) + " key-scale records of " +
+              std::to_string(layout_.record_bytes()) + " bytes";
+    }
+    return {StatusCode::kPoolExhausted, who + ": memory_limit_bytes " + std::to_string(limit) +
+                                            " reached: the cache has allocated " + std::to_string(now) +
+                                            " bytes and needs " + std::to_string(more) + " more (" + what +
+                                            "); end sequences, lower the token budget, or raise memory_limit_bytes"};
+  }
+  /// Gives pool p storage for `blocks` blocks (no-op when it already has as many).
+  void grow_pool(Precision p, std::uint32_t blocks) {
+    PoolState& ps = pool_[static_cast<int>(p)];
+    if (blocks <= ps.grown) return;
+    const std::uint32_t old = ps.grown;
+    resize_pool(ps, blocks);
+    for (std::uint32_t i = old; i < blocks; ++i) ps.free.insert(ps.free.end(), pools_.base[static_cast<int>(p)] + i);
+    stats_.chunks_grown += (blocks - old + chunk_[static_cast<int>(p)] - 1) / chunk_[static_cast<int>(p)];
+  }
+  void grow_records(std::uint32_t records) {
+    if (records <= records_grown_) return;
+    record_refs_.resize(records, 0);
+    record_owner_.resize(records, kNoStream);
+    // New ids go below the freed ones, lowest taken first once those are used (nth_free_record).
+    std::vector<std::uint32_t> ids;
+    ids.reserve(records - records_grown_ + free_records_.size());
+    for (std::uint32_t r = records; r-- > records_grown_;) ids.push_back(r);
+    ids.insert(ids.end(), free_records_.begin(), free_records_.end());
+    free_records_ = std::move(ids);
+    records_grown_ = records;
+  }
+  void resize_pool(PoolState& ps, std::uint32_t blocks) {
+    const std::size_t nb = blocks;
+    const std::size_t ns = nb * static_cast<std::size_t>(config_.block_size);
+    ps.thought.resize(nb, ThoughtType::kReasoning);
+    ps.fill.resize(nb, 0);
+    ps.live.resize(nb, 0);
+    ps.owner.resize(nb, kNoStream);
+    ps.mask.resize(nb * static_cast<std::size_t>(layout_.evict_mask_words()), 0);
+    ps.slot_record.resize(ns, kNoRecord);
+    ps.slot_segment.resize(ns, 0);
+    ps.slot_position.resize(ns, -1);
+    const int p = static_cast<int>(&ps - pool_);
+    ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
+    ps.grown = blocks;
+  }
+  /// Releases the storage of the chunks at the top of each pool that hold no block.
+  void release_empty_chunks() {
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      PoolState& ps = pool_[p];
+      std::size_t chunks = ps.chunk_held.size();
+      while (chunks > 0 && ps.chunk_held[chunks - 1] == 0) --chunks;
+      if (chunks == ps.chunk_held.size()) continue;
+      const auto keep = static_cast<std::uint32_t>(std::min<std::size_t>(chunks * chunk_[p], ps.grown));
+      ps.free.erase(ps.free.lower_bound(pools_.base[p] + keep), ps.free.end());
+      stats_.chunks_released += static_cast<std::int64_t>(ps.chunk_held.size() - chunks);
+      resize_pool(ps, keep);
+      // Shrink the metadata's own allocations too: memory follows what is held.
+      ps.thought.shrink_to_fit();
+      ps.fill.shrink_to_fit();
+      ps.live.shrink_to_fit();
+      ps.owner.shrink_to_fit();
+      ps.mask.shrink_to_fit();
+      ps.slot_record.shrink_to_fit();
+      ps.slot_segment.shrink_to_fit();
+      ps.slot_position.shrink_to_fit();
+    }
+  }
 
   static bool plan_full(const CommitPlan& p, int g) { return static_cast<int>(p.slots.size()) >= g; }
   [[nodiscard]] const StreamState& stream_(int s) const { return streams_[static_cast<std::size_t>(s)]; }
   StreamState& stream_(int s) { return streams_[static_cast<std::size_t>(s)]; }
-  [[nodiscard]] std::size_t slot_index(SlotRef s) const {
-    return static_cast<std::size_t>(s.block) * static_cast<std::size_t>(config_.block_size) + s.slot;
-  }
-  [[nodiscard]] std::size_t mask_index(SlotRef s) const {
-    return static_cast<std::size_t>(s.block) * static_cast<std::size_t>(layout_.evict_mask_words()) + s.slot / 64;
-  }
   [[nodiscard]] int count_holes(std::uint32_t b) const {
     int n = 0;
     for (std::uint64_t w : evict_mask(b)) n += __builtin_popcountll(w);
     return n;
   }
   void release_block(std::uint32_t b) {
-    for (int w = 0; w < layout_.evict_mask_words(); ++w) {
-      evict_mask_[static_cast<std::size_t>(b) * layout_.evict_mask_words() + w] = 0;
-    }
-    const std::size_t first = static_cast<std::size_t>(b) * config_.block_size;
-    std::fill_n(slot_record_.begin() + static_cast<std::ptrdiff_t>(first), config_.block_size, kNoRecord);
-    std::fill_n(slot_position_.begin() + static_cast<std::ptrdiff_t>(first), config_.block_size, -1);
-    block_fill_[b] = 0;
-    block_live_[b] = 0;
-    block_owner_[b] = kNoStream;
-    free_blocks_[static_cast<int>(pools_.precision_of(b))].insert(b);
+    const int p = static_cast<int>(pools_.precision_of(b));
+    PoolState& ps = pool_[p];
+    const std::uint32_t local = b - pools_.base[p];
+    const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
+    std::fill_n(ps.mask.begin() + static_cast<std::ptrdiff_t>(local * words), words, 0);
+    const std::size_t first = static_cast<std::size_t>(local) * config_.block_size;
+    std::fill_n(ps.slot_record.begin() + static_cast<std::ptrdiff_t>(first), config_.block_size, kNoRecord);
+    std::fill_n(ps.slot_position.begin() + static_cast<std::ptrdiff_t>(first), config_.block_size, -1);
+    ps.fill[local] = 0;
+    ps.live[local] = 0;
+    ps.owner[local] = kNoStream;
+    --ps.chunk_held[local / chunk_[p]];
+    ps.free.insert(b);
     ++stats_.blocks_freed;
   }
 
@@ -547,21 +841,15 @@ class BlockTable {
   CacheLayout layout_;
   PoolMap pools_;
   BlockTableStats stats_;
-  // per block, indexed by global block id
-  std::vector<ThoughtType> block_thought_;
-  std::vector<std::uint16_t> block_fill_;
-  std::vector<std::uint16_t> block_live_;
-  std::vector<std::int32_t> block_owner_;
-  std::vector<std::uint64_t> evict_mask_;  // [blocks, evict_mask_words]
-  // per slot, indexed by block * block_size + slot
-  std::vector<std::uint32_t> slot_record_;
-  std::vector<std::uint32_t> slot_segment_;
-  std::vector<std::int32_t> slot_position_;
-  std::set<std::uint32_t> free_blocks_[kNumPrecisions];
-  // key-scale records
+  PoolState pool_[kNumPrecisions];
+  std::uint32_t chunk_[kNumPrecisions] = {1, 1, 1, 1};
+  // key-scale records: ids [0, records_grown_) have storage
+  std::uint32_t record_cap_ = 0;
+  std::uint32_t record_chunk_ = 1;
+  std::uint32_t records_grown_ = 0;
   std::vector<int> record_refs_;
   std::vector<std::int32_t> record_owner_;
-  std::vector<std::uint32_t> free_records_;
+  std::vector<std::uint32_t> free_records_;  // freed ids below records_grown_; the back goes first
   std::vector<StreamState> streams_;
 };
 

@@ -4,7 +4,13 @@
 /// (thinkv::kernels::PagedKvView): per-block fill and eviction-mask words, per-slot key-scale
 /// record ids, each stream's block list as CSR, each stream's staged count. Host code, no CUDA:
 /// a device backend uploads these arrays; tests build device views from them.
+///
+/// The flat arrays number blocks compactly: pool p's page i (block PoolMap::base[p] + i of the
+/// table) is flat block pool_base[p] + i, the pools consecutive in precision order and each
+/// `pages[p]` long (at least its allocated blocks), so a device needs arrays only as long as
+/// the storage it really has, not as the pools' id ranges.
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -13,41 +19,61 @@
 namespace thinkv {
 
 struct FlatBlockTable {
-  std::vector<std::uint16_t> block_fill;     ///< [N] written slots of each block (0..B)
-  std::vector<std::uint64_t> evict_mask;     ///< [N, words] bit i of word i/64: slot i evicted
-  std::vector<std::uint32_t> slot_record;    ///< [N, B] key-scale record of each slot (kNoRecord: none)
-  std::vector<std::int32_t> block_indptr;    ///< [S + 1] CSR row pointers into block_indices
-  std::vector<std::uint32_t> block_indices;  ///< each stream's blocks in list order (>= 1 entry:
-                                             ///< a dummy 0 when no stream holds a block)
-  std::vector<std::int32_t> staged_count;    ///< [S] staged tokens of each stream
-  int evict_mask_words = 0;                  ///< words per block, (B + 63) / 64
+  std::vector<std::uint16_t> block_fill;          ///< [N] written slots of each block (0..B)
+  std::vector<std::uint64_t> evict_mask;          ///< [N, words] bit i of word i/64: slot i evicted
+  std::vector<std::uint32_t> slot_record;         ///< [N, B] key-scale record of each slot (kNoRecord: none)
+  std::vector<std::int32_t> block_indptr;         ///< [S + 1] CSR row pointers into block_indices
+  std::vector<std::uint32_t> block_indices;       ///< each stream's blocks in list order (>= 1 entry:
+                                                  ///< a dummy 0 when no stream holds a block)
+  std::vector<std::int32_t> staged_count;         ///< [S] staged tokens of each stream
+  int evict_mask_words = 0;                       ///< words per block, (B + 63) / 64
+  std::uint32_t pool_base[kNumPrecisions] = {};   ///< flat id of pool p's page 0
+  std::uint32_t pool_count[kNumPrecisions] = {};  ///< pages of pool p in the numbering
+  std::uint32_t total_blocks = 0;                 ///< N, the sum of pool_count
+
+  /// The flat id of a table block id.
+  [[nodiscard]] std::uint32_t flat_id(const BlockTable& table, std::uint32_t block) const {
+    const PoolMap& pools = table.pools();
+    const int p = static_cast<int>(pools.precision_of(block));
+    return pool_base[p] + (block - pools.base[p]);
+  }
 };
 
-/// Fills `out` from `table` (reusing its capacity).
-inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out) {
+/// Fills `out` from `table` (reusing its capacity). `pages[p]` gives pool p's length in the flat
+/// numbering (a device's storage; each at least table.allocated_blocks(p)); null = the table's
+/// allocated blocks.
+inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out, const std::uint32_t* pages = nullptr) {
   const PoolMap& pools = table.pools();
   const int bs = table.config().block_size;
   const int streams = table.config().num_streams;
   const int words = table.layout().evict_mask_words();
   out.evict_mask_words = words;
-  out.block_fill.resize(pools.total);
-  out.evict_mask.resize(static_cast<std::size_t>(pools.total) * words);
-  out.slot_record.resize(static_cast<std::size_t>(pools.total) * bs);
-  for (std::uint32_t b = 0; b < pools.total; ++b) {
-    out.block_fill[b] = static_cast<std::uint16_t>(table.block_fill(b));
-    const auto m = table.evict_mask(b);
-    for (int w = 0; w < words; ++w) {
-      out.evict_mask[static_cast<std::size_t>(b) * words + w] = m[static_cast<std::size_t>(w)];
-    }
-    for (int i = 0; i < bs; ++i) {
-      out.slot_record[static_cast<std::size_t>(b) * bs + i] = table.slot_record({b, static_cast<std::uint32_t>(i)});
+  out.total_blocks = 0;
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    out.pool_base[p] = out.total_blocks;
+    out.pool_count[p] = pages != nullptr ? pages[p] : table.allocated_blocks(static_cast<Precision>(p));
+    out.total_blocks += out.pool_count[p];
+  }
+  const std::size_t n = out.total_blocks;
+  out.block_fill.assign(n, 0);
+  out.evict_mask.assign(n * words, 0);
+  out.slot_record.assign(n * bs, kNoRecord);
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    const std::uint32_t have = std::min(out.pool_count[p], table.allocated_blocks(static_cast<Precision>(p)));
+    for (std::uint32_t i = 0; i < have; ++i) {
+      const std::uint32_t b = pools.base[p] + i;
+      const std::size_t f = out.pool_base[p] + i;
+      out.block_fill[f] = static_cast<std::uint16_t>(table.block_fill(b));
+      const auto m = table.evict_mask(b);
+      for (int w = 0; w < words; ++w) out.evict_mask[f * words + w] = m[static_cast<std::size_t>(w)];
+      for (int s = 0; s < bs; ++s) out.slot_record[f * bs + s] = table.slot_record({b, static_cast<std::uint32_t>(s)});
     }
   }
   out.block_indptr.assign(static_cast<std::size_t>(streams) + 1, 0);
   out.block_indices.clear();
   out.staged_count.resize(static_cast<std::size_t>(streams));
   for (int s = 0; s < streams; ++s) {
-    for (std::uint32_t b : table.blocks(s)) out.block_indices.push_back(b);
+    for (std::uint32_t b : table.blocks(s)) out.block_indices.push_back(out.flat_id(table, b));
     out.block_indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>(out.block_indices.size());
     out.staged_count[static_cast<std::size_t>(s)] = table.staged_count(s);
   }

@@ -16,6 +16,9 @@
 
 namespace thinkv {
 
+/// Bytes of a stream's fixed header (CacheLayout::kStreamHeaderBytes explains them).
+inline constexpr int kStreamHeaderBytes = 40;
+
 /// Construction-time configuration of a paged, compressed KV cache.
 /// A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a staging buffer.
 struct CacheConfig {
@@ -24,12 +27,21 @@ struct CacheConfig {
   int group_size = 16;       ///< g: tokens per key group (per channel), channels per value group
   int block_size = 16;       ///< slots (tokens) per block
   PrecisionMap precision{};  ///< TBQ map, R4E4T2 by default
-  /// Capacity in blocks of each precision's pool, indexed by Precision. A pool the map uses must
-  /// have at least one block.
+  /// Most blocks each precision's pool may hold, indexed by Precision: the range of block ids the
+  /// pool owns. Nothing is allocated for it up front: pages and their metadata are allocated in
+  /// chunks of `chunk_blocks` blocks as commits need them and freed when a chunk empties
+  /// (docs/design.md, "Memory that follows the budget"). A pool the map uses must have >= 1.
   std::array<int, kNumPrecisions> pool_blocks{0, 0, 0, 0};
-  /// Key-scale records in the shared record pool; 0 = the worst case (one per quantized slot),
-  /// which can never run out.
+  /// Most key-scale records the shared record pool may hold; 0 = the worst case (one per slot
+  /// of every quantized pool), which can never run out. Records too are allocated in chunks.
   int record_capacity = 0;
+  /// Blocks per allocation chunk of a pool (the granularity of growth and release).
+  int chunk_blocks = 64;
+  /// Most bytes the cache may allocate in all (pages, block metadata, key-scale records, staging
+  /// and stream headers: allocated_bytes()); 0 = no limit (pools grow until a pool's range or
+  /// the host runs out). Every sequence, stream and precision draws on it; a commit that would
+  /// pass it fails with kPoolExhausted and changes nothing.
+  std::int64_t memory_limit_bytes = 0;
   /// Live-token budget per stream, used by eviction (TBE); 0 = unlimited.
   int token_budget = 0;
   RetentionSchedule retention{};  ///< TBE schedule; the budget may not be below its minimum
@@ -37,6 +49,13 @@ struct CacheConfig {
   static constexpr int kMaxHeadDim = 1024;
   static constexpr int kMaxBlockSize = 4096;
   static constexpr int kMaxStreams = 1 << 24;
+  static constexpr int kMaxChunkBlocks = 1 << 16;
+
+  /// Bytes allocated whatever the cache holds: per stream its staging buffer (g tokens of K and
+  /// V in BF16) and its header (CacheLayout::kStreamHeaderBytes). Valid after the shape checks.
+  [[nodiscard]] std::int64_t fixed_bytes() const noexcept {
+    return std::int64_t{num_streams} * (std::int64_t{2} * group_size * head_dim * 2 + kStreamHeaderBytes);
+  }
 
   /// The group size alone (also checked first by configurations that divide by it).
   [[nodiscard]] static Status check_group_size(int g) {
@@ -86,6 +105,20 @@ struct CacheConfig {
       return bad("the pools hold " + std::to_string(total_slots) +
                  " slots in all; allowed: less than 2^31 (block and record ids are 32-bit)");
     }
+    if (chunk_blocks < 1 || chunk_blocks > kMaxChunkBlocks) {
+      return bad("chunk_blocks " + std::to_string(chunk_blocks) + " is out of range; allowed: 1.." +
+                 std::to_string(kMaxChunkBlocks));
+    }
+    if (memory_limit_bytes < 0) {
+      return bad("memory_limit_bytes " + std::to_string(memory_limit_bytes) +
+                 " is negative; allowed: 0 (no limit) or >= " + std::to_string(fixed_bytes()));
+    }
+    if (memory_limit_bytes > 0 && memory_limit_bytes < fixed_bytes()) {
+      return bad("memory_limit_bytes " + std::to_string(memory_limit_bytes) + " is below the " +
+                 std::to_string(fixed_bytes()) + " bytes the " + std::to_string(num_streams) +
+                 " streams' staging buffers and headers take before any page; allowed: 0 (no limit) or >= " +
+                 std::to_string(fixed_bytes()));
+    }
     if (record_capacity < 0) {
       return bad("record_capacity " + std::to_string(record_capacity) +
                  " is negative; allowed: 0 (worst case) or >= 1");
@@ -105,8 +138,8 @@ inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
   return os << "CacheConfig{streams=" << c.num_streams << ", head_dim=" << c.head_dim << ", g=" << c.group_size
             << ", block=" << c.block_size << ", map=" << c.precision << ", pools={" << c.pool_blocks[0] << ","
             << c.pool_blocks[1] << "," << c.pool_blocks[2] << "," << c.pool_blocks[3]
-            << "}, records=" << c.record_capacity << ", budget=" << c.token_budget << ", retention=" << c.retention
-            << "}";
+            << "}, records=" << c.record_capacity << ", chunk=" << c.chunk_blocks << ", limit=" << c.memory_limit_bytes
+            << ", budget=" << c.token_budget << ", retention=" << c.retention << "}";
 }
 
 /// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the
@@ -136,7 +169,7 @@ struct CacheLayout {
   static constexpr int kBlockTableEntryBytes = 4;
   /// Bytes of a stream's fixed header: staged count, staged thought, next position, flags (8),
   /// and the FP32 second-level scales for K and V per precision (2 x 4 x 4 = 32).
-  static constexpr int kStreamHeaderBytes = 40;
+  static constexpr int kStreamHeaderBytes = thinkv::kStreamHeaderBytes;
   /// Bytes of a key-scale record beyond its head_dim E4M3 scales: refcount (u32), owner (u32).
   static constexpr int kRecordHeaderBytes = 8;
 
@@ -172,6 +205,15 @@ struct CacheLayout {
   /// Bytes of one stream's staging buffer: g tokens of K and V in BF16.
   [[nodiscard]] constexpr std::int64_t staging_bytes() const noexcept {
     return std::int64_t{2} * group_size * head_dim * 2;
+  }
+  /// Bytes a stream always holds: its staging buffer and its header.
+  [[nodiscard]] constexpr std::int64_t stream_fixed_bytes() const noexcept {
+    return staging_bytes() + kStreamHeaderBytes;
+  }
+  /// Bytes one allocated block costs at precision p: its page, its block metadata and the
+  /// block-table entry that names it when held.
+  [[nodiscard]] constexpr std::int64_t block_bytes(Precision p) const noexcept {
+    return page_bytes(p) + block_meta_bytes() + kBlockTableEntryBytes;
   }
   /// FullKV FP16 bytes of `tokens` tokens of one stream (K and V, 2 bytes each).
   [[nodiscard]] constexpr std::int64_t fullkv_fp16_bytes(std::int64_t tokens) const noexcept {

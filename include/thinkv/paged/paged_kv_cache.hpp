@@ -133,12 +133,18 @@ class PagedKvCache {
       THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, own));
       plan = &own;
     }
-    // From here on nothing can fail but the backend; undo the staging record if it does.
-    THINKV_RETURN_IF_ERROR(backend_.stage(stream, table_.staged_count(stream), k.data(), v.data()));
+    // From here on nothing can fail but the backend; undo the staging record (and any storage
+    // given for the commit) if it does.
+    if (fills_group) THINKV_RETURN_IF_ERROR(give_storage(*plan));
+    if (Status s = backend_.stage(stream, table_.staged_count(stream), k.data(), v.data()); !s.is_ok()) {
+      (void)follow_table();
+      return s;
+    }
     table_.push_staged(stream, thought, segment);
     if (fills_group) {
       if (Status s = backend_.commit(*plan); !s.is_ok()) {
         table_.pop_staged(stream);
+        (void)follow_table();
         return s;
       }
       table_.apply_commit(*plan);
@@ -165,8 +171,12 @@ class PagedKvCache {
     return Status::ok();
   }
 
-  /// Marks live slots of a stream evicted (no data moves). All-or-nothing.
-  [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) { return table_.evict(stream, slots); }
+  /// Marks live slots of a stream evicted (no data moves). All-or-nothing. Chunks left with no
+  /// held block at the top of a pool are released (allocated() drops).
+  [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) {
+    THINKV_RETURN_IF_ERROR(table_.evict(stream, slots));
+    return follow_table();
+  }
 
   /// Decode attention of one (sequence, layer) over the streams named in args.
   [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const { return backend_.attend(table_, args); }
@@ -177,7 +187,7 @@ class PagedKvCache {
       return {StatusCode::kShapeMismatch,
               "read_token: k and v need head_dim = " + std::to_string(config().head_dim) + " floats"};
     }
-    if (slot.block >= table_.pools().total || !table_.is_live(slot)) {
+    if (!table_.is_live(slot)) {
       return {StatusCode::kInvalidArgument, "read_token: slot {block " + std::to_string(slot.block) + ", slot " +
                                                 std::to_string(slot.slot) + "} is not live"};
     }
@@ -189,7 +199,7 @@ class PagedKvCache {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     THINKV_RETURN_IF_ERROR(backend_.reset_stream(stream));
     table_.reset_stream(stream);
-    return Status::ok();
+    return follow_table();
   }
 
   /// Exact memory of one stream. Precondition: 0 <= stream < num_streams (check_stream()).
@@ -219,11 +229,77 @@ class PagedKvCache {
     for (int s = 0; s < config().num_streams; ++s) total += memory(s);
     return total;
   }
+  /// What the cache has allocated, in the terms of MemoryUsage: allocated blocks (held or
+  /// free) with their pages, metadata and table entries, allocated key-scale records, every
+  /// stream's header and staging buffer. physical_bytes() is BlockTable::allocated_bytes(), the
+  /// figure memory_limit_bytes bounds; memory().physical_bytes() never exceeds it.
+  [[nodiscard]] MemoryUsage allocated() const {
+    const CacheLayout& L = layout();
+    const auto streams = static_cast<std::int64_t>(config().num_streams);
+    MemoryUsage m = memory();
+    m.blocks_held = 0;
+    m.page_bytes = 0;
+    m.metadata_bytes = streams * CacheLayout::kStreamHeaderBytes;
+    for (Precision p : kAllPrecisions) {
+      const std::int64_t n = table_.allocated_blocks(p);
+      m.blocks_held += n;
+      m.page_bytes += n * L.page_bytes(p);
+      m.metadata_bytes += n * (L.block_meta_bytes() + CacheLayout::kBlockTableEntryBytes);
+    }
+    m.records_held = table_.allocated_records();
+    m.scale_record_bytes = m.records_held * L.record_bytes();
+    m.staging_bytes = streams * L.staging_bytes();
+    return m;
+  }
+  /// Bytes the cache has allocated (allocated().physical_bytes()).
+  [[nodiscard]] std::int64_t allocated_bytes() const noexcept { return table_.allocated_bytes(); }
 
  private:
+  /// Gives the backend storage for what the plan writes (its fresh blocks past the allocated
+  /// chunks, its record) before it is written; the table takes the same chunks when it applies
+  /// the plan. Nothing changes on an error.
+  [[nodiscard]] Status give_storage(const CommitPlan& plan) {
+    const int p = static_cast<int>(plan.precision);
+    const std::uint32_t blocks = table_.blocks_needed(plan);
+    const std::uint32_t records = table_.records_needed(plan);
+    if (blocks != backend_blocks_[p]) {
+      THINKV_RETURN_IF_ERROR(backend_.resize_pool(plan.precision, blocks));
+      backend_blocks_[p] = blocks;
+    }
+    if (records != backend_records_) {
+      if (Status s = backend_.resize_records(records); !s.is_ok()) {
+        (void)follow_table();
+        return s;
+      }
+      backend_records_ = records;
+    }
+    return Status::ok();
+  }
+  /// Makes the backend's storage what the table has allocated (after a release, or to undo
+  /// give_storage when a later step failed).
+  [[nodiscard]] Status follow_table() {
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      const std::uint32_t n = table_.allocated_blocks(p);
+      if (n == backend_blocks_[i]) continue;
+      if (Status s = backend_.resize_pool(p, n); !s.is_ok()) {
+        return {StatusCode::kInternal, "backend '" + std::string(backend_.name()) + "' failed to release " +
+                                           std::string(to_string(p)) + " pages: " + s.message()};
+      }
+      backend_blocks_[i] = n;
+    }
+    if (table_.allocated_records() < backend_records_) {
+      THINKV_RETURN_IF_ERROR(backend_.resize_records(table_.allocated_records()));
+      backend_records_ = table_.allocated_records();
+    }
+    return Status::ok();
+  }
+
   BlockTable table_;
   B backend_;
   std::int64_t planned_bytes_ = 0;
+  std::uint32_t backend_blocks_[kNumPrecisions] = {};  // pages the backend has storage for, per pool
+  std::uint32_t backend_records_ = 0;
 };
 
 }  // namespace thinkv
