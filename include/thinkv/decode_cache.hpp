@@ -95,8 +95,8 @@ struct CacheReport {
   /// Bytes held for the sequence now: every byte its streams use (K/V codes, scales, positions,
   /// scores, block metadata, staging, residual buffers).
   std::int64_t held_bytes = 0;
-  /// Bytes the cache has allocated for the sequence (its share of pools reserved up front). A
-  /// cache that allocates as it goes reports the same as held_bytes.
+  /// Bytes the cache has allocated for the sequence (its share of what the cache allocated,
+  /// reserved or grown). A cache that allocates exactly what it holds reports held_bytes.
   std::int64_t allocated_bytes = 0;
   std::int64_t fullkv_fp16_bytes = 0;  ///< FullKV FP16 of `positions` tokens (the baseline)
   std::int64_t eviction_calls = 0;     ///< steps at which the method evicted or compressed

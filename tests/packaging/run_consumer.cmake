@@ -38,6 +38,13 @@ if(STEP STREQUAL "subdirectory")
     message(FATAL_ERROR "packaging test: thinkv under add_subdirectory() generated install rules")
   endif()
   run_step("subdirectory consumer build (the README quick start)" "${CMAKE_COMMAND}" --build "${WORK_DIR}")
+  # ... and runs as it stands (no calib.json here: every token R).
+  execute_process(COMMAND "${WORK_DIR}/quickstart" WORKING_DIRECTORY "${WORK_DIR}" RESULT_VARIABLE _rc
+                  OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+  message(STATUS "quickstart: ${_out}${_err}")
+  if(NOT _rc EQUAL 0 OR NOT _out MATCHES "sequences fit in [0-9]+ bytes; sequence 0 holds [0-9]+ bytes; allocated [0-9]+")
+    message(FATAL_ERROR "packaging test: the README quick start failed (exit ${_rc}): ${_out}${_err}")
+  endif()
   return()
 endif()
 
