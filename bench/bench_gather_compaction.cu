@@ -1,5 +1,5 @@
 /// \file bench_gather_compaction.cu
-/// Google Benchmark of thinkv::kernels::launch_gather_compaction: the copy a token-level eviction
+/// Google Benchmark of thinkv::bench::launch_gather_compaction: the copy a token-level eviction
 /// method (R-KV style) must make after each eviction to keep its paged cache compact. ThinKV does
 /// not make it (Continuous Thinking masks evicted slots and overwrites them in place: 0 bytes,
 /// 0 us); this benchmark prices what that avoids, on the same page layout.
@@ -41,13 +41,14 @@
 #include <vector>
 
 #include "gpu_bench.cuh"
-#include "thinkv/kernels/gather_compaction.hpp"
+#include "gather_compaction/gather_compaction.hpp"
 #include "thinkv/types.hpp"
 
 namespace {
 
 using thinkv::kNumPrecisions;
 namespace tk = thinkv::kernels;
+namespace tb = thinkv::bench;
 using thinkv::bench::kL2FlushBytes;
 using thinkv::bench::splitmix;
 
@@ -95,7 +96,7 @@ __global__ void fill_random(std::uint8_t* p, std::size_t n, std::uint64_t seed) 
 
 struct Setup : thinkv::bench::DeviceAllocs {
   long tokens = 0, batch = 0, mode = 0, layers = 0;
-  tk::GatherCompactionParams prm{};
+  tb::GatherCompactionParams prm{};
   double bytes_read = 0, bytes_written = 0, tokens_moved = 0;
   int splits = 1;
   void* flush = nullptr;
@@ -198,7 +199,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
     prm.group_size = kG;
     prm.block_size = kB;
     prm.num_streams = static_cast<int>(S);
-    splits = tk::gather_compaction_splits(prm);
+    splits = tb::gather_compaction_splits(prm);
     // Metadata bytes (bytes_moved): per source block its list entry, fill and mask word, read
     // (counted once, although each of the stream's CTAs reads them, from L2 after the first); per
     // destination block its list entry read, fill and mask written (all destination blocks are
@@ -210,7 +211,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
     BENCH_CUDA(alloc(reinterpret_cast<std::uint8_t*&>(flush), kL2FlushBytes));
     BENCH_CUDA(cudaDeviceSynchronize());
     // Warm-up launch and a sanity check: every stream found tokens / 2 live tokens.
-    BENCH_CUDA(tk::launch_gather_compaction(prm, nullptr));
+    BENCH_CUDA(tb::launch_gather_compaction(prm, nullptr));
     BENCH_CUDA(cudaDeviceSynchronize());
     std::vector<std::int32_t> got(static_cast<std::size_t>(S));
     BENCH_CUDA(cudaMemcpy(got.data(), live_counts, got.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
@@ -241,7 +242,7 @@ void BM_GatherCompaction(benchmark::State& state) {
     return;
   }
   const double med_s = thinkv::bench::time_launches(
-      state, [&] { return tk::launch_gather_compaction(su.prm, nullptr); }, su.flush);
+      state, [&] { return tb::launch_gather_compaction(su.prm, nullptr); }, su.flush);
   if (med_s == 0.0) return;
   thinkv::bench::bandwidth_counters(state, su.bytes_read + su.bytes_written, med_s);
   state.counters["step_us"] = layers == 1 ? 32.0 * med_s * 1e6 : med_s * 1e6;

@@ -1,4 +1,4 @@
-// GPU test: gather-compaction (thinkv::kernels::launch_gather_compaction), the copy a token-level
+// GPU test: gather-compaction (thinkv::bench::launch_gather_compaction), the copy a token-level
 // eviction method must make and ThinKV never does, against a host reference compaction written
 // here. Fresh random inputs per run (seed printed; THINKV_TEST_SEED pins it; THINKV_TEST_SMALL=1,
 // set under compute-sanitizer, takes 1/4 the tokens): a CPU PagedKvCache with random tokens,
@@ -29,7 +29,7 @@
 
 #include "cuda_check.hpp"
 #include "device_cache_upload.hpp"
-#include "thinkv/kernels/gather_compaction.hpp"
+#include "gather_compaction/gather_compaction.hpp"
 #include "thinkv/thinkv.hpp"
 
 namespace {
@@ -323,7 +323,7 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
   const thinkv::kernels::PagedKvView& view = up.view();
   const std::size_t nblocks = pools.total;
 
-  thinkv::kernels::GatherCompactionParams prm;
+  thinkv::bench::GatherCompactionParams prm;
   prm.src = view;
   prm.head_dim = d;
   prm.group_size = g;
@@ -388,8 +388,8 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
   prm.dst_indices = dindices;
   prm.live_counts = dlive;
 
-  REQUIRE(thinkv::kernels::check_gather_compaction(prm) == cudaSuccess);
-  CHECK_CUDA(thinkv::kernels::launch_gather_compaction(prm, nullptr));
+  REQUIRE(thinkv::bench::check_gather_compaction(prm) == cudaSuccess);
+  CHECK_CUDA(thinkv::bench::launch_gather_compaction(prm, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
 
   Buffers got;
@@ -448,7 +448,7 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
       "%s %s listed=%zu skipped=%zu tokens=%zu splits=%d: diffs pages %zu fill %zu mask %zu "
       "records %zu live %zu values %zu\n",
       (page_diff | fill_diff | mask_diff | rec_diff | live_diff | value_diff) ? "FAIL" : "ok  ",
-      in_place ? "in place" : "separate", n, skipped, copied, thinkv::kernels::gather_compaction_splits(prm), page_diff,
+      in_place ? "in place" : "separate", n, skipped, copied, thinkv::bench::gather_compaction_splits(prm), page_diff,
       fill_diff, mask_diff, rec_diff, live_diff, value_diff);
   CHECK(page_diff == 0);
   CHECK(fill_diff == 0);
@@ -531,6 +531,7 @@ TEST_CASE("gather compaction skips streams that span pools or name bad blocks an
 
 TEST_CASE("gather compaction refuses bad parameters before launching", "[gpu][gather]") {
   using namespace thinkv::kernels;
+  using namespace thinkv::bench;
   std::int32_t dummy_i[2] = {};
   std::uint8_t dummy_b[16] = {};
   std::uint16_t dummy_h[1] = {};

@@ -1,4 +1,4 @@
-/// \file gather_compaction.cu
+/// \file bench/gather_compaction/gather_compaction.cu (the gather baseline, not in thinkv::kernels)
 /// Gather-compaction of the paged cache (thinkv/kernels/gather_compaction.hpp): the copy a
 /// token-level eviction method must make to keep a stream's live tokens contiguous. ThinKV itself
 /// never runs it; the benchmark measures what Continuous Thinking avoids.
@@ -31,10 +31,10 @@
 
 #include <cstdint>
 
-#include "thinkv/kernels/gather_compaction.hpp"
+#include "gather_compaction.hpp"
 #include "thinkv/paged/layout.hpp"
 
-namespace thinkv::kernels {
+namespace thinkv::bench {
 namespace {
 
 constexpr int kThreads = 256;
@@ -503,4 +503,4 @@ cudaError_t launch_gather_compaction(const GatherCompactionParams& p, cudaStream
   return cudaGetLastError();
 }
 
-}  // namespace thinkv::kernels
+}  // namespace thinkv::bench

@@ -1,11 +1,12 @@
 #pragma once
 /// \file gather_compaction.hpp
-/// Kernel API (thinkv::kernels): gather-compaction of the paged cache, the copy that a token-level
-/// eviction method (R-KV style) must make after evicting tokens so that a stream's live tokens are
-/// contiguous again.
+/// The baseline thinkv::bench::launch_gather_compaction: gather-compaction of the paged cache, the
+/// copy that a token-level eviction method (R-KV style) must make after evicting tokens so that a
+/// stream's live tokens are contiguous again. It lives in bench/, built only for the benchmarks and
+/// their tests (library thinkv_gather_compaction), and is not part of thinkv::kernels.
 ///
 /// ThinKV does NOT use this kernel: Continuous Thinking only marks evicted slots in the eviction
-/// mask and later overwrites them in place (BlockTableStats::gather_bytes stays 0). It exists so
+/// mask and later overwrites them in place (PagedKvCache::moved_bytes() stays 0). It exists so
 /// that bench/bench_gather_compaction.cu can measure the cost that ThinKV avoids, on the very same
 /// page layout (PagedKvView, thinkv/kernels/paged_attention.hpp).
 ///
@@ -34,7 +35,9 @@
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/types.hpp"
 
-namespace thinkv::kernels {
+namespace thinkv::bench {
+
+using kernels::PagedKvView;
 
 /// Largest number of CTAs per listed stream.
 inline constexpr int kMaxGatherSplits = 256;
@@ -95,4 +98,4 @@ struct GatherCompactionParams {
 /// cudaErrorInvalidValue for bad parameters (nothing launched), else the launch status.
 [[nodiscard]] cudaError_t launch_gather_compaction(const GatherCompactionParams& p, cudaStream_t stream) noexcept;
 
-}  // namespace thinkv::kernels
+}  // namespace thinkv::bench
