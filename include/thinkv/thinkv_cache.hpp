@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -726,11 +727,14 @@ inline SequenceFootprint sequence_footprint(const ThinKvConfig& c) {
   const std::int64_t T = c.max_tokens;
   std::int64_t live = T;
   if (evicts(c.mode) && c.token_budget > 0) {
-    const std::int64_t thoughts = T - c.pinned_prefix;
-    // Segments start every segment_len positions, at refresh steps (multiples of tau) and after
-    // the pinned prefix.
-    std::int64_t segments = (thoughts + c.segment_len - 1) / c.segment_len + 2;
-    if (c.classifier.needs_signal()) segments += (T + c.classifier.tau() - 1) / c.classifier.tau();
+    // Segments start at positions that are multiples of segment_len, at refresh steps (positive
+    // multiples of tau) and right after the pinned prefix: count the union of the first two.
+    const std::int64_t last = T - 1, seg = c.segment_len;
+    std::int64_t segments = last / seg + 2;  // multiples of segment_len in [0, T), + the pinned end
+    if (c.classifier.needs_signal()) {
+      const std::int64_t tau = c.classifier.tau();
+      segments += last / tau - last / std::lcm(seg, tau);
+    }
     const std::int64_t floor = std::int64_t{c.retention.min_retention()} * segments + c.segment_len;
     live = std::min<std::int64_t>(T, c.pinned_prefix + std::max<std::int64_t>(c.token_budget, floor) + 1);
   }
