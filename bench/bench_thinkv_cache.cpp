@@ -35,6 +35,7 @@ void BM_ThinKvLongRun(benchmark::State& state) {
   c.token_budget = budget;
   c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 128, 2);
   double hole_share = 0, hole_peak = 0, ratio = 0, ratio_seq = 0, live = 0, evict_calls = 0, reused = 0;
+  double alloc_seq = 0, alloc_peak_seq = 0;
   for (auto _ : state) {
     thinkv::ThinKvCache<> cache(c);
     std::mt19937 rng(12345);
@@ -43,6 +44,7 @@ void BM_ThinKvLongRun(benchmark::State& state) {
     std::vector<float> k(kv), v(kv), q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), out(q.size());
     float sharp = 1.0f;
     hole_peak = 0;
+    alloc_peak_seq = 0;
     for (int t = 0; t < tokens; ++t) {
       if (t % 128 == 0) sharp = std::vector<float>{0.0f, 0.9f, 4.0f}[rng() % 3];
       if (!cache.begin_token(0).is_ok()) state.SkipWithError("begin_token failed");
@@ -55,6 +57,7 @@ void BM_ThinKvLongRun(benchmark::State& state) {
         }
       }
       if (!cache.end_token(0).is_ok()) state.SkipWithError("end_token failed");
+      alloc_peak_seq = std::max(alloc_peak_seq, static_cast<double>(cache.allocated_bytes()));
       if (t % 64 == 63) {
         const auto m = cache.memory();
         const double held = static_cast<double>(m.live_tokens - m.staged_tokens + m.hole_slots);
@@ -66,6 +69,8 @@ void BM_ThinKvLongRun(benchmark::State& state) {
     hole_share = held > 0 ? static_cast<double>(m.hole_slots) / held : 0.0;
     ratio = m.ratio();
     ratio_seq = static_cast<double>(m.physical_bytes()) / static_cast<double>(cache.fullkv_sequence_bytes(0));
+    alloc_seq = static_cast<double>(cache.allocated_bytes()) / static_cast<double>(cache.fullkv_sequence_bytes(0));
+    alloc_peak_seq /= static_cast<double>(cache.fullkv_sequence_bytes(0));  // peak bytes over the end's FullKV
     live = static_cast<double>(cache.live_tokens(0));
     evict_calls = static_cast<double>(cache.stats().eviction_calls);
     reused = static_cast<double>(cache.paged().table().stats().slots_reused);
@@ -75,6 +80,12 @@ void BM_ThinKvLongRun(benchmark::State& state) {
   state.counters["hole_peak"] = hole_peak;
   state.counters["ratio"] = ratio;
   state.counters["ratio_seq"] = ratio_seq;
+  // Allocated (pools' chunks, records, staging) over FullKV FP16 of every position, at the end
+  // and at its peak; and the proved bound on what the sequence can hold (sequence_footprint).
+  state.counters["alloc_seq"] = alloc_seq;
+  state.counters["alloc_peak_seq"] = alloc_peak_seq;
+  state.counters["bound_seq"] = static_cast<double>(thinkv::sequence_footprint(c).bytes) /
+                                static_cast<double>(thinkv::sequence_footprint(c).fullkv_fp16_bytes);
   state.counters["evict_per_step"] = evict_calls / tokens;
   state.counters["reused_per_token"] = reused / (static_cast<double>(tokens) * c.num_layers * c.num_kv_heads);
   state.SetItemsProcessed(state.iterations() * tokens);

@@ -47,7 +47,7 @@ T* typed(void* p) {
 
 struct CudaKvBackend::Impl {
   bool ready = false;
-  CacheConfig config{};
+  StorageConfig config{};
   CacheLayout layout{};
   PoolMap pools{};
   BackendStats stats{};
@@ -241,7 +241,7 @@ CudaKvBackend::~CudaKvBackend() = default;
 CudaKvBackend::CudaKvBackend(CudaKvBackend&&) noexcept = default;
 CudaKvBackend& CudaKvBackend::operator=(CudaKvBackend&&) noexcept = default;
 
-Status CudaKvBackend::init(const CacheConfig& config) {
+Status CudaKvBackend::init(const StorageConfig& config) {
   THINKV_RETURN_IF_ERROR(config.validate());
   if (!impl_) impl_ = std::make_unique<Impl>();
   Impl& m = *impl_;

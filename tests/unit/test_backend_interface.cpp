@@ -34,7 +34,7 @@ class FlakyBackend {
   };
   explicit FlakyBackend(std::shared_ptr<Control> c = std::make_shared<Control>()) : ctl_(std::move(c)) {}
   std::string_view name() const { return "flaky"; }
-  Status init(const CacheConfig& c) {
+  Status init(const StorageConfig& c) {
     if (ctl_->init != StatusCode::kOk) return {ctl_->init, "flaky init refused"};
     return cpu_.init(c);
   }

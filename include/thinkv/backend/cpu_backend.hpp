@@ -43,7 +43,7 @@ class BasicCpuKvBackend {
 
   [[nodiscard]] std::string_view name() const { return "cpu"; }
 
-  [[nodiscard]] Status init(const CacheConfig& config) {
+  [[nodiscard]] Status init(const StorageConfig& config) {
     THINKV_RETURN_IF_ERROR(config.validate());
     config_ = config;
     layout_ = CacheLayout::from(config);
@@ -413,7 +413,7 @@ class BasicCpuKvBackend {
   }
 
   Alloc alloc_;
-  CacheConfig config_{};
+  StorageConfig config_{};
   CacheLayout layout_{};
   PoolMap pools_{};
   BackendStats stats_{};

@@ -17,7 +17,7 @@
 /// faithful drop-in for decoders that run on the CPU and a reference for the device kernels, not
 /// yet the fast path: a device-pointer, batched, metadata-delta API is the next step.
 ///
-/// Shapes: everything CacheConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
+/// Shapes: everything StorageConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
 /// at most 8 query heads per KV head (the attention kernel's limits) and says so otherwise.
 /// Errors: CUDA failures come back as StatusCode::kCudaError naming the call and the CUDA error;
 /// an allocation failure at init as kPoolExhausted naming the bytes asked for.
@@ -48,7 +48,7 @@ class CudaKvBackend {
 
   /// Sets up on the current CUDA device: staging and second-level scales; no page yet. Fails
   /// with kCudaError when there is no usable device.
-  [[nodiscard]] Status init(const CacheConfig& config);
+  [[nodiscard]] Status init(const StorageConfig& config);
   /// Device storage for pool p's pages 0 .. blocks - 1: one buffer per pool, grown by doubling
   /// (a device-to-device copy of the pages held, between calls: no kernel sees a page move)
   /// and shrunk when the cache needs half of it or less; new pages poisoned with 0xA5.

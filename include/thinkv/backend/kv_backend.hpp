@@ -43,13 +43,13 @@ struct BackendStats {
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
 /// is host memory.
 template <class B>
-concept kv_backend = requires(B& b, const B& cb, const CacheConfig& config, Precision p, std::uint32_t n, int stream,
+concept kv_backend = requires(B& b, const B& cb, const StorageConfig& config, Precision p, std::uint32_t n, int stream,
                               int row, const float* k, const float* v, float* k_out, float* v_out,
                               const CommitPlan& plan, const BlockTable& table, SlotRef slot,
                               const DecodeAttentionArgs& args) {
   { cb.name() } -> std::convertible_to<std::string_view>;
-  /// Sets up for `config` (already validated): staging and second-level scales of every stream;
-  /// no page or record yet.
+  /// Sets up for the storage geometry `config` (already validated; it holds no policy setting):
+  /// staging and second-level scales of every stream, no page or record yet.
   { b.init(config) } -> std::same_as<Status>;
   /// Gives pool p storage for pages 0 .. blocks - 1, keeping the bytes of those it had (grow), or
   /// releases the pages from `blocks` on (shrink: the cache holds none of them). New pages may
@@ -77,7 +77,7 @@ class KvBackend {
  public:
   virtual ~KvBackend() = default;
   [[nodiscard]] virtual std::string_view name() const = 0;
-  [[nodiscard]] virtual Status init(const CacheConfig& config) = 0;
+  [[nodiscard]] virtual Status init(const StorageConfig& config) = 0;
   [[nodiscard]] virtual Status resize_pool(Precision p, std::uint32_t blocks) = 0;
   [[nodiscard]] virtual Status resize_records(std::uint32_t records) = 0;
   [[nodiscard]] virtual Status stage(int stream, int row, const float* k, const float* v) = 0;
@@ -95,7 +95,7 @@ class BackendModel final : public KvBackend {
  public:
   explicit BackendModel(B backend = B{}) : b_(std::move(backend)) {}
   std::string_view name() const override { return b_.name(); }
-  Status init(const CacheConfig& c) override { return b_.init(c); }
+  Status init(const StorageConfig& c) override { return b_.init(c); }
   Status resize_pool(Precision p, std::uint32_t n) override { return b_.resize_pool(p, n); }
   Status resize_records(std::uint32_t n) override { return b_.resize_records(n); }
   Status stage(int s, int r, const float* k, const float* v) override { return b_.stage(s, r, k, v); }
@@ -120,7 +120,7 @@ class DynamicBackend {
   DynamicBackend() = default;
   explicit DynamicBackend(std::unique_ptr<KvBackend> impl) : impl_(std::move(impl)) {}
   std::string_view name() const { return impl_ ? impl_->name() : "none"; }
-  Status init(const CacheConfig& c) {
+  Status init(const StorageConfig& c) {
     if (!impl_) return {StatusCode::kInvalidArgument, "DynamicBackend holds no backend"};
     return impl_->init(c);
   }

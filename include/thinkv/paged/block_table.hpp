@@ -46,7 +46,7 @@ struct PoolMap {
   std::uint32_t count[kNumPrecisions] = {};
   std::uint32_t total = 0;
 
-  static PoolMap from(const CacheConfig& c) {
+  static PoolMap from(const StorageConfig& c) {
     PoolMap m;
     for (int p = 0; p < kNumPrecisions; ++p) {
       m.base[p] = m.total;

@@ -19,14 +19,16 @@ namespace thinkv {
 /// Bytes of a stream's fixed header (CacheLayout::kStreamHeaderBytes explains them).
 inline constexpr int kStreamHeaderBytes = 40;
 
-/// Construction-time configuration of a paged, compressed KV cache.
-/// A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a staging buffer.
-struct CacheConfig {
-  int num_streams = 1;       ///< streams the cache holds (sequences x layers x KV heads)
-  int head_dim = 128;        ///< channels per key/value row
-  int group_size = 16;       ///< g: tokens per key group (per channel), channels per value group
-  int block_size = 16;       ///< slots (tokens) per block
-  PrecisionMap precision{};  ///< TBQ map, R4E4T2 by default
+/// What storage needs to know: the geometry of a paged KV cache's bytes (streams, rows, groups,
+/// blocks, the pools' id ranges, allocation chunks). A KV backend is set up from this alone; the
+/// policy settings (precision map, budget, retention, memory limit) are the cache's
+/// (CacheConfig). A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a
+/// staging buffer.
+struct StorageConfig {
+  int num_streams = 1;  ///< streams the cache holds (sequences x layers x KV heads)
+  int head_dim = 128;   ///< channels per key/value row
+  int group_size = 16;  ///< g: tokens per key group (per channel), channels per value group
+  int block_size = 16;  ///< slots (tokens) per block
   /// Most blocks each precision's pool may hold, indexed by Precision: the range of block ids the
   /// pool owns. Nothing is allocated for it up front: pages and their metadata are allocated in
   /// chunks of `chunk_blocks` blocks as commits need them and freed when a chunk empties
@@ -37,14 +39,6 @@ struct CacheConfig {
   int record_capacity = 0;
   /// Blocks per allocation chunk of a pool (the granularity of growth and release).
   int chunk_blocks = 64;
-  /// Most bytes the cache may allocate in all (pages, block metadata, key-scale records, staging
-  /// and stream headers: allocated_bytes()); 0 = no limit (pools grow until a pool's range or
-  /// the host runs out). Every sequence, stream and precision draws on it; a commit that would
-  /// pass it fails with kPoolExhausted and changes nothing.
-  std::int64_t memory_limit_bytes = 0;
-  /// Live-token budget per stream, used by eviction (TBE); 0 = unlimited.
-  int token_budget = 0;
-  RetentionSchedule retention{};  ///< TBE schedule; the budget may not be below its minimum
 
   static constexpr int kMaxHeadDim = 1024;
   static constexpr int kMaxBlockSize = 4096;
@@ -94,10 +88,6 @@ struct CacheConfig {
         return bad("pool_blocks[" + std::string(to_string(p)) + "] " + std::to_string(n) +
                    " is out of range; allowed: 0.." + std::to_string(max_blocks));
       }
-      if (precision.uses(p) && n == 0) {
-        return bad("precision map " + precision.to_string() + " stores thoughts as " + std::string(to_string(p)) +
-                   " but pool_blocks[" + std::string(to_string(p)) + "] is 0; allowed: >= 1");
-      }
     }
     std::int64_t total_slots = 0;
     for (int n : pool_blocks) total_slots += std::int64_t{n} * block_size;
@@ -109,6 +99,42 @@ struct CacheConfig {
       return bad("chunk_blocks " + std::to_string(chunk_blocks) + " is out of range; allowed: 1.." +
                  std::to_string(kMaxChunkBlocks));
     }
+    if (record_capacity < 0) {
+      return bad("record_capacity " + std::to_string(record_capacity) +
+                 " is negative; allowed: 0 (worst case) or >= 1");
+    }
+    return Status::ok();
+  }
+
+  friend bool operator==(const StorageConfig&, const StorageConfig&) = default;
+};
+
+/// Construction-time configuration of a paged, compressed KV cache: its storage (StorageConfig,
+/// what a backend is set up from) and the cache's policy settings.
+struct CacheConfig : StorageConfig {
+  PrecisionMap precision{};  ///< TBQ map, R4E4T2 by default
+  /// Most bytes the cache may allocate in all (pages, block metadata, key-scale records, staging
+  /// and stream headers: allocated_bytes()); 0 = no limit (pools grow until a pool's range or
+  /// the host runs out). Every sequence, stream and precision draws on it; a commit that would
+  /// pass it fails with kPoolExhausted and changes nothing.
+  std::int64_t memory_limit_bytes = 0;
+  /// Live-token budget per stream, used by eviction (TBE); 0 = unlimited.
+  int token_budget = 0;
+  RetentionSchedule retention{};  ///< TBE schedule; the budget may not be below its minimum
+
+  /// The storage part (what a backend's init takes).
+  [[nodiscard]] const StorageConfig& storage() const noexcept { return *this; }
+
+  /// Checks every field (storage first); the message names the bad value and the allowed range.
+  [[nodiscard]] Status validate() const {
+    auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); };
+    THINKV_RETURN_IF_ERROR(StorageConfig::validate());
+    for (Precision p : kAllPrecisions) {
+      if (precision.uses(p) && pool_blocks[static_cast<int>(p)] == 0) {
+        return bad("precision map " + precision.to_string() + " stores thoughts as " + std::string(to_string(p)) +
+                   " but pool_blocks[" + std::string(to_string(p)) + "] is 0; allowed: >= 1");
+      }
+    }
     if (memory_limit_bytes < 0) {
       return bad("memory_limit_bytes " + std::to_string(memory_limit_bytes) +
                  " is negative; allowed: 0 (no limit) or >= " + std::to_string(fixed_bytes()));
@@ -118,10 +144,6 @@ struct CacheConfig {
                  std::to_string(fixed_bytes()) + " bytes the " + std::to_string(num_streams) +
                  " streams' staging buffers and headers take before any page; allowed: 0 (no limit) or >= " +
                  std::to_string(fixed_bytes()));
-    }
-    if (record_capacity < 0) {
-      return bad("record_capacity " + std::to_string(record_capacity) +
-                 " is negative; allowed: 0 (worst case) or >= 1");
     }
     if (token_budget < 0 || (token_budget > 0 && token_budget < retention.min_retention())) {
       return bad("token_budget " + std::to_string(token_budget) + " is below the minimum retention " +
@@ -145,7 +167,7 @@ inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
 /// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the
 /// worst case, one per slot of every quantized pool (a record stays alive while at least one of
 /// its slots is live, so records in use never exceed live quantized slots).
-inline std::int64_t effective_record_capacity(const CacheConfig& c) noexcept {
+inline std::int64_t effective_record_capacity(const StorageConfig& c) noexcept {
   if (c.record_capacity > 0) return c.record_capacity;
   std::int64_t n = 0;
   for (Precision p : kAllPrecisions) {
@@ -173,7 +195,7 @@ struct CacheLayout {
   /// Bytes of a key-scale record beyond its head_dim E4M3 scales: refcount (u32), owner (u32).
   static constexpr int kRecordHeaderBytes = 8;
 
-  static CacheLayout from(const CacheConfig& c) { return {c.head_dim, c.group_size, c.block_size}; }
+  static CacheLayout from(const StorageConfig& c) { return {c.head_dim, c.group_size, c.block_size}; }
 
   /// Packed bytes of one token's key (or value) row at precision p.
   [[nodiscard]] constexpr int row_bytes(Precision p) const noexcept { return (head_dim * bits_of(p) + 7) / 8; }
