@@ -141,6 +141,30 @@ TEST_CASE("arena: allocated memory follows what is held, to the allocator's own 
   CHECK(count->live == fixed + std::int64_t{t.allocated_records()} * cfg.head_dim);
 }
 
+TEST_CASE("arena: pools and records whose range is not a multiple of their chunk end in a shorter chunk", "[arena]") {
+  TT_SEEDED_RNG();
+  CacheConfig cfg = arena_config(2, 2, 5);  // 5 blocks per pool in chunks of 2: the last holds 1
+  cfg.record_capacity = 5;                  // records come in chunks of 2 x 16 / 8 = 4: the last holds 1
+  auto count = std::make_shared<AllocCount>();
+  PagedKvCache<CountedBackend> c(cfg, CountedBackend(CountingAlloc<std::uint8_t>(count)));
+  REQUIRE(c.table().chunk_records() == 4);
+  for (int i = 0; i < 5; ++i) {  // 5 NVFP4 groups of 8 tokens: 5 records, 3 blocks of 16 slots
+    REQUIRE(append_group(c, rng, i % 2, ThoughtType::kReasoning).is_ok());
+    INFO("group " << i);
+    REQUIRE(count->live == c.backend().stats().bytes_allocated);
+    REQUIRE(count->live == backend_share(c.allocated(), cfg));
+  }
+  CHECK(c.table().allocated_records() == 5);
+  for (int i = 0; i < 8; ++i) {  // fill all 5 blocks (10 groups), with records freed by eviction
+    auto live = c.table().live_slot_list(0);
+    if (c.table().free_records() == 0) REQUIRE(c.evict(0, live).is_ok());
+    if (!append_group(c, rng, 1, ThoughtType::kReasoning).is_ok()) break;
+    REQUIRE(count->live == backend_share(c.allocated(), cfg));
+  }
+  CHECK(c.table().allocated_blocks(Precision::kNvfp4) <= 5);
+  REQUIRE(count->live == backend_share(c.allocated(), cfg));
+}
+
 TEST_CASE("arena: a commit past memory_limit_bytes is refused with the bytes and changes nothing", "[arena][errors]") {
   TT_SEEDED_RNG();
   CacheConfig cfg = arena_config(2, 2, 40);

@@ -49,17 +49,16 @@ class BasicCpuKvBackend {
     layout_ = CacheLayout::from(config);
     pools_ = PoolMap::from(config);
     stats_ = {};
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      chunks_[p] = std::vector<Vec<std::uint8_t>>{};
-      pool_pages_[p] = 0;
-      chunk_pages_[p] = static_cast<std::uint32_t>(std::max(1, std::min(config.chunk_blocks, config.pool_blocks[p])));
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      chunks_[i] = std::vector<Vec<std::uint8_t>>{};
+      pool_pages_[i] = 0;
+      chunk_pages_[i] = config.pool_chunk(p);
     }
     record_chunks_.clear();
     records_ = 0;
-    const auto cap = static_cast<std::uint32_t>(effective_record_capacity(config));
-    record_chunk_ = static_cast<std::uint32_t>(std::max<std::int64_t>(
-        1, std::min<std::int64_t>(std::int64_t{config.chunk_blocks} * config.block_size / config.group_size,
-                                  std::max<std::uint32_t>(cap, 1))));
+    record_cap_ = static_cast<std::uint32_t>(effective_record_capacity(config));
+    record_chunk_ = config.record_chunk(record_cap_);
     staging_ = Vec<std::uint16_t>(
         static_cast<std::size_t>(config.num_streams) * 2 * config.group_size * config.head_dim, 0, alloc_);
     s2_ = Vec<float>(static_cast<std::size_t>(config.num_streams) * 2 * kNumPrecisions, 0.0f, alloc_);
@@ -73,55 +72,20 @@ class BasicCpuKvBackend {
       return {StatusCode::kOutOfRange, "resize_pool(" + std::string(to_string(p)) + ", " + std::to_string(blocks) +
                                            "): the pool's range holds " + std::to_string(pools_.count[i]) + " blocks"};
     }
-    const std::uint32_t cp = chunk_pages_[i];
-    const auto page = static_cast<std::size_t>(layout_.page_bytes(p));
-    auto& chunks = chunks_[i];
-    const std::size_t want = (blocks + cp - 1) / cp;
-    try {
-      while (chunks.size() < want) {
-        const std::size_t c = chunks.size();
-        const std::size_t pages = std::min<std::size_t>(cp, pools_.count[i] - c * cp);
-        // Poison: a read of a never-written byte shows up as garbage in tests, not as zeros.
-        chunks.emplace_back(pages * page, std::uint8_t{0xA5}, alloc_);
-        stats_.bytes_allocated += static_cast<std::int64_t>(pages * page);
-      }
-    } catch (const std::bad_alloc&) {
-      while (chunks.size() > (pool_pages_[i] + cp - 1) / cp) {
-        stats_.bytes_allocated -= static_cast<std::int64_t>(chunks.back().size());
-        chunks.pop_back();
-      }
-      return {StatusCode::kPoolExhausted, "out of host memory giving the " + std::string(to_string(p)) +
-                                              " pool storage for " + std::to_string(blocks) + " blocks"};
-    }
-    while (chunks.size() > want) {
-      stats_.bytes_allocated -= static_cast<std::int64_t>(chunks.back().size());
-      chunks.pop_back();
-    }
+    THINKV_RETURN_IF_ERROR(resize_chunks(chunks_[i], blocks, chunk_pages_[i], pools_.count[i],
+                                         static_cast<std::size_t>(layout_.page_bytes(p)),
+                                         "the " + std::string(to_string(p)) + " pool's pages"));
     pool_pages_[i] = blocks;
     return Status::ok();
   }
 
   [[nodiscard]] Status resize_records(std::uint32_t records) {
-    const auto d = static_cast<std::size_t>(config_.head_dim);
-    const std::size_t want = (records + record_chunk_ - 1) / record_chunk_;
-    const std::size_t before = record_chunks_.size();
-    try {
-      while (record_chunks_.size() < want) {
-        record_chunks_.emplace_back(std::size_t{record_chunk_} * d, std::uint8_t{0xA5}, alloc_);
-        stats_.bytes_allocated += static_cast<std::int64_t>(record_chunks_.back().size());
-      }
-    } catch (const std::bad_alloc&) {
-      while (record_chunks_.size() > before) {
-        stats_.bytes_allocated -= static_cast<std::int64_t>(record_chunks_.back().size());
-        record_chunks_.pop_back();
-      }
-      return {StatusCode::kPoolExhausted,
-              "out of host memory giving storage to " + std::to_string(records) + " key-scale records"};
+    if (records > record_cap_) {
+      return {StatusCode::kOutOfRange,
+              "resize_records(" + std::to_string(records) + "): the record range holds " + std::to_string(record_cap_)};
     }
-    while (record_chunks_.size() > want) {
-      stats_.bytes_allocated -= static_cast<std::int64_t>(record_chunks_.back().size());
-      record_chunks_.pop_back();
-    }
+    THINKV_RETURN_IF_ERROR(resize_chunks(record_chunks_, records, record_chunk_, record_cap_,
+                                         static_cast<std::size_t>(config_.head_dim), "key-scale records"));
     records_ = records;
     return Status::ok();
   }
@@ -376,6 +340,34 @@ class BasicCpuKvBackend {
     return staging_.data() +
            ((static_cast<std::size_t>(stream) * 2 + kv) * config_.group_size + row) * config_.head_dim;
   }
+  /// Makes `chunks` cover items 0 .. n - 1 of `item_bytes` each: chunk c holds `per_chunk` items,
+  /// the last one cut at `cap`; new chunks are poisoned (a read of a never-written byte shows up
+  /// as garbage in tests, not as zeros). All-or-nothing: out of memory frees what it allocated.
+  Status resize_chunks(std::vector<Vec<std::uint8_t>>& chunks, std::size_t n, std::size_t per_chunk, std::size_t cap,
+                       std::size_t item_bytes, const std::string& what) {
+    const std::size_t want = (n + per_chunk - 1) / per_chunk;
+    const std::size_t before = chunks.size();
+    try {
+      while (chunks.size() < want) {
+        const std::size_t items = std::min(per_chunk, cap - chunks.size() * per_chunk);
+        chunks.emplace_back(items * item_bytes, std::uint8_t{0xA5}, alloc_);
+        stats_.bytes_allocated += static_cast<std::int64_t>(chunks.back().size());
+      }
+    } catch (const std::bad_alloc&) {
+      free_chunks_from(chunks, before);
+      return {StatusCode::kPoolExhausted,
+              "out of host memory giving storage to " + what + " (" + std::to_string(n) + " in all)"};
+    }
+    free_chunks_from(chunks, want);
+    return Status::ok();
+  }
+  /// Frees chunks from index `keep` on.
+  void free_chunks_from(std::vector<Vec<std::uint8_t>>& chunks, std::size_t keep) {
+    while (chunks.size() > keep) {
+      stats_.bytes_allocated -= static_cast<std::int64_t>(chunks.back().size());
+      chunks.pop_back();
+    }
+  }
   [[nodiscard]] bool has_storage(std::uint32_t block) const noexcept {
     return block < pools_.total &&
            pools_.local_index(block) < pool_pages_[static_cast<int>(pools_.precision_of(block))];
@@ -422,6 +414,7 @@ class BasicCpuKvBackend {
   std::uint32_t chunk_pages_[kNumPrecisions] = {1, 1, 1, 1};
   std::vector<Vec<std::uint8_t>> record_chunks_;  // chunks of [record_chunk_, head_dim] E4M3
   std::uint32_t record_chunk_ = 1;
+  std::uint32_t record_cap_ = 0;              // the record range (effective_record_capacity)
   std::uint32_t records_ = 0;                 // records with storage
   Vec<std::uint16_t> staging_;                // [streams, 2, g, head_dim] BF16
   Vec<float> s2_;                             // [streams, 2, precisions]

@@ -130,13 +130,9 @@ class BlockTable {
   explicit BlockTable(const CacheConfig& config)
       : config_(config), layout_(CacheLayout::from(config)), pools_(PoolMap::from(config)) {
     if (Status s = config.validate(); !s.is_ok()) throw ConfigError(s);
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      chunk_[p] = static_cast<std::uint32_t>(std::max(1, std::min(config.chunk_blocks, config.pool_blocks[p])));
-    }
+    for (Precision p : kAllPrecisions) chunk_[static_cast<int>(p)] = config.pool_chunk(p);
     record_cap_ = static_cast<std::uint32_t>(effective_record_capacity(config));
-    record_chunk_ = static_cast<std::uint32_t>(std::max<std::int64_t>(
-        1, std::min<std::int64_t>(std::int64_t{config.chunk_blocks} * config.block_size / config.group_size,
-                                  std::max<std::uint32_t>(record_cap_, 1))));
+    record_chunk_ = config.record_chunk(record_cap_);
     streams_.resize(static_cast<std::size_t>(config.num_streams));
     for (auto& s : streams_) {
       s.staged_segment.assign(static_cast<std::size_t>(config.group_size), 0);

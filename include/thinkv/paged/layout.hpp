@@ -4,6 +4,7 @@
 /// Every byte count the memory accounting reports is derived here, in one place
 /// (docs/design.md, "Memory accounting", explains each term).
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <ostream>
@@ -49,6 +50,18 @@ struct StorageConfig {
   /// V in BF16) and its header (CacheLayout::kStreamHeaderBytes). Valid after the shape checks.
   [[nodiscard]] std::int64_t fixed_bytes() const noexcept {
     return std::int64_t{num_streams} * (std::int64_t{2} * group_size * head_dim * 2 + kStreamHeaderBytes);
+  }
+
+  /// Blocks per allocation chunk of pool p (chunk_blocks, at most the pool's range, at least 1).
+  [[nodiscard]] std::uint32_t pool_chunk(Precision p) const noexcept {
+    return static_cast<std::uint32_t>(std::max(1, std::min(chunk_blocks, pool_blocks[static_cast<int>(p)])));
+  }
+  /// Records per record chunk: one per group a chunk of blocks holds, at most the record range
+  /// (`records`, effective_record_capacity), at least 1.
+  [[nodiscard]] std::uint32_t record_chunk(std::int64_t records) const noexcept {
+    const std::int64_t per_chunk = std::int64_t{chunk_blocks} * block_size / group_size;
+    return static_cast<std::uint32_t>(
+        std::max<std::int64_t>(1, std::min(per_chunk, std::max<std::int64_t>(records, 1))));
   }
 
   /// The group size alone (also checked first by configurations that divide by it).
