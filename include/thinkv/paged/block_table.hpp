@@ -157,11 +157,6 @@ class BlockTable {
   /// Blocks per allocation chunk of pool p, and records per record chunk.
   [[nodiscard]] std::uint32_t chunk_blocks(Precision p) const noexcept { return chunk_[static_cast<int>(p)]; }
   [[nodiscard]] std::uint32_t chunk_records() const noexcept { return record_chunk_; }
-  /// Blocks of pool p held by streams.
-  [[nodiscard]] std::uint32_t held_blocks(Precision p) const noexcept {
-    const PoolState& ps = pool_[static_cast<int>(p)];
-    return ps.grown - static_cast<std::uint32_t>(ps.free.size());
-  }
   /// Bytes the cache allocates in all for its current storage, by the formats of CacheLayout:
   /// allocated pages and their block metadata, allocated key-scale records, every stream's
   /// staging buffer and header. The CPU backend's allocator sees exactly the page, record-scale,
@@ -525,20 +520,20 @@ class BlockTable {
     }
     for (std::size_t i = 0; i < plan.slots.size(); ++i) {
       const SlotRef r = plan.slots[i];
-      const Loc l = loc(r.block);
-      PoolState& q = *const_cast<PoolState*>(l.pool);
-      const std::size_t si = slot_index(l, r.slot);
+      std::uint32_t local = 0;
+      PoolState& q = pool_of(r.block, local);
+      const std::size_t si = slot_index(local, r.slot);
       if (is_evicted(r)) {
-        q.mask[mask_index(l, r.slot)] &= ~(std::uint64_t{1} << (r.slot % 64));
+        q.mask[mask_index(local, r.slot)] &= ~(std::uint64_t{1} << (r.slot % 64));
         --s.holes;
         --s.holes_by_thought[static_cast<int>(plan.thought)];
       } else {
-        q.fill[l.local] = static_cast<std::uint16_t>(std::max<int>(q.fill[l.local], static_cast<int>(r.slot) + 1));
+        q.fill[local] = static_cast<std::uint16_t>(std::max<int>(q.fill[local], static_cast<int>(r.slot) + 1));
       }
       q.slot_record[si] = plan.record;
       q.slot_segment[si] = s.staged_segment[i];
       q.slot_position[si] = s.staged_position[i];
-      ++q.live[l.local];
+      ++q.live[local];
       ++s.live;
     }
     stats_.slots_written += static_cast<std::int64_t>(plan.slots.size());
@@ -575,15 +570,15 @@ class BlockTable {
     }
     StreamState& s = stream_(stream);
     for (const SlotRef r : slots) {
-      const Loc l = loc(r.block);
-      PoolState& q = *const_cast<PoolState*>(l.pool);
-      q.mask[mask_index(l, r.slot)] |= std::uint64_t{1} << (r.slot % 64);
-      --q.live[l.local];
+      std::uint32_t local = 0;
+      PoolState& q = pool_of(r.block, local);
+      q.mask[mask_index(local, r.slot)] |= std::uint64_t{1} << (r.slot % 64);
+      --q.live[local];
       --s.live;
       ++s.holes;
-      ++s.holes_by_thought[static_cast<int>(q.thought[l.local])];
+      ++s.holes_by_thought[static_cast<int>(q.thought[local])];
       ++stats_.slots_evicted;
-      const std::uint32_t rec = q.slot_record[slot_index(l, r.slot)];
+      const std::uint32_t rec = q.slot_record[slot_index(local, r.slot)];
       if (rec != kNoRecord && --record_refs_[rec] == 0) {
         record_owner_[rec] = kNoStream;
         free_records_.push_back(rec);
@@ -680,11 +675,23 @@ class BlockTable {
     const std::uint32_t local = b - pools_.base[p];
     return {&pool_[p], local, local < pool_[p].grown};
   }
+  /// The pool and local id of a block that has storage, for writing (callers checked it).
+  PoolState& pool_of(std::uint32_t b, std::uint32_t& local) noexcept {
+    const int p = static_cast<int>(pools_.precision_of(b));
+    local = b - pools_.base[p];
+    return pool_[p];
+  }
+  [[nodiscard]] std::size_t slot_index(std::uint32_t local, std::uint32_t slot) const noexcept {
+    return static_cast<std::size_t>(local) * static_cast<std::size_t>(config_.block_size) + slot;
+  }
+  [[nodiscard]] std::size_t mask_index(std::uint32_t local, std::uint32_t slot) const noexcept {
+    return static_cast<std::size_t>(local) * static_cast<std::size_t>(layout_.evict_mask_words()) + slot / 64;
+  }
   [[nodiscard]] std::size_t slot_index(const Loc& l, std::uint32_t slot) const noexcept {
-    return static_cast<std::size_t>(l.local) * static_cast<std::size_t>(config_.block_size) + slot;
+    return slot_index(l.local, slot);
   }
   [[nodiscard]] std::size_t mask_index(const Loc& l, std::uint32_t slot) const noexcept {
-    return static_cast<std::size_t>(l.local) * static_cast<std::size_t>(layout_.evict_mask_words()) + slot / 64;
+    return mask_index(l.local, slot);
   }
   [[nodiscard]] std::uint32_t round_blocks(Precision p, std::uint32_t n) const noexcept {
     const std::uint64_t c = chunk_[static_cast<int>(p)];
@@ -754,7 +761,7 @@ class BlockTable {
     PoolState& ps = pool_[static_cast<int>(p)];
     if (blocks <= ps.grown) return;
     const std::uint32_t old = ps.grown;
-    resize_pool(ps, blocks);
+    resize_pool(static_cast<int>(p), blocks);
     for (std::uint32_t i = old; i < blocks; ++i) ps.free.insert(ps.free.end(), pools_.base[static_cast<int>(p)] + i);
     stats_.chunks_grown += (blocks - old + chunk_[static_cast<int>(p)] - 1) / chunk_[static_cast<int>(p)];
   }
@@ -770,7 +777,8 @@ class BlockTable {
     free_records_ = std::move(ids);
     records_grown_ = records;
   }
-  void resize_pool(PoolState& ps, std::uint32_t blocks) {
+  void resize_pool(int p, std::uint32_t blocks) {
+    PoolState& ps = pool_[p];
     const std::size_t nb = blocks;
     const std::size_t ns = nb * static_cast<std::size_t>(config_.block_size);
     ps.thought.resize(nb, ThoughtType::kReasoning);
@@ -781,7 +789,6 @@ class BlockTable {
     ps.slot_record.resize(ns, kNoRecord);
     ps.slot_segment.resize(ns, 0);
     ps.slot_position.resize(ns, -1);
-    const int p = static_cast<int>(&ps - pool_);
     ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
     ps.grown = blocks;
   }
@@ -795,7 +802,7 @@ class BlockTable {
       const auto keep = static_cast<std::uint32_t>(std::min<std::size_t>(chunks * chunk_[p], ps.grown));
       ps.free.erase(ps.free.lower_bound(pools_.base[p] + keep), ps.free.end());
       stats_.chunks_released += static_cast<std::int64_t>(ps.chunk_held.size() - chunks);
-      resize_pool(ps, keep);
+      resize_pool(p, keep);
       // Shrink the metadata's own allocations too: memory follows what is held.
       ps.thought.shrink_to_fit();
       ps.fill.shrink_to_fit();
@@ -817,9 +824,8 @@ class BlockTable {
     return n;
   }
   void release_block(std::uint32_t b) {
-    const int p = static_cast<int>(pools_.precision_of(b));
-    PoolState& ps = pool_[p];
-    const std::uint32_t local = b - pools_.base[p];
+    std::uint32_t local = 0;
+    PoolState& ps = pool_of(b, local);
     const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
     std::fill_n(ps.mask.begin() + static_cast<std::ptrdiff_t>(local * words), words, 0);
     const std::size_t first = static_cast<std::size_t>(local) * config_.block_size;
@@ -828,7 +834,7 @@ class BlockTable {
     ps.fill[local] = 0;
     ps.live[local] = 0;
     ps.owner[local] = kNoStream;
-    --ps.chunk_held[local / chunk_[p]];
+    --ps.chunk_held[local / chunk_[static_cast<int>(pools_.precision_of(b))]];
     ps.free.insert(b);
     ++stats_.blocks_freed;
   }
