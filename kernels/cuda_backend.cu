@@ -173,16 +173,9 @@ struct CudaKvBackend::Impl {
   }
   [[nodiscard]] std::uint32_t dev_total() const { return dev_base(kNumPrecisions); }
 
+  /// Device allocation owned by `allocations` (staging, scales, commit scratch).
   Status alloc(void** p, std::size_t bytes, const char* what) {
-    *p = nullptr;
-    const cudaError_t e = cudaMalloc(p, bytes == 0 ? 1 : bytes);
-    if (e == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      return {StatusCode::kPoolExhausted, std::string("cudaMalloc of ") + std::to_string(bytes) + " bytes for " + what +
-                                              " failed: out of device memory "
-                                              "(reduce pool_blocks or num_streams)"};
-    }
-    THINKV_RETURN_IF_ERROR(cuda_status(e, "cudaMalloc"));
+    THINKV_RETURN_IF_ERROR(raw_alloc(p, bytes, what));
     allocations.push_back(*p);
     return Status::ok();
   }

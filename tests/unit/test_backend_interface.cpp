@@ -113,6 +113,16 @@ std::vector<float> attend_all(const auto& cache, const std::vector<std::int32_t>
   return out;
 }
 
+/// Appends n random tokens of thought `th` to stream s of the cache and of its model.
+template <class B>
+void append_random(PagedKvCache<B>& c, CtModel& m, std::mt19937_64& rng, int s, ThoughtType th, int n, Diff& diff) {
+  const int d = c.config().head_dim;
+  for (int i = 0; i < n; ++i) {
+    const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+    REQUIRE(tt::append_both(c, m, s, k, v, th, 1, diff).is_ok());
+  }
+}
+
 }  // namespace
 
 TEST_CASE("DynamicBackend over BackendModel<CpuKvBackend> is bit-identical to CpuKvBackend", "[backend]") {
@@ -242,12 +252,7 @@ TEST_CASE("PagedKvCache: a backend failure in stage or commit leaves the cache u
   PagedKvCache<FlakyBackend> c(cfg, FlakyBackend(ctl));
   CtModel m(cfg);
   Diff diff;
-  auto add = [&](int s, ThoughtType th, int n) {
-    for (int i = 0; i < n; ++i) {
-      const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
-      REQUIRE(tt::append_both(c, m, s, k, v, th, 1, diff).is_ok());
-    }
-  };
+  auto add = [&](int s, ThoughtType th, int n) { append_random(c, m, rng, s, th, n, diff); };
   add(0, ThoughtType::kReasoning, 2 * g);
   add(1, ThoughtType::kTransition, g);
   REQUIRE(c.evict(0, std::vector<SlotRef>{m.live_slots(0)[3]}).is_ok());
@@ -286,12 +291,7 @@ TEST_CASE("PagedKvCache: a backend that cannot grow, or fails after growing, lea
   PagedKvCache<FlakyBackend> c(cfg, FlakyBackend(ctl));
   CtModel m(cfg);
   Diff diff;
-  auto add = [&](int s, ThoughtType th, int n) {
-    for (int i = 0; i < n; ++i) {
-      const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
-      REQUIRE(tt::append_both(c, m, s, k, v, th, 1, diff).is_ok());
-    }
-  };
+  auto add = [&](int s, ThoughtType th, int n) { append_random(c, m, rng, s, th, n, diff); };
   add(0, ThoughtType::kReasoning, 2 * g);
   add(0, ThoughtType::kReasoning, g - 1);  // the next append commits into a fresh block
   TT_REQUIRE_OK_DIFF(diff);
