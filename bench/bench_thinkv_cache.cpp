@@ -21,23 +21,24 @@
 
 namespace {
 
+// One long decode under policy set P (a TbqCache, TbeCache or ThinKvCache).
+template <class P>
 void BM_ThinKvLongRun(benchmark::State& state) {
-  const auto mode = static_cast<thinkv::CacheMode>(state.range(0));
-  const int budget = static_cast<int>(state.range(1));
-  const int tokens = static_cast<int>(state.range(2));
+  const int budget = static_cast<int>(state.range(0));
+  const int tokens = static_cast<int>(state.range(1));
   thinkv::ThinKvConfig c;
-  c.mode = mode;
   c.num_layers = 2;
   c.num_kv_heads = 2;
   c.num_q_heads = 8;
   c.head_dim = 64;
   c.max_tokens = tokens;
   c.token_budget = budget;
-  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 128, 2);
+  P policy;
+  policy.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 128, 2);
   double hole_share = 0, hole_peak = 0, ratio = 0, ratio_seq = 0, live = 0, evict_calls = 0, reused = 0;
   double alloc_seq = 0, alloc_peak_seq = 0;
   for (auto _ : state) {
-    thinkv::ThinKvCache<> cache(c);
+    thinkv::BasicThinKvCache<P> cache(c, policy);
     std::mt19937 rng(12345);
     std::normal_distribution<float> normal;
     const std::size_t kv = static_cast<std::size_t>(c.num_kv_heads * c.head_dim);
@@ -84,22 +85,33 @@ void BM_ThinKvLongRun(benchmark::State& state) {
   // and at its peak; and the proved bound on what the sequence can hold (sequence_footprint).
   state.counters["alloc_seq"] = alloc_seq;
   state.counters["alloc_peak_seq"] = alloc_peak_seq;
-  state.counters["bound_seq"] = static_cast<double>(thinkv::sequence_footprint(c).bytes) /
-                                static_cast<double>(thinkv::sequence_footprint(c).fullkv_fp16_bytes);
+  const thinkv::SequenceFootprint bound = thinkv::sequence_footprint(c, policy);
+  state.counters["bound_seq"] = static_cast<double>(bound.bytes) / static_cast<double>(bound.fullkv_fp16_bytes);
   state.counters["evict_per_step"] = evict_calls / tokens;
   state.counters["reused_per_token"] = reused / (static_cast<double>(tokens) * c.num_layers * c.num_kv_heads);
   state.SetItemsProcessed(state.iterations() * tokens);
-  state.SetLabel(std::string(thinkv::to_string(mode)));
+  state.SetLabel(std::string(thinkv::policy_name<P>()));
 }
 
 }  // namespace
 
-BENCHMARK(BM_ThinKvLongRun)
-    ->Name("ThinKv")
-    ->ArgNames({"mode", "budget", "tokens"})
-    ->Args({static_cast<int>(thinkv::CacheMode::kTbq), 0, 2048})
-    ->Args({static_cast<int>(thinkv::CacheMode::kThinKv), 256, 4096})
-    ->Args({static_cast<int>(thinkv::CacheMode::kThinKv), 1024, 4096})
-    ->Args({static_cast<int>(thinkv::CacheMode::kTbe), 256, 4096})
+// One benchmark per ready-made policy set: ThinKv/<set>/budget:<n>/tokens:<n>.
+BENCHMARK_TEMPLATE(BM_ThinKvLongRun, thinkv::TbqPolicy)
+    ->Name("ThinKv/tbq")
+    ->ArgNames({"budget", "tokens"})
+    ->Args({0, 2048})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
+BENCHMARK_TEMPLATE(BM_ThinKvLongRun, thinkv::ThinKvPolicy)
+    ->Name("ThinKv/thinkv")
+    ->ArgNames({"budget", "tokens"})
+    ->Args({256, 4096})
+    ->Args({1024, 4096})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
+BENCHMARK_TEMPLATE(BM_ThinKvLongRun, thinkv::TbePolicy)
+    ->Name("ThinKv/tbe")
+    ->ArgNames({"budget", "tokens"})
+    ->Args({256, 4096})
     ->Unit(benchmark::kMillisecond)
     ->Iterations(1);

@@ -88,11 +88,11 @@ inline CacheMode thinkv_mode(Method m) {
 }
 
 /// A cache to build: ThinKV's, or a baseline's.
-using CacheSpec = std::variant<ThinKvConfig, DenseKvConfig, KiviConfig>;
+using CacheSpec = std::variant<ThinKvSpec, DenseKvConfig, KiviConfig>;
 
 /// The shape of a spec.
 inline CacheShape spec_shape(const CacheSpec& s) {
-  if (const auto* t = std::get_if<ThinKvConfig>(&s)) {
+  if (const auto* t = std::get_if<ThinKvSpec>(&s)) {
     return {t->num_sequences, t->num_layers, t->num_kv_heads, t->num_q_heads, t->head_dim};
   }
   if (const auto* d = std::get_if<DenseKvConfig>(&s)) return d->shape;
@@ -167,7 +167,7 @@ inline Status make_cache_spec(const ModelConfig& c, const MethodOptions& o, Cach
     co.precision = PrecisionMap(Precision::kNvfp4, Precision::kNvfp4, Precision::kNvfp4);
     co.classifier = ThoughtClassifier{};
   }
-  ThinKvConfig k;
+  ThinKvSpec k;
   THINKV_RETURN_IF_ERROR(make_cache_config(c, co, k));
   k.selection =
       (o.method == Method::kTbeFirst || o.method == Method::kThinKvFirst) ? SegmentSelection::kFirst : o.selection;

@@ -34,29 +34,55 @@
 
 namespace thinkv::decoder {
 
-/// ThinKV's cache as a session builds it: ThinKvCache over a backend chosen at run time (CPU by
-/// default; the CLI's --backend cuda gives CudaKvBackend).
-using SessionCache = ThinKvCache<DynamicBackend>;
-/// A session's ThinKV cache behind the DecodeCache interface.
-using ThinKvSession = DecodeCacheModel<SessionCache>;
+/// What the CLI and the tests read of a session's ThinKV cache, whatever its policy set.
+class ThinKvState {
+ public:
+  virtual ~ThinKvState() = default;
+  [[nodiscard]] virtual std::int64_t live_tokens(int seq) const = 0;
+  [[nodiscard]] virtual std::int32_t position(int seq) const = 0;
+  [[nodiscard]] virtual std::span<const float> layer_sparsity(int seq) const = 0;
+  [[nodiscard]] virtual const ThinKvStats& stats() const = 0;
+  [[nodiscard]] virtual MemoryUsage memory(int seq) const = 0;
+  [[nodiscard]] virtual BlockTableStats table_stats() const = 0;
+  [[nodiscard]] virtual ThoughtStats thought_stats(int seq) const = 0;
+  [[nodiscard]] virtual std::vector<SegmentState> segments(int seq) const = 0;
+};
+
+/// ThinKV's cache as a session builds it: BasicThinKvCache for the spec's policy set over a
+/// backend chosen at run time (CPU by default; the CLI's --backend cuda gives CudaKvBackend),
+/// behind the DecodeCache interface.
+template <cache_policy P>
+class ThinKvSession final : public DecodeCacheModel<BasicThinKvCache<P, DynamicBackend>>, public ThinKvState {
+  using Base = DecodeCacheModel<BasicThinKvCache<P, DynamicBackend>>;
+
+ public:
+  ThinKvSession(const ThinKvConfig& c, P policy, DynamicBackend b) : Base(c, std::move(policy), std::move(b)) {}
+  std::int64_t live_tokens(int seq) const override { return this->get().live_tokens(seq); }
+  std::int32_t position(int seq) const override { return this->get().position(seq); }
+  std::span<const float> layer_sparsity(int seq) const override { return this->get().layer_sparsity(seq); }
+  const ThinKvStats& stats() const override { return this->get().stats(); }
+  MemoryUsage memory(int seq) const override { return this->get().memory(seq); }
+  BlockTableStats table_stats() const override { return this->get().paged().table().stats(); }
+  ThoughtStats thought_stats(int seq) const override { return this->get().tracker(seq).stats(); }
+  std::vector<SegmentState> segments(int seq) const override { return this->get().segments(seq); }
+};
 /// Makes the backend of each ThinKV cache a session builds (empty: CpuKvBackend).
 using BackendFactory = std::function<std::unique_ptr<KvBackend>()>;
 
 /// The ThinKV cache behind a session's DecodeCache, or null when the method is a baseline.
-inline const SessionCache* thinkv_of(const DecodeCache& c) {
-  const auto* m = dynamic_cast<const ThinKvSession*>(&c);
-  return m != nullptr ? &m->get() : nullptr;
-}
+inline const ThinKvState* thinkv_of(const DecodeCache& c) { return dynamic_cast<const ThinKvState*>(&c); }
 
 /// Builds a session cache; a ConfigError or a backend that cannot initialise becomes a Status.
 /// `backend` serves ThinKV's cache; the baselines are CPU reference implementations.
 inline Status make_session_cache(const CacheSpec& spec, const BackendFactory& backend,
                                  std::unique_ptr<DecodeCache>& out) {
   try {
-    if (const auto* t = std::get_if<ThinKvConfig>(&spec)) {
+    if (const auto* t = std::get_if<ThinKvSpec>(&spec)) {
       std::unique_ptr<KvBackend> b = backend ? backend() : std::make_unique<BackendModel<CpuKvBackend>>();
       if (!b) return {StatusCode::kInvalidArgument, "the backend factory returned no backend"};
-      out = std::make_unique<ThinKvSession>(*t, DynamicBackend(std::move(b)));
+      with_policy(*t, [&]<class P>(const P& policy) {
+        out = std::make_unique<ThinKvSession<P>>(t->config(), policy, DynamicBackend(std::move(b)));
+      });
     } else if (const auto* d = std::get_if<DenseKvConfig>(&spec)) {
       out = std::make_unique<DecodeCacheModel<DenseKvCache>>(*d);
     } else {
@@ -122,7 +148,7 @@ inline std::int64_t fullkv_fp16_bytes(const ModelConfig& c, std::int64_t positio
 /// Live tokens of one stream of sequence 0: stream 0's for ThinKV (all its streams hold the same
 /// number), the mean over streams for the baselines.
 inline std::int64_t stream_live_tokens(const DecodeCache& c) {
-  if (const SessionCache* t = thinkv_of(c)) return t->live_tokens(0);
+  if (const ThinKvState* t = thinkv_of(c)) return t->live_tokens(0);
   return c.report(0).live_tokens / std::max(1, c.shape().streams_per_sequence());
 }
 
@@ -147,7 +173,7 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
   std::vector<float> logits(static_cast<std::size_t>(model.config.vocab_size));
   Sampler sampler(opt.temperature, opt.seed);
   int budget = 0;
-  if (const auto* t = std::get_if<ThinKvConfig>(&spec)) budget = evicts(t->mode) ? t->token_budget : 0;
+  if (const auto* t = std::get_if<ThinKvSpec>(&spec)) budget = evicts(t->mode) ? t->token_budget : 0;
   if (const auto* d = std::get_if<DenseKvConfig>(&spec)) budget = d->token_budget;
   const auto t0 = std::chrono::steady_clock::now();
   int token = prompt[0];
@@ -175,11 +201,11 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
   }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.report = cache->report(0);
-  if (const SessionCache* t = thinkv_of(*cache)) {
+  if (const ThinKvState* t = thinkv_of(*cache)) {
     st.final_memory = t->memory(0);
     st.cache_stats = t->stats();
-    st.table_stats = t->paged().table().stats();
-    st.thought_stats = t->tracker(0).stats();
+    st.table_stats = t->table_stats();
+    st.thought_stats = t->thought_stats(0);
     st.segments = t->segments(0);
   }
   st.fullkv_fp16_bytes_all_positions = fullkv_fp16_bytes(model.config, cache->position(0));

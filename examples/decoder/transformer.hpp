@@ -28,6 +28,7 @@
 #include "model.hpp"
 #include "thinkv/decode_cache.hpp"
 #include "thinkv/thinkv_cache.hpp"
+#include "thinkv_spec.hpp"
 
 namespace thinkv::decoder {
 
@@ -200,9 +201,9 @@ inline int default_budget(const ModelConfig& c, const RetentionSchedule& r = {})
   return std::max(c.seq_len / 4, r.min_retention());
 }
 
-/// Builds the ThinKvConfig for a model; the Status names any value that does not fit.
-inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, ThinKvConfig& out) {
-  ThinKvConfig k;
+/// Builds the ThinKV cache spec for a model; the Status names any value that does not fit.
+inline Status make_cache_config(const ModelConfig& c, const CacheOptions& o, ThinKvSpec& out) {
+  ThinKvSpec k;
   k.mode = o.mode;
   k.num_sequences = 1;
   k.num_layers = c.n_layers;

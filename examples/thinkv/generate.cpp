@@ -106,7 +106,7 @@ constexpr const char* kGenerateHelp =
     "  thinkv generate --model stories260K.bin --steps 300 --mode thinkv --budget 64 --compare "
     "full --json\n";
 
-std::string precision_text(const ThinKvConfig& k) {
+std::string precision_text(const ThinKvSpec& k) {
   return quantizes(k.mode) ? k.precision.to_string() : std::string("BF16");
 }
 
@@ -399,7 +399,7 @@ int run_generate(int argc, char** argv) {
     return usage_error(cmd, kGenerateUsage,
                        "cache configuration for " + model.name + " (" + mc.to_string() + "): " + s.message());
   }
-  const ThinKvConfig* cfg = std::get_if<ThinKvConfig>(&spec);
+  const ThinKvSpec* cfg = std::get_if<ThinKvSpec>(&spec);
   const int threads = a.threads > 0 ? a.threads : default_threads();
 
   // The run: text to stdout as it is decoded.
@@ -570,14 +570,14 @@ int run_generate(int argc, char** argv) {
   const double ev_per_step =
       positions > 0 ? static_cast<double>(rep.eviction_calls) / static_cast<double>(positions) : 0.0;
   if (cfg != nullptr) {
-    std::fprintf(
-        stderr,
-        "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld K-means, %lld case-1 "
-        "step-downs), slots reused %lld, gather bytes %lld, budget unreachable on %lld steps\n",
-        ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
-        static_cast<long long>(st.cache_stats.tokens_evicted), static_cast<long long>(st.cache_stats.kmeans_calls),
-        static_cast<long long>(st.cache_stats.case1_steps), static_cast<long long>(st.table_stats.slots_reused),
-        static_cast<long long>(rep.gather_bytes), static_cast<long long>(st.cache_stats.budget_unreachable));
+    std::fprintf(stderr,
+                 "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted, %lld token selections, %lld case-1 "
+                 "step-downs), slots reused %lld, gather bytes %lld, budget unreachable on %lld steps\n",
+                 ev_per_step, static_cast<long long>(st.cache_stats.eviction_calls),
+                 static_cast<long long>(st.cache_stats.tokens_evicted),
+                 static_cast<long long>(st.cache_stats.selections), static_cast<long long>(st.cache_stats.case1_steps),
+                 static_cast<long long>(st.table_stats.slots_reused), static_cast<long long>(rep.gather_bytes),
+                 static_cast<long long>(st.cache_stats.budget_unreachable));
   } else {
     std::fprintf(stderr, "  eviction: %.4f calls per step (%lld calls, %lld tokens evicted), gather bytes %lld\n",
                  ev_per_step, static_cast<long long>(rep.eviction_calls), static_cast<long long>(rep.tokens_evicted),
@@ -956,7 +956,7 @@ int run_sweep(int argc, char** argv) {
         }
         CacheFlags cf = a.cache;
         cf.budget = b;
-        ThinKvConfig cfg;
+        ThinKvSpec cfg;
         CacheSpec full_cfg;  // the reference: FullKV in FP16
         Status s = make_cache_config(model.config, cache_options(cf, m, P + a.steps, classifier, P), cfg);
         if (s.is_ok()) {

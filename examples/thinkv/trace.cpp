@@ -273,7 +273,7 @@ int run_trace(int argc, char** argv) {
     }
     CacheOptions co = cache_options(a.cache, a.mode, P + steps, classifier, P);
     co.trace_all_layers = true;
-    ThinKvConfig cfg;
+    ThinKvSpec cfg;
     if (Status s = make_cache_config(mc, co, cfg); !s.is_ok())
       return usage_error("cache configuration: " + s.message());
     PromptTrace pt;

@@ -9,8 +9,10 @@
 ///     for each layer: cache.append(seq, layer, k, v);  // post-RoPE K/V of all KV heads
 ///                     cache.attend(seq, layer, q, out);// also records sparsity when wanted
 ///     cache.end_token(seq);                            // refresh, relabel, plan + apply TBE
-/// Modes: kFull (BF16 pages, no eviction), kTbq (precision map, no eviction), kTbe (BF16 pages,
-/// eviction), kThinKv (both), so every ablation can be run with the same decoder.
+/// What the cache runs is a policy set (policy/cache_policy.hpp): BasicThinKvCache<Policy, Backend>.
+/// FullKvCache, TbqCache, TbeCache and ThinKvCache are the paper's ablation as ready-made sets,
+/// so every one of them runs with the same decoder; a user set plugs its own classifier,
+/// precision policy, retention schedule or token selector into the same cache.
 
 #include <algorithm>
 #include <cmath>
@@ -28,55 +30,16 @@
 #include "thinkv/decode_cache.hpp"
 #include "thinkv/paged/paged_kv_cache.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
-#include "thinkv/tbe/kmeans.hpp"
+#include "thinkv/policy/cache_policy.hpp"
+#include "thinkv/tbe/token_selector.hpp"
 #include "thinkv/thought/classifier.hpp"
 
 namespace thinkv {
 
-enum class CacheMode : std::uint8_t { kFull, kTbq, kTbe, kThinKv };
-
-constexpr std::string_view to_string(CacheMode m) noexcept {
-  switch (m) {
-    case CacheMode::kFull: return "full";
-    case CacheMode::kTbq: return "tbq";
-    case CacheMode::kTbe: return "tbe";
-    case CacheMode::kThinKv: return "thinkv";
-  }
-  return "?";
-}
-/// Parses "full", "tbq", "tbe", "thinkv".
-inline std::optional<CacheMode> parse_cache_mode(std::string_view s) noexcept {
-  for (CacheMode m : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
-    if (s == to_string(m)) return m;
-  }
-  return std::nullopt;
-}
-constexpr bool quantizes(CacheMode m) noexcept { return m == CacheMode::kTbq || m == CacheMode::kThinKv; }
-constexpr bool evicts(CacheMode m) noexcept { return m == CacheMode::kTbe || m == CacheMode::kThinKv; }
-
-/// Which tokens a shrinking segment keeps. kKmeans is ThinKV's (the K-means centroids of the
-/// segment's post-RoPE keys); kFirst keeps its first K tokens, kLast its last K: the ablations that
-/// show what K-means buys (docs/results.md).
-enum class SegmentSelection : std::uint8_t { kKmeans, kFirst, kLast };
-
-constexpr std::string_view to_string(SegmentSelection s) noexcept {
-  switch (s) {
-    case SegmentSelection::kKmeans: return "kmeans";
-    case SegmentSelection::kFirst: return "first";
-    case SegmentSelection::kLast: return "last";
-  }
-  return "?";
-}
-/// Parses "kmeans", "first", "last".
-inline std::optional<SegmentSelection> parse_segment_selection(std::string_view s) noexcept {
-  for (SegmentSelection m : {SegmentSelection::kKmeans, SegmentSelection::kFirst, SegmentSelection::kLast}) {
-    if (s == to_string(m)) return m;
-  }
-  return std::nullopt;
-}
-
+/// The shape and the run-time settings of a BasicThinKvCache; what it does with them is its
+/// policy set's (precision, classifier, retention, selection). token_budget and the eviction
+/// checks apply only to sets that evict.
 struct ThinKvConfig {
-  CacheMode mode = CacheMode::kThinKv;
   int num_sequences = 1;
   int num_layers = 1;
   int num_kv_heads = 1;
@@ -85,13 +48,8 @@ struct ThinKvConfig {
   int max_tokens = 4096;  ///< positions per sequence (bounds the pools' block-id ranges)
   int group_size = 16;
   int block_size = 16;
-  PrecisionMap precision{};  ///< used by kTbq and kThinKv (kFull and kTbe store BF16)
-  int token_budget = 1024;   ///< live tokens per stream, used by kTbe and kThinKv (0 = none)
-  int segment_len = 128;     ///< thought segment length (a multiple of group_size)
-  RetentionSchedule retention{};
-  ThoughtClassifier classifier{};  ///< uncalibrated by default: every token R
-  KmeansOptions kmeans{};
-  SegmentSelection selection = SegmentSelection::kKmeans;  ///< kept tokens of a shrinking segment
+  int token_budget = 1024;  ///< live tokens per stream, used by policy sets that evict (0 = none)
+  int segment_len = 128;    ///< thought segment length (a multiple of group_size)
   /// Block-id range of each precision pool; 0 = the worst case, so that no stream can run out
   /// (paged_config()). Ranges cost nothing: storage is allocated in chunks as blocks are taken.
   int pool_blocks = 0;
@@ -148,55 +106,63 @@ struct ThinKvConfig {
                  "group_size " +
                  std::to_string(group_size));
     }
-    if (segment_len < retention.levels().front()) {
-      return bad("segment_len " + std::to_string(segment_len) +
-                 " is below the first retention "
-                 "level " +
-                 std::to_string(retention.levels().front()) + " of " + retention.to_string());
-    }
-    if (classifier.needs_signal() && classifier.num_layers() != num_layers) {
-      return bad("the thought classifier was calibrated for " + std::to_string(classifier.num_layers()) +
-                 " layers; this model has " + std::to_string(num_layers) + " (recalibrate with `thinkv calibrate`)");
-    }
-    THINKV_RETURN_IF_ERROR(classifier.check_alignment(group_size));
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
     if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale)) {
       return bad("softmax_scale " + std::to_string(softmax_scale) + " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
-    }
-    if (kmeans.max_iterations < 0 || kmeans.max_iterations > 1000) {
-      return bad("kmeans.max_iterations " + std::to_string(kmeans.max_iterations) +
-                 " is out of range; allowed: 0..1000 (0 = k-means++ seeding only)");
-    }
-    if (static_cast<int>(selection) > static_cast<int>(SegmentSelection::kLast)) {
-      return bad("selection " + std::to_string(static_cast<int>(selection)) +
-                 " is unknown; allowed: kmeans, first, last");
     }
     if (token_budget < 0) return bad("token_budget " + std::to_string(token_budget) + " must be >= 0");
     if (pinned_prefix < 0 || pinned_prefix > max_tokens) {
       return bad("pinned_prefix " + std::to_string(pinned_prefix) + " is out of range; allowed: 0..max_tokens (" +
                  std::to_string(max_tokens) + ")");
     }
-    // Only closed segments are evicted, so the open one alone can hold segment_len live tokens:
-    // a smaller budget could never be met.
-    if (evicts(mode) && token_budget > 0 && token_budget < segment_len) {
-      return bad("token_budget " + std::to_string(token_budget) + " is below segment_len " +
-                 std::to_string(segment_len) + " (the open thought segment is never evicted, so it " +
-                 "alone can hold that many live tokens); allowed: 0 (no budget) or >= " + std::to_string(segment_len) +
-                 ", or lower segment_len");
-    }
-    return paged_config().validate();
+    return paged_config(kFullKvMap).validate();
   }
 
-  /// The paged-cache configuration this maps to.
-  [[nodiscard]] CacheConfig paged_config() const {
+  /// Checks the configuration (validate()) and a policy set against it: the classifier fits the
+  /// model and refreshes on group boundaries, the precision policy lowers to a valid map, the
+  /// retention schedule is strictly decreasing and fits a segment, the selector's settings, and
+  /// the budget (sets that evict). The message names the bad value.
+  template <cache_policy P>
+  [[nodiscard]] Status validate(const P& policy) const {
+    auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); };
+    THINKV_RETURN_IF_ERROR(validate());
+    THINKV_RETURN_IF_ERROR(policy.classifier.check(num_layers));
+    const int tau = policy.classifier.tau();
+    if (tau < 1 || tau % group_size != 0) {
+      return bad("tau " + std::to_string(tau) + " is not a multiple of group_size " + std::to_string(group_size) +
+                 "; thought refreshes must fall on quantization group boundaries (use tau = k * group_size, e.g. "
+                 "128; the classifier: " +
+                 std::string(policy.classifier.to_string()) + ")");
+    }
+    PrecisionMap map;
+    THINKV_RETURN_IF_ERROR(lower_precision(policy.precision, map));
+    if constexpr (P::kEvicts) {
+      THINKV_RETURN_IF_ERROR(check_retention(policy.retention));
+      if (segment_len < policy.retention.retained(1)) {
+        return bad("segment_len " + std::to_string(segment_len) + " is below the first retention level " +
+                   std::to_string(policy.retention.retained(1)) + " of " + policy.retention.to_string());
+      }
+      THINKV_RETURN_IF_ERROR(policy.selector.check());
+      // Only closed segments are evicted, so the open one alone can hold segment_len live tokens:
+      // a smaller budget could never be met.
+      if (token_budget > 0 && token_budget < segment_len) {
+        return bad("token_budget " + std::to_string(token_budget) + " is below segment_len " +
+                   std::to_string(segment_len) + " (the open thought segment is never evicted, so it " +
+                   "alone can hold that many live tokens); allowed: 0 (no budget) or >= " +
+                   std::to_string(segment_len) + ", or lower segment_len");
+      }
+    }
+    return paged_config(map).validate();
+  }
+
+  /// The paged-cache configuration this maps to, for a policy set's lowered precision map.
+  [[nodiscard]] CacheConfig paged_config(const PrecisionMap& map) const {
     CacheConfig c;
     c.num_streams = num_sequences * streams_per_sequence();
     c.head_dim = head_dim;
     c.group_size = group_size;
     c.block_size = block_size;
-    c.precision = quantizes(mode) ? precision : kFullKvMap;
-    c.token_budget = evicts(mode) ? token_budget : 0;
-    c.retention = retention;
+    c.precision = map;
     c.chunk_blocks = chunk_blocks;
     c.memory_limit_bytes = memory_limit_bytes;
     // Worst case per stream: every position live (no eviction yet) plus one partly filled block
@@ -226,21 +192,38 @@ struct ThinKvStats {
                                         ///< minimum (the open one is never evicted; design.md)
   std::int64_t segment_steps = 0;       ///< segment step-downs applied (per sequence)
   std::int64_t tokens_evicted = 0;      ///< slots evicted, all streams
-  std::int64_t kmeans_calls = 0;        ///< K-means selections run, all streams
+  std::int64_t selections = 0;          ///< token selections run (K-means or the set's selector), all streams
   std::int64_t refreshes = 0;           ///< thought refreshes
 };
 
-template <kv_backend B = CpuKvBackend>
-class ThinKvCache {
+/// The ThinKV cache over policy set P (cache_policy.hpp) and KV backend B.
+template <class P, kv_backend B = CpuKvBackend>
+class BasicThinKvCache {
+  static_assert(cache_policy<P>,
+                "ThinKV: BasicThinKvCache<P, B> needs a policy set P: thinkv::CachePolicy<Classifier, Precision, "
+                "Retention, Selector> or a struct derived from one (include/thinkv/policy/cache_policy.hpp)");
+
  public:
-  /// Throws ConfigError naming the bad value.
-  explicit ThinKvCache(const ThinKvConfig& config, B backend = B{})
-      : config_(checked(config)), cache_(config_.paged_config(), std::move(backend)) {
+  using policy_type = P;
+  using classifier_type = typename P::classifier_type;
+  using tracker_type = BasicThoughtTracker<classifier_type>;
+  static constexpr bool kEvicts = P::kEvicts;
+
+  /// Throws ConfigError naming the bad value (ThinKvConfig::validate(policy)).
+  explicit BasicThinKvCache(const ThinKvConfig& config, P policy = P{}, B backend = B{})
+      : config_(checked(config, policy)),
+        policy_(std::move(policy)),
+        map_(lowered(policy_)),
+        cache_(config_.paged_config(map_), std::move(backend)) {
     seqs_.resize(static_cast<std::size_t>(config_.num_sequences));
     for (auto& s : seqs_) reset_state(s);
   }
 
   [[nodiscard]] const ThinKvConfig& config() const noexcept { return config_; }
+  /// The policy set the cache runs (the classifier here is the prototype each sequence copies).
+  [[nodiscard]] const P& policy() const noexcept { return policy_; }
+  /// The precision map the policy lowered to (what the pools store each thought type as).
+  [[nodiscard]] const PrecisionMap& precision_map() const noexcept { return map_; }
   [[nodiscard]] const PagedKvCache<B>& paged() const noexcept { return cache_; }
   [[nodiscard]] const ThinKvStats& stats() const noexcept { return stats_; }
   [[nodiscard]] int stream_of(int seq, int layer, int kv_head) const noexcept {
@@ -250,13 +233,15 @@ class ThinKvCache {
   [[nodiscard]] CacheShape shape() const noexcept {
     return {config_.num_sequences, config_.num_layers, config_.num_kv_heads, config_.num_q_heads, config_.head_dim};
   }
-  /// "thinkv budget 256, R4E4T2" and the like.
+  /// "thinkv budget 256, R4E4T2" and the like: the set's name, the budget of a set that evicts,
+  /// the precision policy, and the selector unless it is K-means.
   [[nodiscard]] std::string method_name() const {
-    std::string s(to_string(config_.mode));
-    if (evicts(config_.mode)) s += " budget " + std::to_string(config_.token_budget);
-    s += quantizes(config_.mode) ? ", " + config_.precision.to_string() : std::string(", BF16 pages");
-    if (evicts(config_.mode) && config_.selection != SegmentSelection::kKmeans) {
-      s += ", keep " + std::string(to_string(config_.selection));
+    std::string s(policy_name<P>());
+    if constexpr (kEvicts) s += " budget " + std::to_string(config_.token_budget);
+    s += ", " + std::string(policy_.precision.to_string());
+    if constexpr (kEvicts) {
+      const std::string sel = policy_.selector.to_string();
+      if (sel != "kmeans") s += ", " + sel;
     }
     return s;
   }
@@ -284,7 +269,7 @@ class ThinKvCache {
     return r;
   }
   /// The thought tracker of a sequence (current type, refresh statistics).
-  [[nodiscard]] const ThoughtTracker& tracker(int seq) const { return seq_(seq).tracker; }
+  [[nodiscard]] const tracker_type& tracker(int seq) const { return seq_(seq).tracker; }
   /// Segments of a sequence (sizes and levels are those of every stream of the sequence).
   [[nodiscard]] const std::vector<SegmentState>& segments(int seq) const { return seq_(seq).segments; }
   /// Position of the token being decoded (or next to decode) in a sequence.
@@ -314,9 +299,11 @@ class ThinKvCache {
   /// Starts the next token of a sequence: fixes its thought type and segment, and reserves the
   /// pool capacity every layer's commit of this token will need, so that once begin_token
   /// succeeded no append of the token can fail on a full pool (a token is all-or-nothing across
-  /// its layers). Errors (nothing changes): sequence out of range, a token already open,
-  /// max_tokens reached, kPoolExhausted naming the pool.
-  [[nodiscard]] Status begin_token(int seq) {
+  /// its layers). `hint` (the token's id and text, when the decoder knows them) goes to the
+  /// classifier's observe() once the token is accepted. Errors (nothing changes, the classifier
+  /// sees nothing): sequence out of range, a token already open, max_tokens reached,
+  /// kPoolExhausted naming the pool.
+  [[nodiscard]] Status begin_token(int seq, const TokenHint& hint = {}) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     SeqState& s = seq_(seq);
     if (s.in_token) {
@@ -372,6 +359,7 @@ class ThinKvCache {
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
+    if (!pinned) s.tracker.observe(s.position, hint);
     return Status::ok();
   }
 
@@ -379,8 +367,7 @@ class ThinKvCache {
   [[nodiscard]] bool wants_sparsity(int seq, int layer) const {
     const SeqState& s = seq_(seq);
     if (config_.trace_all_layers) return true;
-    return s.position >= s.pinned && s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
-           s.tracker.classifier().uses_layer(layer) && config_.mode != CacheMode::kFull;
+    return refresh_due(s) && s.tracker.classifier().needs_signal() && s.tracker.classifier().uses_layer(layer);
   }
 
   /// Appends the current token's post-RoPE keys and values of one layer: k and v are
@@ -492,8 +479,7 @@ class ThinKvCache {
       }
     }
     bool new_transition = false;
-    if (s.position >= s.pinned && s.tracker.classifier().needs_signal() && s.tracker.is_refresh_step(s.position) &&
-        config_.mode != CacheMode::kFull) {
+    if (refresh_due(s)) {
       ThoughtType t{};
       THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
       ++stats_.refreshes;
@@ -513,7 +499,7 @@ class ThinKvCache {
     s.in_token = false;
     release_reservation(s);  // nothing left once every layer committed; kept for safety
     ++stats_.steps;
-    if (evicts(config_.mode)) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
+    if constexpr (kEvicts) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
     return Status::ok();
   }
 
@@ -547,7 +533,7 @@ class ThinKvCache {
 
  private:
   struct SeqState {
-    ThoughtTracker tracker;
+    tracker_type tracker;
     std::vector<std::uint8_t> appended;  ///< [num_layers] this token
     std::vector<SegmentState> segments;
     std::vector<float> layer_sparsity;
@@ -566,15 +552,25 @@ class ThinKvCache {
     s.reserved = PlanClaims{};
   }
 
-  static const ThinKvConfig& checked(const ThinKvConfig& c) {
-    if (Status s = c.validate(); !s.is_ok()) throw ConfigError(s);
+  static const ThinKvConfig& checked(const ThinKvConfig& c, const P& policy) {
+    if (Status s = c.validate(policy); !s.is_ok()) throw ConfigError(s);
     return c;
+  }
+  static PrecisionMap lowered(const P& policy) {
+    PrecisionMap m;
+    if (Status s = lower_precision(policy.precision, m); !s.is_ok()) throw ConfigError(s);
+    return m;
+  }
+  /// A refresh (classify, relabel) happens at this token: a refresh step after the pinned prefix,
+  /// with a classifier that can label something other than R.
+  [[nodiscard]] bool refresh_due(const SeqState& s) const {
+    return s.position >= s.pinned && s.tracker.refreshes() && s.tracker.is_refresh_step(s.position);
   }
   void reset_state(SeqState& s) const {
     s = SeqState{};
     s.pinned = config_.pinned_prefix;
     s.appended.assign(static_cast<std::size_t>(config_.num_layers), 0);
-    s.tracker = ThoughtTracker(config_.mode == CacheMode::kFull ? ThoughtClassifier{} : config_.classifier);
+    s.tracker = tracker_type(policy_.classifier);
     s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
   }
   [[nodiscard]] Status check_seq(int seq) const {
@@ -605,14 +601,10 @@ class ThinKvCache {
     if (new_transition) ++stats_.transition_events;
     std::int64_t pinned_live = 0;
     for (const SegmentState& seg : s.segments) pinned_live += seg.pinned ? seg.size : 0;
-    const EvictionPlan plan = plan_eviction(s.segments, config_.retention, new_transition, config_.token_budget,
+    const EvictionPlan plan = plan_eviction(s.segments, policy_.retention, new_transition, config_.token_budget,
                                             live_tokens(seq) - pinned_live);
     if (plan.budget_unreachable) ++stats_.budget_unreachable;
     if (plan.empty()) return Status::ok();
-    ++stats_.eviction_calls;
-    ++s.eviction_calls;
-    stats_.segment_steps += static_cast<std::int64_t>(plan.steps.size());
-    stats_.case1_steps += plan.case1_steps;
     // Final size per segment (the last step for it wins).
     std::vector<std::pair<std::uint32_t, std::int32_t>> targets;
     for (const SegmentStep& st : plan.steps) {
@@ -623,30 +615,36 @@ class ThinKvCache {
         it->second = st.to_size;
     }
     const int d = config_.head_dim;
-    std::vector<float> keys, kbuf(static_cast<std::size_t>(d)), vbuf(static_cast<std::size_t>(d));
-    std::vector<SlotRef> slots, victims;
+    const bool reads_keys = policy_.selector.reads_keys();
+    std::vector<float> keys, vbuf(static_cast<std::size_t>(d));
+    std::vector<std::int32_t> positions;
+    std::vector<SlotRef> slots;
+    // Phase 1 chooses every stream's victims (reads and selections, which may fail); phase 2
+    // evicts them, which cannot: a selector that answers wrongly leaves the cache as it was.
+    std::vector<std::pair<int, std::vector<SlotRef>>> victims_of;
+    std::int64_t selections = 0;
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       for (const auto& [segment, size] : targets) {
         slots.clear();
+        positions.clear();
         for (SlotRef r : cache_.table().live_slot_list(st)) {
-          if (cache_.table().slot_segment(r) == segment) slots.push_back(r);
+          if (cache_.table().slot_segment(r) == segment) {
+            slots.push_back(r);
+            positions.push_back(cache_.table().slot_position(r));
+          }
         }
         if (static_cast<std::int32_t>(slots.size()) <= size) continue;
-        keys.resize(slots.size() * static_cast<std::size_t>(d));
-        for (std::size_t j = 0; j < slots.size(); ++j) {
-          THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
+        keys.resize(reads_keys ? slots.size() * static_cast<std::size_t>(d) : 0);
+        if (reads_keys) {
+          for (std::size_t j = 0; j < slots.size(); ++j) {
+            THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
+          }
         }
-        std::vector<int> kept;
-        if (config_.selection == SegmentSelection::kKmeans) {
-          KmeansOptions ko = config_.kmeans;
-          std::uint64_t mix = ko.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
-          ko.seed = splitmix64(mix);
-          kept = kmeans_select(keys.data(), static_cast<int>(slots.size()), d, size, ko);
-          ++stats_.kmeans_calls;
-        } else {  // the ablations: the segment's first or last `size` live tokens
-          kept = first_or_last_k(slots, size, config_.selection == SegmentSelection::kLast);
-        }
-        victims.clear();
+        SegmentTokens tokens{keys, positions, d, st, segment};
+        const std::vector<int> kept = policy_.selector.select(tokens, size);
+        ++selections;
+        THINKV_RETURN_IF_ERROR(check_selection(kept, tokens.count(), size, st, segment));
+        std::vector<SlotRef>& victims = victims_of.emplace_back(st, std::vector<SlotRef>{}).second;
         std::size_t ki = 0;
         for (std::size_t j = 0; j < slots.size(); ++j) {
           if (ki < kept.size() && kept[ki] == static_cast<int>(j)) {
@@ -655,11 +653,18 @@ class ThinKvCache {
             victims.push_back(slots[j]);
           }
         }
-        THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
-        stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
-        s.tokens_evicted += static_cast<std::int64_t>(victims.size());
       }
     }
+    for (const auto& [st, victims] : victims_of) {
+      THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
+      stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
+      s.tokens_evicted += static_cast<std::int64_t>(victims.size());
+    }
+    stats_.selections += selections;
+    ++stats_.eviction_calls;
+    ++s.eviction_calls;
+    stats_.segment_steps += static_cast<std::int64_t>(plan.steps.size());
+    stats_.case1_steps += plan.case1_steps;
     // Record the new levels and sizes.
     for (const SegmentStep& stp : plan.steps) {
       for (SegmentState& seg : s.segments) {
@@ -672,23 +677,26 @@ class ThinKvCache {
     return Status::ok();
   }
 
-  /// Indices (into `slots`, ascending) of the k live tokens of a segment with the lowest (first)
-  /// or highest (last) positions.
-  std::vector<int> first_or_last_k(const std::vector<SlotRef>& slots, std::int32_t k, bool last) const {
-    std::vector<int> idx(slots.size());
-    for (std::size_t j = 0; j < slots.size(); ++j) idx[j] = static_cast<int>(j);
-    std::sort(idx.begin(), idx.end(), [&](int a, int b) {
-      return cache_.table().slot_position(slots[static_cast<std::size_t>(a)]) <
-             cache_.table().slot_position(slots[static_cast<std::size_t>(b)]);
-    });
-    const std::size_t n = std::min(idx.size(), static_cast<std::size_t>(std::max(0, k)));
-    std::vector<int> kept = last ? std::vector<int>(idx.end() - static_cast<std::ptrdiff_t>(n), idx.end())
-                                 : std::vector<int>(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(n));
-    std::sort(kept.begin(), kept.end());
-    return kept;
+  /// A selector's answer must be `keep` distinct indices into the segment, ascending.
+  Status check_selection(const std::vector<int>& kept, int count, int keep, int stream, std::uint32_t segment) const {
+    auto bad = [&](const std::string& why) {
+      return Status(StatusCode::kInvalidArgument, "token selector " + std::string(policy_.selector.to_string()) +
+                                                      " asked to keep " + std::to_string(keep) + " of the " +
+                                                      std::to_string(count) + " tokens of segment " +
+                                                      std::to_string(segment) + " in stream " + std::to_string(stream) +
+                                                      " " + why + "; nothing was evicted");
+    };
+    if (static_cast<int>(kept.size()) != keep) return bad("returned " + std::to_string(kept.size()) + " indices");
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      if (kept[i] < 0 || kept[i] >= count) return bad("returned index " + std::to_string(kept[i]));
+      if (i > 0 && kept[i] <= kept[i - 1]) return bad("returned indices that are not ascending and distinct");
+    }
+    return Status::ok();
   }
 
   ThinKvConfig config_;
+  P policy_;
+  PrecisionMap map_;
   PagedKvCache<B> cache_;
   std::vector<SeqState> seqs_;
   ThinKvStats stats_;
@@ -697,7 +705,17 @@ class ThinKvCache {
   std::vector<float> sparsity_;
   std::vector<CommitPlan> plans_;  // one layer's commit plans, per KV head (scratch)
 };
-static_assert(decode_cache<ThinKvCache<>>);
+/// The paper's ablation, ready-made: each over the CPU backend unless told otherwise.
+template <kv_backend B = CpuKvBackend>
+using ThinKvCache = BasicThinKvCache<ThinKvPolicy, B>;
+template <kv_backend B = CpuKvBackend>
+using TbqCache = BasicThinKvCache<TbqPolicy, B>;
+template <kv_backend B = CpuKvBackend>
+using TbeCache = BasicThinKvCache<TbePolicy, B>;
+template <kv_backend B = CpuKvBackend>
+using FullKvCache = BasicThinKvCache<FullKvPolicy, B>;
+
+static_assert(decode_cache<ThinKvCache<>> && decode_cache<FullKvCache<>>);
 
 /// What one sequence of a ThinKvConfig's shape can hold at most, whatever it decodes: a bound
 /// proved from how the cache places and evicts (docs/design.md, "How many sequences fit").
@@ -717,36 +735,38 @@ struct SequenceFootprint {
   std::int64_t fullkv_fp16_bytes = 0;  ///< what FullKV FP16 holds for one sequence at max_tokens
 };
 
-/// The footprint bound of one sequence of `c`'s shape (c.num_sequences is ignored; c must be
-/// valid).
-inline SequenceFootprint sequence_footprint(const ThinKvConfig& c) {
+/// The footprint bound of one sequence of `c`'s shape under policy set `policy`
+/// (c.num_sequences is ignored; c.validate(policy) must pass).
+template <cache_policy P>
+SequenceFootprint sequence_footprint(const ThinKvConfig& c, const P& policy) {
   ThinKvConfig one = c;
   one.num_sequences = 1;
-  const CacheConfig pc = one.paged_config();
+  PrecisionMap map;
+  if (Status s = lower_precision(policy.precision, map); !s.is_ok()) throw ConfigError(s);
+  const CacheConfig pc = one.paged_config(map);
   const CacheLayout L = CacheLayout::from(pc);
   const std::int64_t T = c.max_tokens;
   std::int64_t live = T;
-  if (evicts(c.mode) && c.token_budget > 0) {
-    // Segments start at positions that are multiples of segment_len, at refresh steps (positive
-    // multiples of tau) and right after the pinned prefix: count the union of the first two.
-    const std::int64_t last = T - 1, seg = c.segment_len;
-    std::int64_t segments = last / seg + 2;  // multiples of segment_len in [0, T), + the pinned end
-    if (c.classifier.needs_signal()) {
-      const std::int64_t tau = c.classifier.tau();
+  if constexpr (P::kEvicts) {
+    if (c.token_budget > 0) {
+      // Segments start at positions that are multiples of segment_len, at positive multiples of
+      // tau and right after the pinned prefix: count the union of the first two.
+      const std::int64_t last = T - 1, seg = c.segment_len, tau = policy.classifier.tau();
+      std::int64_t segments = last / seg + 2;  // multiples of segment_len in [0, T), + the pinned end
       segments += last / tau - last / std::lcm(seg, tau);
+      const int min_kept = policy.retention.retained(policy.retention.num_levels());
+      const std::int64_t floor = std::int64_t{min_kept} * segments + c.segment_len;
+      live = std::min<std::int64_t>(T, c.pinned_prefix + std::max<std::int64_t>(c.token_budget, floor) + 1);
     }
-    const std::int64_t floor = std::int64_t{c.retention.min_retention()} * segments + c.segment_len;
-    live = std::min<std::int64_t>(T, c.pinned_prefix + std::max<std::int64_t>(c.token_budget, floor) + 1);
   }
   SequenceFootprint f;
   f.live_tokens = live;
-  const bool typed = c.mode != CacheMode::kFull && c.classifier.needs_signal();
   const std::int64_t per_type = (live + c.block_size - 1) / c.block_size;
   std::int64_t stream_bytes = L.stream_fixed_bytes();
   bool quantized = false;
   for (ThoughtType t : kAllThoughtTypes) {
-    if (!typed && t != ThoughtType::kReasoning) continue;
-    const Precision p = pc.precision.precision_of(t);
+    if (t != ThoughtType::kReasoning && !policy.classifier.emits(t)) continue;
+    const Precision p = map.precision_of(t);
     f.blocks += per_type;
     stream_bytes += per_type * L.block_bytes(p);
     quantized = quantized || has_group_scale(p);
@@ -758,16 +778,19 @@ inline SequenceFootprint sequence_footprint(const ThinKvConfig& c) {
   return f;
 }
 
-/// How many sequences of `c`'s shape always fit in `bytes` of cache memory (what
+/// How many sequences of `c`'s shape under `policy` always fit in `bytes` of cache memory (what
 /// ThinKvConfig::memory_limit_bytes would be set to): the largest n with n x
-/// sequence_footprint(c).bytes, plus one allocation chunk per pool and one record chunk (pools
-/// grow in whole chunks), <= bytes. With a limit of that many bytes, n sequences never see
+/// sequence_footprint(c, policy).bytes, plus one allocation chunk per pool and one record chunk
+/// (pools grow in whole chunks), <= bytes. With a limit of that many bytes, n sequences never see
 /// kPoolExhausted. 0 when not even one fits.
-inline int max_sequences(const ThinKvConfig& c, std::int64_t bytes) {
-  const SequenceFootprint f = sequence_footprint(c);
+template <cache_policy P>
+int max_sequences(const ThinKvConfig& c, const P& policy, std::int64_t bytes) {
+  const SequenceFootprint f = sequence_footprint(c, policy);
   ThinKvConfig one = c;
   one.num_sequences = 1;
-  const CacheConfig pc = one.paged_config();
+  PrecisionMap map;
+  if (Status s = lower_precision(policy.precision, map); !s.is_ok()) throw ConfigError(s);
+  const CacheConfig pc = one.paged_config(map);
   const CacheLayout L = CacheLayout::from(pc);
   std::int64_t slack = std::int64_t{c.chunk_blocks} * c.block_size / c.group_size * L.record_bytes();
   for (Precision p : kAllPrecisions) {

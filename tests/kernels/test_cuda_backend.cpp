@@ -244,7 +244,6 @@ TEST_CASE("CudaKvBackend stores, reads back and attends exactly as CpuKvBackend"
 TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[cuda_backend]") {
   TT_SEEDED_RNG();
   thinkv::ThinKvConfig c;
-  c.mode = thinkv::CacheMode::kThinKv;
   c.num_sequences = 1;
   c.num_layers = 2;
   c.num_kv_heads = 2;
@@ -254,12 +253,13 @@ TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[
   c.block_size = 16;
   c.max_tokens = 1200;
   c.segment_len = 64;
-  c.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
   c.token_budget = 160;
-  c.precision = thinkv::kR4E4T2;
-  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
-  thinkv::ThinKvCache<CpuKvBackend> cpu(c);
-  thinkv::ThinKvCache<CudaKvBackend> gpu(c);
+  thinkv::ThinKvPolicy p;
+  p.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
+  p.precision = thinkv::kR4E4T2;
+  p.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
+  thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 700;
   std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());

@@ -68,12 +68,12 @@ Model load_or_fail(const std::string& path) {
   return m;
 }
 
-ThinKvConfig config_for(const Model& m, CacheMode mode, int max_tokens, int budget = 0) {
+ThinKvSpec config_for(const Model& m, CacheMode mode, int max_tokens, int budget = 0) {
   CacheOptions o;
   o.mode = mode;
   o.max_tokens = max_tokens;
   o.budget = budget;
-  ThinKvConfig k;
+  ThinKvSpec k;
   const Status s = make_cache_config(m.config, o, k);
   INFO(s.to_string());
   REQUIRE(s.is_ok());
@@ -93,7 +93,8 @@ std::vector<int> greedy(const Model& m, CacheMode mode, int steps, const std::ve
 
 /// Mean KL(a || b) of next-token distributions, both teacher-forced on a's greedy tokens, FullKV.
 double mean_kl_between(const Model& a, const Model& b, int steps) {
-  ThinKvCache<> ca(config_for(a, CacheMode::kFull, steps + 1)), cb(config_for(b, CacheMode::kFull, steps + 1));
+  FullKvCache<> ca(config_for(a, CacheMode::kFull, steps + 1).config()),
+      cb(config_for(b, CacheMode::kFull, steps + 1).config());
   Transformer ta(a), tb(b);
   std::vector<float> la(static_cast<std::size_t>(a.config.vocab_size)), lb(la.size());
   int tok = 1;
@@ -413,7 +414,7 @@ RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifi
   o.mode = CacheMode::kThinKv;
   o.max_tokens = steps + 1;
   o.classifier = classifier;
-  ThinKvConfig cfg;
+  ThinKvSpec cfg;
   const Status cs = make_cache_config(m.config, o, cfg);
   INFO(cs.to_string());
   REQUIRE(cs.is_ok());
@@ -427,7 +428,7 @@ RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifi
   ro.steps = steps;
   ro.stop_at_bos_eos = false;
   ro.after_step = [&](int step, const thinkv::DecodeCache& dc_) {
-    const thinkv::decoder::SessionCache& c = *thinkv::decoder::thinkv_of(dc_);
+    const thinkv::decoder::ThinKvState& c = *thinkv::decoder::thinkv_of(dc_);
     const std::int32_t pos = c.position(0) - 1;  // the token this step decoded
     const bool refresh = calibrated && pos > 0 && pos % tau == 0;
     if (refresh) ++refresh_steps;
@@ -456,10 +457,10 @@ RunStats check_sparsity_signal(const Model& m, const ThoughtClassifier& classifi
       FAIL_CHECK("position " << pos << ": stats().refreshes " << c.stats().refreshes << ", but " << refresh_steps
                              << " refresh steps so far");
     }
-    if (c.tracker(0).stats().refreshes != refresh_steps) {
+    if (c.thought_stats(0).refreshes != refresh_steps) {
       ++bad;
-      FAIL_CHECK("position " << pos << ": tracker(0).stats().refreshes " << c.tracker(0).stats().refreshes
-                             << ", expected " << refresh_steps);
+      FAIL_CHECK("position " << pos << ": thought_stats(0).refreshes " << c.thought_stats(0).refreshes << ", expected "
+                             << refresh_steps);
     }
     return bad > 20 ? Status(StatusCode::kInternal, "too many failures") : Status::ok();
   };
@@ -511,7 +512,7 @@ TEST_CASE(".bin and .gguf of stories260K decode to identical tokens", "[model][d
   CHECK(greedy(bin, CacheMode::kFull, 200) == greedy(gguf, CacheMode::kFull, 200));
   // The GGUF states a 2048-token context (the .bin 512), so the default budgets differ; with the
   // same cache configuration ThinKV mode is identical too.
-  const ThinKvConfig cfg = config_for(bin, CacheMode::kThinKv, 301);
+  const ThinKvSpec cfg = config_for(bin, CacheMode::kThinKv, 301);
   auto run = [&](const Model& m) {
     RunOptions ro;
     ro.steps = 300;
@@ -606,8 +607,8 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
   const Model m = load_or_fail(model_path("stories260K.bin"));
   const int steps = 400;
   const std::vector<int> prompt{1};
-  const ThinKvConfig cfg = config_for(m, CacheMode::kThinKv, steps + 1);  // default budget: 512/4
-  const ThinKvConfig full = config_for(m, CacheMode::kFull, steps + 1);
+  const ThinKvSpec cfg = config_for(m, CacheMode::kThinKv, steps + 1);  // default budget: 512/4
+  const ThinKvSpec full = config_for(m, CacheMode::kFull, steps + 1);
   REQUIRE(cfg.token_budget == 128);
 
   // Budget: after every step the live tokens are within the budget unless the planner said the
@@ -617,7 +618,7 @@ TEST_CASE("ThinKV mode: 400 steps within budget, and the fidelity metric catches
   ro.stop_at_bos_eos = false;
   std::int64_t over = 0, unreachable_seen = 0, violations = 0;
   ro.after_step = [&](int, const thinkv::DecodeCache& dc_) {
-    const thinkv::decoder::SessionCache& c = *thinkv::decoder::thinkv_of(dc_);
+    const thinkv::decoder::ThinKvState& c = *thinkv::decoder::thinkv_of(dc_);
     const bool now_unreachable = c.stats().budget_unreachable > unreachable_seen;
     unreachable_seen = c.stats().budget_unreachable;
     if (c.live_tokens(0) > cfg.token_budget) {
@@ -1203,19 +1204,19 @@ TEST_CASE("model search path and cache defaults follow the model", "[files][deco
     o.mode = mode;
     o.max_tokens = 300;
     o.budget = budget;
-    ThinKvConfig k;
+    ThinKvSpec k;
     INFO("mode " << to_string(mode) << " budget " << budget);
     REQUIRE(make_cache_config(c, o, k).is_ok());
     CHECK(k.segment_len == want_segment);
     CHECK(k.retention.levels().front() <= k.segment_len);
-    CHECK_NOTHROW(ThinKvCache<>(k));
+    CHECK_NOTHROW(with_cache(k, [](auto&) {}));
   }
   CacheOptions o;
   o.mode = CacheMode::kThinKv;
   o.max_tokens = 300;
   o.budget = 32;
   o.segment_len = 64;
-  ThinKvConfig k;
+  ThinKvSpec k;
   const Status s = make_cache_config(c, o, k);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK_THAT(s.message(), Catch::Matchers::Contains("token_budget 32 is below segment_len 64"));
@@ -1342,10 +1343,10 @@ TEST_CASE("budget 0 means no budget in the library and in the cache options alik
   o.mode = CacheMode::kThinKv;
   o.max_tokens = 300;
   o.no_budget = true;
-  ThinKvConfig k;
+  ThinKvSpec k;
   REQUIRE(make_cache_config(c, o, k).is_ok());
   CHECK(k.token_budget == 0);  // ThinKvConfig: 0 = no budget
-  CHECK_NOTHROW(ThinKvCache<>(k));
+  CHECK_NOTHROW(with_cache(k, [](auto&) {}));
   MethodOptions mo;
   mo.method = Method::kH2o;
   mo.cache = o;

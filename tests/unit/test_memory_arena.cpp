@@ -225,7 +225,6 @@ namespace {
 
 ThinKvConfig thinkv_shape(int sequences) {
   ThinKvConfig c;
-  c.mode = CacheMode::kThinKv;
   c.num_sequences = sequences;
   c.num_layers = 2;
   c.num_kv_heads = 2;
@@ -235,15 +234,22 @@ ThinKvConfig thinkv_shape(int sequences) {
   c.block_size = 16;
   c.max_tokens = 1500;
   c.segment_len = 64;
-  c.retention = RetentionSchedule({32, 16, 8, 4});
   c.token_budget = 192;
-  c.precision = kR4E4T2;
   c.chunk_blocks = 4;
-  c.classifier = ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
   return c;
 }
 
-Status decode_step(ThinKvCache<>& cache, int seq, float sharp, std::mt19937_64& rng) {
+// ThinKV over thinkv_shape: three thought types, R4E4T2, segments shrinking to 4 tokens.
+ThinKvPolicy thinkv_policy() {
+  ThinKvPolicy p;
+  p.retention = RetentionSchedule({32, 16, 8, 4});
+  p.precision = kR4E4T2;
+  p.classifier = ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  return p;
+}
+
+template <class Cache>
+Status decode_step(Cache& cache, int seq, float sharp, std::mt19937_64& rng) {
   const auto& c = cache.config();
   THINKV_RETURN_IF_ERROR(cache.begin_token(seq));
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), out(q.size());
@@ -266,8 +272,8 @@ Status decode_step(ThinKvCache<>& cache, int seq, float sharp, std::mt19937_64& 
 TEST_CASE("arena: a ThinKV cache allocates what its budget holds, within sequence_footprint", "[arena][thinkv]") {
   TT_SEEDED_RNG();
   const ThinKvConfig cfg = thinkv_shape(3);
-  ThinKvCache<> cache(cfg);
-  const SequenceFootprint f = sequence_footprint(cfg);
+  ThinKvCache<> cache(cfg, thinkv_policy());
+  const SequenceFootprint f = sequence_footprint(cfg, thinkv_policy());
   CAPTURE(f.live_tokens, f.blocks, f.records, f.bytes);
   // The bound is below FullKV FP16 at this budget, and the cache allocated nothing for pages yet.
   CHECK(f.bytes < f.fullkv_fp16_bytes);
@@ -293,15 +299,15 @@ TEST_CASE("arena: a ThinKV cache allocates what its budget holds, within sequenc
   CHECK(cache.stats().tokens_evicted > 0);
   // max_sequences: that many sequences with memory_limit_bytes = the bytes never run out.
   const std::int64_t bytes = peak + f.bytes;  // some room
-  const int n = max_sequences(cfg, bytes);
+  const int n = max_sequences(cfg, thinkv_policy(), bytes);
   CAPTURE(n);
   CHECK(n >= 1);
-  CHECK(max_sequences(cfg, 0) == 0);
-  CHECK(max_sequences(cfg, 10 * bytes) > n);
+  CHECK(max_sequences(cfg, thinkv_policy(), 0) == 0);
+  CHECK(max_sequences(cfg, thinkv_policy(), 10 * bytes) > n);
   ThinKvConfig limited = cfg;
   limited.num_sequences = n;
   limited.memory_limit_bytes = bytes;
-  ThinKvCache<> lc(limited);
+  ThinKvCache<> lc(limited, thinkv_policy());
   for (int t = 0; t < cfg.max_tokens; t += 1) {
     for (int seq = 0; seq < n; ++seq) {
       const Status s = decode_step(lc, seq, t % 128 < 64 ? 6.0f : 0.0f, rng);
@@ -315,9 +321,10 @@ TEST_CASE("arena: a ThinKV cache allocates what its budget holds, within sequenc
 TEST_CASE("arena: a ThinKV token that would pass memory_limit_bytes is refused at begin_token", "[arena][thinkv]") {
   TT_SEEDED_RNG();
   ThinKvConfig cfg = thinkv_shape(2);
-  cfg.mode = CacheMode::kTbq;  // no eviction: memory only grows
-  cfg.memory_limit_bytes = cfg.paged_config().fixed_bytes() + 60000;
-  ThinKvCache<> cache(cfg);
+  cfg.memory_limit_bytes = cfg.paged_config(kR4E4T2).fixed_bytes() + 60000;
+  TbqPolicy tbq;  // no eviction: memory only grows
+  tbq.classifier = thinkv_policy().classifier;
+  TbqCache<> cache(cfg, tbq);
   Status s;
   int t = 0;
   for (; t < cfg.max_tokens; ++t) {

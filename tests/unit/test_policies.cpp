@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "test_util.hpp"
+#include "thinkv/thinkv_cache.hpp"
 
 using namespace thinkv;
 using Catch::Matchers::Contains;
@@ -373,21 +374,35 @@ TEST_CASE("CacheConfig rejects a negative record capacity", "[policy][config]") 
   CHECK(c.validate().is_ok());
 }
 
-TEST_CASE("CacheConfig: token_budget below the minimum retention is rejected, 0 is unlimited", "[policy][config]") {
-  CacheConfig c = small_config();
-  c.token_budget = 3;
-  std::string msg = rejected(c);
-  CHECK_THAT(msg, Contains("token_budget 3"));
-  CHECK_THAT(msg, Contains("minimum retention 4"));
+namespace {
+// A user schedule that does not shrink: check_retention must name the level.
+struct FlatRetention {
+  [[nodiscard]] int num_levels() const { return 2; }
+  [[nodiscard]] int retained(int) const { return 8; }
+  [[nodiscard]] std::string to_string() const { return "flat"; }
+};
+}  // namespace
+
+TEST_CASE("ThinKvConfig::validate(policy): budget and retention are checked for the sets that evict",
+          "[policy][config]") {
+  ThinKvConfig c;
+  c.num_layers = 2;
+  c.head_dim = 16;
+  c.max_tokens = 512;
+  c.segment_len = 64;
+  ThinKvPolicy p;
+  p.retention = RetentionSchedule({32, 16, 8, 4});
   c.token_budget = -1;
-  CHECK_THAT(rejected(c), Contains("token_budget -1"));
-  for (int b : {0, 4, 5, 100000}) {
+  CHECK_THAT(c.validate().message(), Contains("token_budget -1"));
+  c.token_budget = 32;
+  CHECK_THAT(c.validate(p).message(), Contains("token_budget 32 is below segment_len 64"));
+  CHECK(c.validate(TbqPolicy{}).is_ok());  // no eviction: the budget is not used
+  for (int b : {0, 64, 100000}) {
     c.token_budget = b;
-    CHECK(c.validate().is_ok());
+    CHECK(c.validate(p).is_ok());
   }
-  c.retention = RetentionSchedule{10, 5};
-  c.token_budget = 4;
-  CHECK_THAT(rejected(c), Contains("token_budget 4") && Contains("5"));
-  c.token_budget = 5;
-  CHECK(c.validate().is_ok());
+  p.retention = RetentionSchedule({128, 64});
+  CHECK_THAT(c.validate(p).message(), Contains("segment_len 64 is below the first retention level 128"));
+  CHECK_THAT(check_retention(FlatRetention{}).message(), Contains("keeps 8 tokens at level 2"));
+  CHECK(check_retention(RetentionSchedule{}).is_ok());
 }

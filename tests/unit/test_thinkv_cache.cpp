@@ -1,5 +1,7 @@
-// ThinKvCache: the cache a decoder uses, in all four modes, driven by random decoding with
-// shifting thought types, checking every invariant after every step.
+// BasicThinKvCache: the cache a decoder uses, under all four ready-made policy sets (FullKvCache,
+// TbqCache, TbeCache, ThinKvCache), driven by random decoding with shifting thought types,
+// checking every invariant after every step. The sets are chosen through the CLI's ThinKvSpec
+// (examples/decoder/thinkv_spec.hpp), which these tests also check.
 
 #include <catch2/catch.hpp>
 
@@ -12,17 +14,22 @@
 #include <set>
 #include <vector>
 
+#include "../../examples/decoder/thinkv_spec.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
 #include "test_util.hpp"
 
-using thinkv::CacheMode;
 using thinkv::ThoughtType;
+using thinkv::decoder::CacheMode;
+using thinkv::decoder::evicts;
+using thinkv::decoder::policy_of;
+using thinkv::decoder::ThinKvSpec;
+using thinkv::decoder::with_cache;
 
 namespace {
 
-thinkv::ThinKvConfig small_config(CacheMode mode) {
-  thinkv::ThinKvConfig c;
+ThinKvSpec small_config(CacheMode mode) {
+  ThinKvSpec c;
   c.mode = mode;
   c.num_sequences = 2;
   c.num_layers = 2;
@@ -68,8 +75,9 @@ std::vector<double> attention_f64(const float* q, int n_q, const std::vector<flo
 // Drives one step of one sequence with random K/V; the query scale `sharp` steers sparsity.
 // `after_layer0(q, out)`, when given, runs right after layer 0's attention, before end_token
 // (which may evict: the state the attention saw is only observable until then).
+template <class Cache>
 thinkv::Status step(
-    thinkv::ThinKvCache<>& cache, int seq, float sharp, std::mt19937& rng,
+    Cache& cache, int seq, float sharp, std::mt19937& rng,
     const std::function<void(const std::vector<float>&, const std::vector<float>&)>& after_layer0 = {}) {
   const auto& c = cache.config();
   std::normal_distribution<float> normal;
@@ -92,82 +100,83 @@ TEST_CASE("ThinKV cache: invariants after every step in every mode", "[thinkv_ca
   const unsigned seed = static_cast<unsigned>(tt::base_seed());
   INFO("seed " << seed << " (THINKV_TEST_SEED to repeat)");
   for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
-    INFO("mode " << thinkv::to_string(mode));
+    INFO("mode " << thinkv::decoder::to_string(mode));
     std::mt19937 rng(seed);
     const auto cfg = small_config(mode);
-    thinkv::ThinKvCache<> cache(cfg);
-    const auto& table = cache.paged().table();
-    std::int64_t unreachable_before = 0;
-    float sharp = 1.0f;
-    for (int t = 0; t < 1100; ++t) {
-      if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
-      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
-        const thinkv::Status s = step(cache, seq, sharp, rng);
-        INFO("t " << t << " seq " << seq << ": " << s);
-        REQUIRE(s.is_ok());
-        // Budget (TBE modes): within budget unless the plan said it cannot be met.
-        const std::int64_t live = cache.live_tokens(seq);
-        if (thinkv::evicts(mode)) {
-          const bool flagged = cache.stats().budget_unreachable > unreachable_before;
-          REQUIRE((live <= cfg.token_budget || flagged));
-          unreachable_before = cache.stats().budget_unreachable;
-        } else {
-          REQUIRE(live == t + 1);
-        }
-        // Every stream of the sequence holds the same number of tokens; every live slot sits in
-        // a block of its segment's thought type, and each segment holds what the plan says.
-        std::map<std::uint32_t, const thinkv::SegmentState*> seg_by_id;
-        for (const auto& sg : cache.segments(seq)) seg_by_id[sg.id] = &sg;
-        std::string broken;  // first violated invariant (one REQUIRE per step keeps this fast)
-        for (int l = 0; l < cfg.num_layers && broken.empty(); ++l) {
-          for (int h = 0; h < cfg.num_kv_heads && broken.empty(); ++h) {
-            const int st = cache.stream_of(seq, l, h);
-            if (table.live_slots(st) + table.staged_count(st) != live) {
-              broken = "stream " + std::to_string(st) + " live count differs from stream 0's";
-            }
-            std::map<std::uint32_t, int> per_seg;
-            for (auto r : table.live_slot_list(st)) {
-              const auto id = table.slot_segment(r);
-              ++per_seg[id];
-              if (seg_by_id.count(id) != 1) {
-                broken = "slot names unknown segment " + std::to_string(id);
-              } else if (table.block_thought(r.block) != seg_by_id[id]->type) {
-                broken = "token of segment " + std::to_string(id) + " in a block of another type";
+    with_cache(cfg, [&](auto& cache) {
+      const auto& table = cache.paged().table();
+      std::int64_t unreachable_before = 0;
+      float sharp = 1.0f;
+      for (int t = 0; t < 1100; ++t) {
+        if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+        for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+          const thinkv::Status s = step(cache, seq, sharp, rng);
+          INFO("t " << t << " seq " << seq << ": " << s);
+          REQUIRE(s.is_ok());
+          // Budget (TBE modes): within budget unless the plan said it cannot be met.
+          const std::int64_t live = cache.live_tokens(seq);
+          if (evicts(mode)) {
+            const bool flagged = cache.stats().budget_unreachable > unreachable_before;
+            REQUIRE((live <= cfg.token_budget || flagged));
+            unreachable_before = cache.stats().budget_unreachable;
+          } else {
+            REQUIRE(live == t + 1);
+          }
+          // Every stream of the sequence holds the same number of tokens; every live slot sits in
+          // a block of its segment's thought type, and each segment holds what the plan says.
+          std::map<std::uint32_t, const thinkv::SegmentState*> seg_by_id;
+          for (const auto& sg : cache.segments(seq)) seg_by_id[sg.id] = &sg;
+          std::string broken;  // first violated invariant (one REQUIRE per step keeps this fast)
+          for (int l = 0; l < cfg.num_layers && broken.empty(); ++l) {
+            for (int h = 0; h < cfg.num_kv_heads && broken.empty(); ++h) {
+              const int st = cache.stream_of(seq, l, h);
+              if (table.live_slots(st) + table.staged_count(st) != live) {
+                broken = "stream " + std::to_string(st) + " live count differs from stream 0's";
               }
-            }
-            for (int r = 0; r < table.staged_count(st); ++r) ++per_seg[table.staged_segment(st, r)];
-            for (const auto& [id, n] : per_seg) {
-              if (seg_by_id.count(id) && n != seg_by_id[id]->size) {
-                broken = "segment " + std::to_string(id) + " holds " + std::to_string(n) + " tokens in stream " +
-                         std::to_string(st) + ", plan says " + std::to_string(seg_by_id[id]->size);
+              std::map<std::uint32_t, int> per_seg;
+              for (auto r : table.live_slot_list(st)) {
+                const auto id = table.slot_segment(r);
+                ++per_seg[id];
+                if (seg_by_id.count(id) != 1) {
+                  broken = "slot names unknown segment " + std::to_string(id);
+                } else if (table.block_thought(r.block) != seg_by_id[id]->type) {
+                  broken = "token of segment " + std::to_string(id) + " in a block of another type";
+                }
+              }
+              for (int r = 0; r < table.staged_count(st); ++r) ++per_seg[table.staged_segment(st, r)];
+              for (const auto& [id, n] : per_seg) {
+                if (seg_by_id.count(id) && n != seg_by_id[id]->size) {
+                  broken = "segment " + std::to_string(id) + " holds " + std::to_string(n) + " tokens in stream " +
+                           std::to_string(st) + ", plan says " + std::to_string(seg_by_id[id]->size);
+                }
               }
             }
           }
+          REQUIRE(broken.empty());
         }
-        REQUIRE(broken.empty());
       }
-    }
-    // Every byte the backend wrote belongs to a new token's commit: nothing was moved.
-    CHECK(cache.paged().planned_bytes() > 0);
-    CHECK(cache.paged().moved_bytes() == 0);
-    CHECK(cache.report(0).gather_bytes == 0);
-    const auto m = cache.memory();
-    if (thinkv::evicts(mode)) {
-      CHECK(cache.stats().tokens_evicted > 0);
-      CHECK(cache.stats().eviction_calls > 0);
-      CHECK(table.stats().slots_reused > 0);
-      if (mode == CacheMode::kThinKv) CHECK(cache.stats().refreshes > 0);
-    } else {
-      CHECK(cache.stats().tokens_evicted == 0);
-      CHECK(m.hole_slots == 0);
-    }
-    if (mode == CacheMode::kFull) CHECK(m.ratio() > 1.0);  // BF16 + metadata
-    if (mode == CacheMode::kTbq) CHECK(m.ratio() < 0.6);   // <= 4.5 bits/value + overheads at d=16
-    // Thought types did vary (the test drives sharp and flat attention).
-    if (mode != CacheMode::kFull && mode != CacheMode::kTbe) {
-      const auto& hist = cache.tracker(0).stats().refresh_histogram;
-      CHECK(std::count_if(hist.begin(), hist.end(), [](auto n) { return n > 0; }) >= 2);
-    }
+      // Every byte the backend wrote belongs to a new token's commit: nothing was moved.
+      CHECK(cache.paged().planned_bytes() > 0);
+      CHECK(cache.paged().moved_bytes() == 0);
+      CHECK(cache.report(0).gather_bytes == 0);
+      const auto m = cache.memory();
+      if (evicts(mode)) {
+        CHECK(cache.stats().tokens_evicted > 0);
+        CHECK(cache.stats().eviction_calls > 0);
+        CHECK(table.stats().slots_reused > 0);
+        if (mode == CacheMode::kThinKv) CHECK(cache.stats().refreshes > 0);
+      } else {
+        CHECK(cache.stats().tokens_evicted == 0);
+        CHECK(m.hole_slots == 0);
+      }
+      if (mode == CacheMode::kFull) CHECK(m.ratio() > 1.0);  // BF16 + metadata
+      if (mode == CacheMode::kTbq) CHECK(m.ratio() < 0.6);   // <= 4.5 bits/value + overheads at d=16
+      // Thought types did vary (the test drives sharp and flat attention).
+      if (mode != CacheMode::kFull && mode != CacheMode::kTbe) {
+        const auto& hist = cache.tracker(0).stats().refresh_histogram;
+        CHECK(std::count_if(hist.begin(), hist.end(), [](auto n) { return n > 0; }) >= 2);
+      }
+    });
   }
 }
 
@@ -176,7 +185,7 @@ TEST_CASE("ThinKV attention equals float64 attention over exactly the tokens the
   INFO("seed " << seed);
   std::mt19937 rng(seed);
   const auto cfg = small_config(CacheMode::kThinKv);
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   const int d = cfg.head_dim;
   float sharp = 1.0f;
   // Rebuilds layer 0's attention from the cache's own view of what it kept, in float64.
@@ -227,7 +236,7 @@ TEST_CASE("ThinKV eviction keeps the kept tokens' bytes and positions untouched"
   std::mt19937 rng(seed);
   auto cfg = small_config(CacheMode::kThinKv);
   cfg.num_sequences = 1;
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   const int d = cfg.head_dim;
   const auto& table = cache.paged().table();
   const int st = cache.stream_of(0, 1, 1);
@@ -259,7 +268,7 @@ TEST_CASE("ThinKV eviction keeps the kept tokens' bytes and positions untouched"
 
 TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thinkv_cache]") {
   auto cfg = small_config(CacheMode::kThinKv);
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   std::mt19937 rng(1);
   for (int t = 0; t < 20; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
   const auto mem = cache.memory();
@@ -325,7 +334,7 @@ TEST_CASE("ThinKV: a token whose commits do not fit the pools is refused at begi
     cfg.num_q_heads = 4;
     cfg.classifier = {};  // every token R: one pool in play
     cfg.pool_blocks = pool;
-    thinkv::ThinKvCache<> cache(cfg);
+    thinkv::TbqCache<> cache(cfg, policy_of<thinkv::TbqPolicy>(cfg));
     std::mt19937 rng(seed + static_cast<unsigned>(pool));
     // group 8, block 16: the first commit of each of the 8 streams takes a fresh block.
     for (int t = 0; t < cfg.group_size - 1; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
@@ -360,7 +369,7 @@ TEST_CASE("ThinKV: two open tokens cannot both count on the same free blocks", "
   cfg.num_q_heads = 2;
   cfg.classifier = {};
   cfg.pool_blocks = 3;
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::TbqCache<> cache(cfg, policy_of<thinkv::TbqPolicy>(cfg));
   std::mt19937 rng(11);
   for (int t = 0; t < cfg.group_size - 1; ++t) {
     for (int seq = 0; seq < 2; ++seq) REQUIRE(step(cache, seq, 1.0f, rng).is_ok());
@@ -375,7 +384,7 @@ TEST_CASE("ThinKV: two open tokens cannot both count on the same free blocks", "
 TEST_CASE("ThinKV enforces the decode protocol and names the layer and position", "[thinkv_cache][bad_input]") {
   auto cfg = small_config(CacheMode::kThinKv);
   cfg.num_sequences = 1;
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   std::mt19937 rng(5);
   for (int t = 0; t < 20; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
   const auto snap = tt::snapshot_cache(cache.paged());
@@ -407,7 +416,7 @@ TEST_CASE("ThinKV enforces the decode protocol and names the layer and position"
   // Configuration values that used to pass construction.
   auto bad = small_config(CacheMode::kThinKv);
   bad.softmax_scale = std::nanf("");
-  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad), thinkv::ConfigError);
+  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad, policy_of<thinkv::ThinKvPolicy>(bad)), thinkv::ConfigError);
   bad.softmax_scale = -1.0f;
   CHECK_THAT(bad.validate().message(), Catch::Matchers::Contains("softmax_scale"));
   bad.softmax_scale = INFINITY;
@@ -418,9 +427,9 @@ TEST_CASE("ThinKV enforces the decode protocol and names the layer and position"
 }
 
 TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
-  auto expect = [](thinkv::ThinKvConfig c, const std::string& needle) {
+  auto expect = [](const ThinKvSpec& c, const std::string& needle) {
     try {
-      thinkv::ThinKvCache<> cache(c);
+      with_cache(c, [](auto&) {});
       FAIL("accepted a bad config, expected: " << needle);
     } catch (const thinkv::ConfigError& e) {
       INFO(e.what());
@@ -458,18 +467,18 @@ TEST_CASE("ThinKV config validation names the bad value", "[thinkv_cache]") {
   c.token_budget = 63;
   expect(c, "token_budget 63 is below segment_len 64");
   c.mode = CacheMode::kTbq;  // no eviction: the budget is not used, so not checked
-  CHECK_NOTHROW(thinkv::ThinKvCache<>(c));
+  CHECK_NOTHROW(thinkv::TbqCache<>(c, policy_of<thinkv::TbqPolicy>(c)));
   c.mode = CacheMode::kTbe;
   c.token_budget = 64;
-  CHECK_NOTHROW(thinkv::ThinKvCache<>(c));
-  CHECK(thinkv::parse_cache_mode("thinkv") == CacheMode::kThinKv);
-  CHECK_FALSE(thinkv::parse_cache_mode("fast").has_value());
+  CHECK_NOTHROW(thinkv::TbeCache<>(c, policy_of<thinkv::TbePolicy>(c)));
+  CHECK(thinkv::decoder::parse_cache_mode("thinkv") == CacheMode::kThinKv);
+  CHECK_FALSE(thinkv::decoder::parse_cache_mode("fast").has_value());
 }
 
 TEST_CASE("ThinKV memory against FullKV of the whole sequence", "[thinkv_cache]") {
   auto cfg = small_config(CacheMode::kThinKv);
   cfg.num_sequences = 1;
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   std::mt19937 rng(3);
   for (int t = 0; t < 600; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
   // 600 positions x 4 streams x (K + V) x head_dim x 2 bytes
@@ -496,118 +505,119 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
   const std::pair<CacheMode, int> runs[] = {{CacheMode::kFull, 0},     {CacheMode::kTbq, 0},  {CacheMode::kTbe, 160},
                                             {CacheMode::kThinKv, 160}, {CacheMode::kTbe, 64}, {CacheMode::kThinKv, 64}};
   for (const auto& [mode, budget] : runs) {
-    INFO("mode " << thinkv::to_string(mode) << " budget " << budget);
+    INFO("mode " << thinkv::decoder::to_string(mode) << " budget " << budget);
     std::mt19937 rng(seed);
     auto cfg = small_config(mode);
     cfg.max_tokens = 800;
     if (budget > 0) cfg.token_budget = budget;
-    thinkv::ThinKvCache<> cache(cfg);
-    const auto& table = cache.paged().table();
-    tt::CtModel model(cache.paged().config());
-    std::normal_distribution<float> normal;
-    const int d = cfg.head_dim;
-    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * d)), v(k.size());
-    std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * d)), out(q.size());
-    std::int64_t unreachable_before = 0, refreshes_before = 0, flagged_steps = 0;
-    float sharp = 1.0f;
-    for (int t = 0; t < 700; ++t) {
-      if (t % 32 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
-      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
-        INFO("t " << t << " seq " << seq);
-        tt::Diff diff;
-        REQUIRE(cache.begin_token(seq).is_ok());
-        const auto& open = cache.segments(seq).back();
-        for (int l = 0; l < cfg.num_layers; ++l) {
-          const double mag = std::exp2(std::uniform_real_distribution<double>(-3, 3)(rng));
-          for (auto& x : k) x = static_cast<float>(normal(rng) * mag);
-          for (auto& x : v) x = static_cast<float>(normal(rng) * mag);
-          for (auto& x : q) x = normal(rng) * sharp;
-          REQUIRE(cache.append(seq, l, k, v).is_ok());
-          for (int h = 0; h < cfg.num_kv_heads; ++h) {
-            const auto off = static_cast<std::size_t>(h * d);
-            tt::mirror_append(table, model, cache.stream_of(seq, l, h), std::span<const float>(k).subspan(off, d),
-                              std::span<const float>(v).subspan(off, d), open.type, open.id, diff);
+    with_cache(cfg, [&](auto& cache) {
+      const auto& table = cache.paged().table();
+      tt::CtModel model(cache.paged().config());
+      std::normal_distribution<float> normal;
+      const int d = cfg.head_dim;
+      std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * d)), v(k.size());
+      std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * d)), out(q.size());
+      std::int64_t unreachable_before = 0, refreshes_before = 0, flagged_steps = 0;
+      float sharp = 1.0f;
+      for (int t = 0; t < 700; ++t) {
+        if (t % 32 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+        for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+          INFO("t " << t << " seq " << seq);
+          tt::Diff diff;
+          REQUIRE(cache.begin_token(seq).is_ok());
+          const auto& open = cache.segments(seq).back();
+          for (int l = 0; l < cfg.num_layers; ++l) {
+            const double mag = std::exp2(std::uniform_real_distribution<double>(-3, 3)(rng));
+            for (auto& x : k) x = static_cast<float>(normal(rng) * mag);
+            for (auto& x : v) x = static_cast<float>(normal(rng) * mag);
+            for (auto& x : q) x = normal(rng) * sharp;
+            REQUIRE(cache.append(seq, l, k, v).is_ok());
+            for (int h = 0; h < cfg.num_kv_heads; ++h) {
+              const auto off = static_cast<std::size_t>(h * d);
+              tt::mirror_append(table, model, cache.stream_of(seq, l, h), std::span<const float>(k).subspan(off, d),
+                                std::span<const float>(v).subspan(off, d), open.type, open.id, diff);
+            }
+            REQUIRE(cache.attend(seq, l, q, out).is_ok());
           }
-          REQUIRE(cache.attend(seq, l, q, out).is_ok());
-        }
-        const std::vector<thinkv::SegmentState> segs_before = cache.segments(seq);
-        REQUIRE(cache.end_token(seq).is_ok());
-        // A refresh relabels the staged group of every stream of the sequence.
-        if (cache.stats().refreshes > refreshes_before) {
-          refreshes_before = cache.stats().refreshes;
+          const std::vector<thinkv::SegmentState> segs_before = cache.segments(seq);
+          REQUIRE(cache.end_token(seq).is_ok());
+          // A refresh relabels the staged group of every stream of the sequence.
+          if (cache.stats().refreshes > refreshes_before) {
+            refreshes_before = cache.stats().refreshes;
+            for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+              if (!model.S(st).staged.empty()) model.S(st).staged_thought = cache.segments(seq).back().type;
+            }
+          }
+          // Evictions: what the model holds live and the table no longer does.
+          std::map<std::uint32_t, const thinkv::SegmentState*> before_by_id, after_by_id;
+          for (const auto& sg : segs_before) before_by_id[sg.id] = &sg;
+          for (const auto& sg : cache.segments(seq)) after_by_id[sg.id] = &sg;
           for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
-            if (!model.S(st).staged.empty()) model.S(st).staged_thought = cache.segments(seq).back().type;
-          }
-        }
-        // Evictions: what the model holds live and the table no longer does.
-        std::map<std::uint32_t, const thinkv::SegmentState*> before_by_id, after_by_id;
-        for (const auto& sg : segs_before) before_by_id[sg.id] = &sg;
-        for (const auto& sg : cache.segments(seq)) after_by_id[sg.id] = &sg;
-        for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
-          const auto live_now = table.live_slot_list(st);
-          const std::set<thinkv::SlotRef> now(live_now.begin(), live_now.end());
-          std::vector<thinkv::SlotRef> victims;
-          std::map<std::uint32_t, int> evicted_per_seg;
-          for (auto r : model.live_slots(st)) {
-            if (now.count(r)) continue;
-            victims.push_back(r);
-            ++evicted_per_seg[model.find(st, r)->seg];
-          }
-          for (const auto& [id, n] : evicted_per_seg) {
-            if (!before_by_id.count(id) || !before_by_id[id]->closed) {
-              diff.fail("stream ", st, ": ", n, " tokens evicted from segment ", id, ", which is not closed");
-            } else if (before_by_id[id]->size - after_by_id[id]->size != n) {
-              diff.fail("stream ", st, ": segment ", id, " lost ", n, " tokens; the plan took it from ",
-                        before_by_id[id]->size, " to ", after_by_id[id]->size);
+            const auto live_now = table.live_slot_list(st);
+            const std::set<thinkv::SlotRef> now(live_now.begin(), live_now.end());
+            std::vector<thinkv::SlotRef> victims;
+            std::map<std::uint32_t, int> evicted_per_seg;
+            for (auto r : model.live_slots(st)) {
+              if (now.count(r)) continue;
+              victims.push_back(r);
+              ++evicted_per_seg[model.find(st, r)->seg];
+            }
+            for (const auto& [id, n] : evicted_per_seg) {
+              if (!before_by_id.count(id) || !before_by_id[id]->closed) {
+                diff.fail("stream ", st, ": ", n, " tokens evicted from segment ", id, ", which is not closed");
+              } else if (before_by_id[id]->size - after_by_id[id]->size != n) {
+                diff.fail("stream ", st, ": segment ", id, " lost ", n, " tokens; the plan took it from ",
+                          before_by_id[id]->size, " to ", after_by_id[id]->size);
+              }
+            }
+            if (!evicts(mode) && !victims.empty()) diff.fail("mode without eviction evicted");
+            model.evict(st, victims);
+            // Every stream holds exactly what the plan says of every segment (a stream whose TBE
+            // was skipped would keep more than its segments' sizes).
+            std::map<std::uint32_t, int> held;
+            for (auto r : model.live_slots(st)) ++held[model.find(st, r)->seg];
+            for (int i = 0; i < table.staged_count(st); ++i) ++held[table.staged_segment(st, i)];
+            for (const auto& [id, sg] : after_by_id) {
+              const int n = held.count(id) ? held[id] : 0;
+              if (n != sg->size)
+                diff.fail("stream ", st, " holds ", n, " tokens of segment ", id, "; the plan says ", sg->size);
             }
           }
-          if (!thinkv::evicts(mode) && !victims.empty()) diff.fail("mode without eviction evicted");
-          model.evict(st, victims);
-          // Every stream holds exactly what the plan says of every segment (a stream whose TBE
-          // was skipped would keep more than its segments' sizes).
-          std::map<std::uint32_t, int> held;
-          for (auto r : model.live_slots(st)) ++held[model.find(st, r)->seg];
-          for (int i = 0; i < table.staged_count(st); ++i) ++held[table.staged_segment(st, i)];
-          for (const auto& [id, sg] : after_by_id) {
-            const int n = held.count(id) ? held[id] : 0;
-            if (n != sg->size)
-              diff.fail("stream ", st, " holds ", n, " tokens of segment ", id, "; the plan says ", sg->size);
-          }
-        }
-        diff.merge(tt::check_cache(cache.paged(), model));
-        INFO(diff.msg);
-        REQUIRE(diff.ok());
-        // Budget: met, or flagged, and a flag only when no closed segment can step down.
-        const std::int64_t live = cache.live_tokens(seq);
-        if (thinkv::evicts(mode)) {
-          if (cache.stats().budget_unreachable > unreachable_before) {
-            ++flagged_steps;
-            for (const auto& sg : cache.segments(seq)) {
-              INFO("segment " << sg.id << " level " << sg.level);
-              REQUIRE((!sg.closed || sg.level >= cfg.retention.num_levels()));
+          diff.merge(tt::check_cache(cache.paged(), model));
+          INFO(diff.msg);
+          REQUIRE(diff.ok());
+          // Budget: met, or flagged, and a flag only when no closed segment can step down.
+          const std::int64_t live = cache.live_tokens(seq);
+          if (evicts(mode)) {
+            if (cache.stats().budget_unreachable > unreachable_before) {
+              ++flagged_steps;
+              for (const auto& sg : cache.segments(seq)) {
+                INFO("segment " << sg.id << " level " << sg.level);
+                REQUIRE((!sg.closed || sg.level >= cfg.retention.num_levels()));
+              }
+            } else {
+              REQUIRE(live <= cfg.token_budget);
             }
+            unreachable_before = cache.stats().budget_unreachable;
           } else {
-            REQUIRE(live <= cfg.token_budget);
+            REQUIRE(live == t + 1);
           }
-          unreachable_before = cache.stats().budget_unreachable;
-        } else {
-          REQUIRE(live == t + 1);
         }
       }
-    }
-    // The run exercised what it claims to.
-    const auto& ts = table.stats();
-    CHECK(cache.paged().planned_bytes() > 0);
-    CHECK(cache.paged().moved_bytes() == 0);
-    if (thinkv::evicts(mode)) {
-      CHECK(cache.stats().tokens_evicted > 0);
-      CHECK(ts.slots_reused > 0);
-      CHECK(cache.stats().segment_steps > 0);
-      if (mode == CacheMode::kThinKv) CHECK(cache.stats().transition_events > 0);  // case 1 fired
-      if (budget == 160) CHECK(flagged_steps == 0);
-      if (budget == 64) CHECK(flagged_steps > 0);  // the flag path above was checked
-    }
-    if (mode != CacheMode::kFull) CHECK(cache.stats().refreshes > 0);
+      // The run exercised what it claims to.
+      const auto& ts = table.stats();
+      CHECK(cache.paged().planned_bytes() > 0);
+      CHECK(cache.paged().moved_bytes() == 0);
+      if (evicts(mode)) {
+        CHECK(cache.stats().tokens_evicted > 0);
+        CHECK(ts.slots_reused > 0);
+        CHECK(cache.stats().segment_steps > 0);
+        if (mode == CacheMode::kThinKv) CHECK(cache.stats().transition_events > 0);  // case 1 fired
+        if (budget == 160) CHECK(flagged_steps == 0);
+        if (budget == 64) CHECK(flagged_steps > 0);  // the flag path above was checked
+      }
+      if (mode != CacheMode::kFull) CHECK(cache.stats().refreshes > 0);
+    });
   }
 }
 
@@ -619,37 +629,38 @@ TEST_CASE("ThinKV first/last selection keeps each shrunk segment's first or last
     std::mt19937 rng(seed);
     auto cfg = small_config(CacheMode::kTbe);
     cfg.selection = sel;
-    thinkv::ThinKvCache<> cache(cfg);
-    const auto& table = cache.paged().table();
-    for (int t = 0; t < 600; ++t) {
-      for (int seq = 0; seq < cfg.num_sequences; ++seq) REQUIRE(step(cache, seq, 1.0f, rng).is_ok());
-    }
-    REQUIRE(cache.stats().tokens_evicted > 0);
-    CHECK(cache.stats().kmeans_calls == 0);
-    int checked = 0;
-    for (int seq = 0; seq < cfg.num_sequences; ++seq) {
-      for (const auto& sg : cache.segments(seq)) {
-        if (sg.level == 0) continue;
-        // The segment's original positions: [start, start + segment_len) (TBE mode: no refresh
-        // boundaries), of which `size` are kept.
-        for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
-          std::vector<std::int32_t> pos;
-          for (auto r : table.live_slot_list(st)) {
-            if (table.slot_segment(r) == sg.id) pos.push_back(table.slot_position(r));
+    with_cache(cfg, [&](auto& cache) {
+      const auto& table = cache.paged().table();
+      for (int t = 0; t < 600; ++t) {
+        for (int seq = 0; seq < cfg.num_sequences; ++seq) REQUIRE(step(cache, seq, 1.0f, rng).is_ok());
+      }
+      REQUIRE(cache.stats().tokens_evicted > 0);
+      CHECK(cache.stats().selections > 0);
+      int checked = 0;
+      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+        for (const auto& sg : cache.segments(seq)) {
+          if (sg.level == 0) continue;
+          // The segment's original positions: [start, start + segment_len) (TBE mode: no refresh
+          // boundaries), of which `size` are kept.
+          for (int st = cache.stream_of(seq, 0, 0); st < cache.stream_of(seq + 1, 0, 0); ++st) {
+            std::vector<std::int32_t> pos;
+            for (auto r : table.live_slot_list(st)) {
+              if (table.slot_segment(r) == sg.id) pos.push_back(table.slot_position(r));
+            }
+            std::sort(pos.begin(), pos.end());
+            std::vector<std::int32_t> want;
+            for (int i = 0; i < sg.size; ++i) {
+              want.push_back(sel == thinkv::SegmentSelection::kFirst ? sg.start + i
+                                                                     : sg.start + cfg.segment_len - sg.size + i);
+            }
+            INFO("segment " << sg.id << " start " << sg.start << " level " << sg.level << " stream " << st);
+            REQUIRE(pos == want);
+            ++checked;
           }
-          std::sort(pos.begin(), pos.end());
-          std::vector<std::int32_t> want;
-          for (int i = 0; i < sg.size; ++i) {
-            want.push_back(sel == thinkv::SegmentSelection::kFirst ? sg.start + i
-                                                                   : sg.start + cfg.segment_len - sg.size + i);
-          }
-          INFO("segment " << sg.id << " start " << sg.start << " level " << sg.level << " stream " << st);
-          REQUIRE(pos == want);
-          ++checked;
         }
       }
-    }
-    CHECK(checked > 0);
+      CHECK(checked > 0);
+    });
   }
 }
 
@@ -659,7 +670,7 @@ TEST_CASE("ThinKV pinned prefix: never evicted, stored as R, outside the budget"
   std::mt19937 rng(seed);
   auto cfg = small_config(CacheMode::kThinKv);
   cfg.pinned_prefix = 100;  // not a multiple of the segment or the group
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   REQUIRE(cache.pin_prefix(1, 37).is_ok());  // sequence 1 pins less
   const auto& table = cache.paged().table();
   std::int64_t unreachable_before = 0;
@@ -702,7 +713,7 @@ TEST_CASE("ThinKV pinned prefix: never evicted, stored as R, outside the budget"
   CHECK(cache.pin_prefix(0, 10).code() == thinkv::StatusCode::kInvalidArgument);
   auto bad = cfg;
   bad.pinned_prefix = cfg.max_tokens + 1;
-  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad), thinkv::ConfigError);
+  CHECK_THROWS_AS(thinkv::ThinKvCache<>(bad, policy_of<thinkv::ThinKvPolicy>(bad)), thinkv::ConfigError);
 }
 
 TEST_CASE("ThinKV case 1: a new transition steps every earlier unpinned segment down once", "[thinkv_cache]") {
@@ -712,7 +723,7 @@ TEST_CASE("ThinKV case 1: a new transition steps every earlier unpinned segment 
   cfg.token_budget = 0;  // no budget: only case 1 evicts
   cfg.classifier = thinkv::ThoughtClassifier::three_types(0.0001f, 0.0002f, {0, 1}, 64, 2);
   std::mt19937 rng(7);
-  thinkv::ThinKvCache<> cache(cfg);
+  thinkv::TbeCache<> cache(cfg, policy_of<thinkv::TbePolicy>(cfg));
   for (int t = 0; t < 64 * 3; ++t) REQUIRE(step(cache, 0, 6.0f, rng).is_ok());  // positions 0..191 (sharp: sparse)
   // Refresh at 64 (T after R): segment 0 steps down; refresh at 128: T after T, nothing.
   CHECK(cache.stats().transition_events == 1);
@@ -727,7 +738,7 @@ TEST_CASE("ThinKV case 1: a new transition steps every earlier unpinned segment 
 
 TEST_CASE("ThinKV config: products and sums that would overflow int are refused naming the values",
           "[thinkv_cache][regression]") {
-  auto message = [](const thinkv::ThinKvConfig& c) { return c.validate().message(); };
+  auto message = [](const ThinKvSpec& c) { return c.validate().message(); };
   auto c = small_config(CacheMode::kThinKv);
   c.num_sequences = 1 << 20;
   c.num_layers = 200;

@@ -16,10 +16,12 @@
 
 #include "test_util.hpp"
 #include "thinkv/formats/bf16.hpp"
+#include "../../examples/decoder/thinkv_spec.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
-using thinkv::CacheMode;
 using thinkv::ThoughtType;
+using thinkv::decoder::CacheMode;
+using thinkv::decoder::ThinKvSpec;
 
 namespace {
 
@@ -27,8 +29,8 @@ constexpr int kLayers = 5;
 constexpr int kTau = 32;
 const std::vector<int> kLstar = {1, 3};
 
-thinkv::ThinKvConfig signal_config(CacheMode mode) {
-  thinkv::ThinKvConfig c;
+ThinKvSpec signal_config(CacheMode mode) {
+  ThinKvSpec c;
   c.mode = mode;
   c.num_sequences = 2;
   c.num_layers = kLayers;
@@ -99,66 +101,67 @@ TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*",
   std::normal_distribution<float> normal;
   std::set<ThoughtType> types_seen;  // over both classifying modes
   for (CacheMode mode : {CacheMode::kTbq, CacheMode::kThinKv, CacheMode::kFull}) {
-    thinkv::ThinKvCache<> cache(signal_config(mode));
-    const auto& cfg = cache.config();
-    const bool classifies = mode != CacheMode::kFull;  // FullKV runs uncalibrated: no signal at all
-    std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
-    std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim)), out(q.size());
-    std::int64_t refresh_steps = 0, finite_values = 0;
-    for (int p = 0; p < 200; ++p) {
-      for (int seq = 0; seq < cfg.num_sequences; ++seq) {
-        INFO("mode " << thinkv::to_string(mode) << ", sequence " << seq << ", position " << p);
-        REQUIRE(cache.position(seq) == p);
-        REQUIRE(cache.begin_token(seq).is_ok());
-        const bool refresh = p > 0 && p % kTau == 0;
-        if (classifies) CHECK(cache.tracker(seq).is_refresh_step(p) == refresh);
-        // Query scales by window and sequence spread the sparsity over [0,1] (all three types).
-        constexpr float kSharp[] = {0.3f, 1.4f, 2.0f, 4.0f};
-        const float sharp = kSharp[(p / kTau + seq) % 4];
-        for (int l = 0; l < kLayers; ++l) {
-          for (auto& x : k) x = normal(rng);
-          for (auto& x : v) x = normal(rng);
-          for (auto& x : q) x = normal(rng) * sharp;
-          REQUIRE(cache.append(seq, l, k, v).is_ok());
-          CHECK(cache.wants_sparsity(seq, l) == (classifies && refresh && in_lstar(l)));
-          REQUIRE(cache.attend(seq, l, q, out).is_ok());
-        }
-        const std::vector<float> sp(cache.layer_sparsity(seq).begin(), cache.layer_sparsity(seq).end());
-        REQUIRE(static_cast<int>(sp.size()) == kLayers);
-        float sum = 0.0f;
-        for (int l = 0; l < kLayers; ++l) {
-          INFO("layer " << l << " sparsity " << sp[static_cast<std::size_t>(l)]);
-          if (classifies && refresh && in_lstar(l)) {
-            CHECK(std::isfinite(sp[static_cast<std::size_t>(l)]));
-            CHECK(sp[static_cast<std::size_t>(l)] >= 0.0f);
-            CHECK(sp[static_cast<std::size_t>(l)] <= 1.0f);
-            sum += sp[static_cast<std::size_t>(l)];
-            ++finite_values;
+    thinkv::decoder::with_cache(signal_config(mode), [&](auto& cache) {
+      const auto& cfg = cache.config();
+      const bool classifies = mode != CacheMode::kFull;  // FullKV runs uncalibrated: no signal at all
+      std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * cfg.head_dim)), v(k.size());
+      std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim)), out(q.size());
+      std::int64_t refresh_steps = 0, finite_values = 0;
+      for (int p = 0; p < 200; ++p) {
+        for (int seq = 0; seq < cfg.num_sequences; ++seq) {
+          INFO("mode " << thinkv::decoder::to_string(mode) << ", sequence " << seq << ", position " << p);
+          REQUIRE(cache.position(seq) == p);
+          REQUIRE(cache.begin_token(seq).is_ok());
+          const bool refresh = p > 0 && p % kTau == 0;
+          if (classifies) CHECK(cache.tracker(seq).is_refresh_step(p) == refresh);
+          // Query scales by window and sequence spread the sparsity over [0,1] (all three types).
+          constexpr float kSharp[] = {0.3f, 1.4f, 2.0f, 4.0f};
+          const float sharp = kSharp[(p / kTau + seq) % 4];
+          for (int l = 0; l < kLayers; ++l) {
+            for (auto& x : k) x = normal(rng);
+            for (auto& x : v) x = normal(rng);
+            for (auto& x : q) x = normal(rng) * sharp;
+            REQUIRE(cache.append(seq, l, k, v).is_ok());
+            CHECK(cache.wants_sparsity(seq, l) == (classifies && refresh && in_lstar(l)));
+            REQUIRE(cache.attend(seq, l, q, out).is_ok());
+          }
+          const std::vector<float> sp(cache.layer_sparsity(seq).begin(), cache.layer_sparsity(seq).end());
+          REQUIRE(static_cast<int>(sp.size()) == kLayers);
+          float sum = 0.0f;
+          for (int l = 0; l < kLayers; ++l) {
+            INFO("layer " << l << " sparsity " << sp[static_cast<std::size_t>(l)]);
+            if (classifies && refresh && in_lstar(l)) {
+              CHECK(std::isfinite(sp[static_cast<std::size_t>(l)]));
+              CHECK(sp[static_cast<std::size_t>(l)] >= 0.0f);
+              CHECK(sp[static_cast<std::size_t>(l)] <= 1.0f);
+              sum += sp[static_cast<std::size_t>(l)];
+              ++finite_values;
+            } else {
+              CHECK(std::isnan(sp[static_cast<std::size_t>(l)]));
+            }
+          }
+          const std::int64_t refreshes_before = cache.tracker(seq).stats().refreshes;
+          REQUIRE(cache.end_token(seq).is_ok());
+          if (classifies && refresh) {
+            ++refresh_steps;
+            // The refresh classified exactly the mean of the recorded L* values.
+            CHECK(cache.tracker(seq).stats().refreshes == refreshes_before + 1);
+            CHECK(cache.tracker(seq).current() == expected_type(sum / static_cast<float>(kLstar.size())));
+            types_seen.insert(cache.tracker(seq).current());
           } else {
-            CHECK(std::isnan(sp[static_cast<std::size_t>(l)]));
+            CHECK(cache.tracker(seq).stats().refreshes == refreshes_before);
           }
         }
-        const std::int64_t refreshes_before = cache.tracker(seq).stats().refreshes;
-        REQUIRE(cache.end_token(seq).is_ok());
-        if (classifies && refresh) {
-          ++refresh_steps;
-          // The refresh classified exactly the mean of the recorded L* values.
-          CHECK(cache.tracker(seq).stats().refreshes == refreshes_before + 1);
-          CHECK(cache.tracker(seq).current() == expected_type(sum / static_cast<float>(kLstar.size())));
-          types_seen.insert(cache.tracker(seq).current());
-        } else {
-          CHECK(cache.tracker(seq).stats().refreshes == refreshes_before);
-        }
       }
-    }
-    INFO("mode " << thinkv::to_string(mode));
-    CHECK(cache.stats().refreshes == refresh_steps);
-    if (classifies) {
-      CHECK(refresh_steps == 2 * (199 / kTau));  // positions 32, 64, ..., 192, both sequences
-      CHECK(finite_values == refresh_steps * static_cast<std::int64_t>(kLstar.size()));
-    } else {
-      CHECK(refresh_steps == 0);
-    }
+      INFO("mode " << thinkv::decoder::to_string(mode));
+      CHECK(cache.stats().refreshes == refresh_steps);
+      if (classifies) {
+        CHECK(refresh_steps == 2 * (199 / kTau));  // positions 32, 64, ..., 192, both sequences
+        CHECK(finite_values == refresh_steps * static_cast<std::int64_t>(kLstar.size()));
+      } else {
+        CHECK(refresh_steps == 0);
+      }
+    });
   }
   CHECK(types_seen.size() == 3);  // the refreshes reached every band of the classifier
 }
@@ -166,9 +169,9 @@ TEST_CASE("ThinKvCache computes sparsity only on refresh steps and only for L*",
 TEST_CASE("ThinKvCache records every layer's sparsity on every step when tracing, as defined", "[classifier][cache]") {
   TT_SEEDED_RNG();
   std::normal_distribution<float> normal;
-  thinkv::ThinKvConfig c = signal_config(CacheMode::kFull);
+  thinkv::ThinKvConfig c = signal_config(CacheMode::kFull).config();
   c.trace_all_layers = true;
-  thinkv::ThinKvCache<> cache(c);
+  thinkv::FullKvCache<> cache(c);
   std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), out(q.size());
   // Every key as the BF16 pages hold it, per layer (FullKV: nothing is evicted).

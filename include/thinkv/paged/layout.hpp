@@ -11,7 +11,6 @@
 #include <string>
 
 #include "thinkv/policy/precision_map.hpp"
-#include "thinkv/policy/retention_schedule.hpp"
 #include "thinkv/status.hpp"
 #include "thinkv/types.hpp"
 
@@ -22,9 +21,9 @@ inline constexpr int kStreamHeaderBytes = 40;
 
 /// What storage needs to know: the geometry of a paged KV cache's bytes (streams, rows, groups,
 /// blocks, the pools' id ranges, allocation chunks). A KV backend is set up from this alone; the
-/// policy settings (precision map, budget, retention, memory limit) are the cache's
-/// (CacheConfig). A *stream* is one (sequence, layer, KV head): it owns a list of blocks and a
-/// staging buffer.
+/// paged cache's settings (precision map, memory limit) are CacheConfig's; eviction (budget,
+/// retention) is the ThinKV cache's policy. A *stream* is one (sequence, layer, KV head): it owns
+/// a list of blocks and a staging buffer.
 struct StorageConfig {
   int num_streams = 1;  ///< streams the cache holds (sequences x layers x KV heads)
   int head_dim = 128;   ///< channels per key/value row
@@ -131,9 +130,6 @@ struct CacheConfig : StorageConfig {
   /// the host runs out). Every sequence, stream and precision draws on it; a commit that would
   /// pass it fails with kPoolExhausted and changes nothing.
   std::int64_t memory_limit_bytes = 0;
-  /// Live-token budget per stream, used by eviction (TBE); 0 = unlimited.
-  int token_budget = 0;
-  RetentionSchedule retention{};  ///< TBE schedule; the budget may not be below its minimum
 
   /// The storage part (what a backend's init takes).
   [[nodiscard]] const StorageConfig& storage() const noexcept { return *this; }
@@ -158,11 +154,6 @@ struct CacheConfig : StorageConfig {
                  " streams' staging buffers and headers take before any page; allowed: 0 (no limit) or >= " +
                  std::to_string(fixed_bytes()));
     }
-    if (token_budget < 0 || (token_budget > 0 && token_budget < retention.min_retention())) {
-      return bad("token_budget " + std::to_string(token_budget) + " is below the minimum retention " +
-                 std::to_string(retention.min_retention()) + " of the schedule " + retention.to_string() +
-                 "; allowed: 0 (no budget) or >= " + std::to_string(retention.min_retention()));
-    }
     return Status::ok();
   }
 
@@ -174,7 +165,7 @@ inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
             << ", block=" << c.block_size << ", map=" << c.precision << ", pools={" << c.pool_blocks[0] << ","
             << c.pool_blocks[1] << "," << c.pool_blocks[2] << "," << c.pool_blocks[3]
             << "}, records=" << c.record_capacity << ", chunk=" << c.chunk_blocks << ", limit=" << c.memory_limit_bytes
-            << ", budget=" << c.token_budget << ", retention=" << c.retention << "}";
+            << "}";
 }
 
 /// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the

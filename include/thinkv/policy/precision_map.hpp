@@ -119,13 +119,42 @@ class PrecisionMap {
   std::array<Precision, 3> p_{Precision::kNvfp4, Precision::kNvfp4, Precision::kTernary};
 };
 
-/// A TBQ precision map policy: a regular value type that names a precision per thought type.
+/// A TBQ precision policy: what BasicThinKvCache calls on it.
+///  - precision_of(t): the storage precision of thought type t;
+///  - to_string(): for messages and method names.
+/// The cache lowers it once, at construction, to the PrecisionMap descriptor the paged cache,
+/// the backends and the kernels see (lower_precision), so a policy's answers must be fixed and
+/// must give a more important thought no fewer bits (R >= E >= T).
 template <class P>
-concept precision_map = std::regular<P> && requires(const P& p, ThoughtType t) {
+concept precision_policy = std::copy_constructible<P> && requires(const P& p, ThoughtType t) {
   { p.precision_of(t) } -> std::same_as<Precision>;
   { p.to_string() } -> std::convertible_to<std::string>;
 };
-static_assert(precision_map<PrecisionMap>);
+static_assert(precision_policy<PrecisionMap>);
+
+/// The same precision for every thought (BF16 pages: FullKV and TBE-only; uniform NVFP4).
+template <Precision P>
+struct UniformPrecision {
+  [[nodiscard]] constexpr Precision precision_of(ThoughtType) const noexcept { return P; }
+  [[nodiscard]] std::string to_string() const {
+    return P == Precision::kBf16 ? std::string("BF16 pages") : "uniform " + std::string(thinkv::to_string(P));
+  }
+  friend constexpr bool operator==(UniformPrecision, UniformPrecision) = default;
+};
+using Bf16Pages = UniformPrecision<Precision::kBf16>;
+
+/// The PrecisionMap descriptor of a precision policy; the Status names the thought whose
+/// precision is unknown or gets more bits than a more important one.
+template <precision_policy P>
+Status lower_precision(const P& p, PrecisionMap& out) {
+  const Precision r = p.precision_of(ThoughtType::kReasoning), e = p.precision_of(ThoughtType::kExecution),
+                  t = p.precision_of(ThoughtType::kTransition);
+  if (Status s = PrecisionMap::check(r, e, t); !s.is_ok()) {
+    return {s.code(), "precision policy " + std::string(p.to_string()) + ": " + s.message()};
+  }
+  out = PrecisionMap(r, e, t);
+  return Status::ok();
+}
 
 /// Named maps. kFullKvMap stores every thought in BF16 (the FullKV baseline).
 inline constexpr PrecisionMap kR4E4T2{};

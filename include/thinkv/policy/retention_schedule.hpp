@@ -47,6 +47,8 @@ class RetentionSchedule {
   [[nodiscard]] int num_levels() const noexcept { return static_cast<int>(sizes_.size()); }
   /// The minimum number of tokens a segment keeps (the last entry).
   [[nodiscard]] int min_retention() const noexcept { return sizes_.back(); }
+  /// Tokens a segment keeps at most after `level` step-downs (1..num_levels()).
+  [[nodiscard]] int retained(int level) const noexcept { return sizes_[static_cast<std::size_t>(level - 1)]; }
   [[nodiscard]] std::string to_string() const {
     std::string s = "{";
     for (std::size_t i = 0; i < sizes_.size(); ++i) {
@@ -64,12 +66,42 @@ class RetentionSchedule {
   std::vector<int> sizes_;
 };
 
-/// A TBE retention schedule policy.
+/// A TBE retention schedule policy: what the eviction planner and BasicThinKvCache call on it.
+///  - num_levels(): step-downs a segment can take (>= 1);
+///  - retained(level): the most tokens a segment keeps after `level` step-downs, level in
+///    1..num_levels(); positive and strictly decreasing in level (the cache checks this at
+///    construction, naming the first level that breaks it);
+///  - to_string(): for messages and method names.
 template <class R>
-concept retention_schedule = std::regular<R> && requires(const R& r) {
-  { r.min_retention() } -> std::convertible_to<int>;
+concept retention_schedule = std::copy_constructible<R> && requires(const R& r, int level) {
   { r.num_levels() } -> std::convertible_to<int>;
+  { r.retained(level) } -> std::convertible_to<int>;
+  { r.to_string() } -> std::convertible_to<std::string>;
 };
 static_assert(retention_schedule<RetentionSchedule>);
+
+/// Checks the retained sizes of any schedule: >= 1 level, each positive, strictly decreasing.
+template <retention_schedule R>
+Status check_retention(const R& r) {
+  const int n = r.num_levels();
+  if (n < 1) {
+    return {StatusCode::kInvalidArgument, "retention schedule " + std::string(r.to_string()) + " has " +
+                                              std::to_string(n) + " levels; allowed: >= 1"};
+  }
+  for (int l = 1; l <= n; ++l) {
+    const int k = r.retained(l);
+    if (k < 1 || (l > 1 && k >= r.retained(l - 1))) {
+      return {StatusCode::kInvalidArgument, "retention schedule " + std::string(r.to_string()) + " keeps " +
+                                                std::to_string(k) + " tokens at level " + std::to_string(l) +
+                                                "; sizes must be >= 1 and strictly decreasing"};
+    }
+  }
+  return Status::ok();
+}
+
+/// The tag of a policy set that never evicts (FullKV, TBQ): no schedule, no token budget.
+struct NoEviction {
+  friend bool operator==(NoEviction, NoEviction) = default;
+};
 
 }  // namespace thinkv

@@ -66,18 +66,19 @@ inline std::ostream& operator<<(std::ostream& os, const SegmentStep& s) {
 }
 
 /// Tokens a segment keeps at `level` given its current size.
-inline std::int32_t retained_size(const RetentionSchedule& r, int level, std::int32_t size) {
+template <retention_schedule R>
+std::int32_t retained_size(const R& r, int level, std::int32_t size) {
   if (level <= 0) return size;
-  const int idx = std::min(level, r.num_levels()) - 1;
-  return std::min<std::int32_t>(size, r.levels()[static_cast<std::size_t>(idx)]);
+  return std::min<std::int32_t>(size, r.retained(std::min<int>(level, r.num_levels())));
 }
 
 /// Plans the step-downs for one stream. `segments` in any order (age = start position);
 /// `live_tokens` counts every live token of the stream that is not in a pinned segment (closed +
 /// open segments + staged);
 /// `budget` <= 0 means no budget (case 2 never fires).
-inline EvictionPlan plan_eviction(std::span<const SegmentState> segments, const RetentionSchedule& schedule,
-                                  bool new_transition, std::int64_t budget, std::int64_t live_tokens) {
+template <retention_schedule R>
+EvictionPlan plan_eviction(std::span<const SegmentState> segments, const R& schedule, bool new_transition,
+                           std::int64_t budget, std::int64_t live_tokens) {
   EvictionPlan plan;
   plan.live_before = live_tokens;
   plan.transition = new_transition;

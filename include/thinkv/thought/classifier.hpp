@@ -18,6 +18,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "thinkv/config.hpp"
@@ -48,6 +49,14 @@ THINKV_HD constexpr int thought_band(const ThoughtClassifierDesc& d, float signa
 THINKV_HD constexpr ThoughtType classify(const ThoughtClassifierDesc& d, float signal) noexcept {
   return static_cast<ThoughtType>(d.band_types[thought_band(d, signal)]);
 }
+
+/// What a decoder knows about the token being decoded, beyond its K/V: passed to
+/// BasicThinKvCache::begin_token and from there to the classifier's observe(). Either field may be
+/// empty (token -1, text ""); the built-in ThoughtClassifier reads neither.
+struct TokenHint {
+  std::int32_t token = -1;  ///< vocabulary id of the token at this position, -1 = unknown
+  std::string_view text;    ///< its text (valid only during the call)
+};
 
 /// The thought classifier policy: a regular value type.
 class ThoughtClassifier {
@@ -175,6 +184,30 @@ class ThoughtClassifier {
     return band_types_[static_cast<std::size_t>(band)];
   }
 
+  /// The thought_classifier calls. check: a calibrated classifier must have been calibrated for
+  /// this model's layer count.
+  [[nodiscard]] Status check(int model_layers) const {
+    if (needs_signal() && num_layers_ != model_layers) {
+      return {StatusCode::kInvalidArgument, "the thought classifier was calibrated for " + std::to_string(num_layers_) +
+                                                " layers; this model has " + std::to_string(model_layers) +
+                                                " (recalibrate with `thinkv calibrate`)"};
+    }
+    return Status::ok();
+  }
+  /// True when some band maps to t.
+  [[nodiscard]] bool emits(ThoughtType t) const noexcept {
+    for (ThoughtType b : band_types_) {
+      if (b == t) return true;
+    }
+    return false;
+  }
+  /// Reads nothing of the token: the signal is the attention sparsity alone.
+  void observe(std::int64_t /*position*/, const TokenHint& /*hint*/) noexcept {}
+  /// classify(signal(layer_sparsity)).
+  [[nodiscard]] ThoughtType decide(std::int64_t /*position*/, std::span<const float> layer_sparsity) const noexcept {
+    return classify(signal(layer_sparsity));
+  }
+
   [[nodiscard]] ThoughtClassifierDesc lower() const noexcept {
     ThoughtClassifierDesc d{};
     for (std::size_t i = 0; i < thresholds_.size(); ++i) d.thresholds[i] = thresholds_[i];
@@ -189,14 +222,27 @@ class ThoughtClassifier {
   }
 
   [[nodiscard]] std::string to_string() const {
+    // Appended piece by piece: `const char* + std::string&&` trips GCC 12's -Wrestrict at -O3.
     std::string s = "ThoughtClassifier{bands=";
     for (std::size_t i = 0; i < band_types_.size(); ++i) {
-      if (i) s += "|" + std::to_string(thresholds_[i - 1]) + "|";
-      s += std::string(thinkv::to_string(band_types_[i]));
+      if (i) {
+        s += '|';
+        s += std::to_string(thresholds_[i - 1]);
+        s += '|';
+      }
+      s += thinkv::to_string(band_types_[i]);
     }
     s += ", L*={";
-    for (std::size_t i = 0; i < layers_.size(); ++i) s += (i ? "," : "") + std::to_string(layers_[i]);
-    return s + "}, tau=" + std::to_string(tau_) + ", layers=" + std::to_string(num_layers_) + "}";
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      if (i) s += ',';
+      s += std::to_string(layers_[i]);
+    }
+    s += "}, tau=";
+    s += std::to_string(tau_);
+    s += ", layers=";
+    s += std::to_string(num_layers_);
+    s += '}';
+    return s;
   }
   friend bool operator==(const ThoughtClassifier&, const ThoughtClassifier&) = default;
   friend std::ostream& operator<<(std::ostream& os, const ThoughtClassifier& c) { return os << c.to_string(); }
@@ -209,12 +255,31 @@ class ThoughtClassifier {
   int num_layers_ = 1;
 };
 
-/// A thought classifier policy.
+/// A thought classifier policy: what BasicThinKvCache calls on it (every call is listed here).
+/// The cache keeps one copy per sequence, so a classifier may hold per-sequence state.
+///  - check(num_layers): can it serve a model of that many layers (the Status names what not);
+///  - tau(): refresh period in tokens; refresh steps are the positive multiples of tau, which the
+///    cache requires to be a multiple of group_size (a group never mixes thought types);
+///  - emits(t): can it ever label a token t (sizes the memory bound; R is always possible: the
+///    first tau tokens and a pinned prefix are R);
+///  - needs_signal() / uses_layer(l): on refresh steps, attend() of layer l computes the attention
+///    sparsity when both are true;
+///  - observe(position, hint): every token, at begin_token, before its K/V is appended;
+///  - decide(position, layer_sparsity): on refresh steps, after every layer was attended: the
+///    type of the next tau tokens (layer_sparsity has one entry per layer, NaN where not computed).
+///  - to_string(): for messages.
 template <class C>
-concept thought_classifier = std::regular<C> && requires(const C& c, float s, std::int64_t pos) {
-  { c.classify(s) } -> std::same_as<ThoughtType>;
-  { c.is_refresh_step(pos) } -> std::same_as<bool>;
-  { c.tau() } -> std::convertible_to<int>;
+concept thought_classifier = std::copy_constructible<C> &&
+    requires(C& c, const C& cc, int n, ThoughtType t, std::int64_t pos, const TokenHint& hint,
+             std::span<const float> sparsity) {
+  { cc.check(n) } -> std::same_as<Status>;
+  { cc.tau() } -> std::convertible_to<int>;
+  { cc.emits(t) } -> std::same_as<bool>;
+  { cc.needs_signal() } -> std::same_as<bool>;
+  { cc.uses_layer(n) } -> std::same_as<bool>;
+  {c.observe(pos, hint)};
+  { c.decide(pos, sparsity) } -> std::same_as<ThoughtType>;
+  { cc.to_string() } -> std::convertible_to<std::string>;
 };
 static_assert(thought_classifier<ThoughtClassifier>);
 
@@ -228,7 +293,8 @@ struct ThoughtStats {
   friend bool operator==(const ThoughtStats&, const ThoughtStats&) = default;
 };
 
-/// Per-sequence run-time state: the current thought type, held between refreshes.
+/// Per-sequence run-time state: a classifier's copy and the current thought type, held between
+/// refreshes.
 ///
 /// Protocol for a decoder at position p (the position of the token being decoded):
 ///   1. t = tracker.type_for(p): the type to append token p with;
@@ -238,17 +304,27 @@ struct ThoughtStats {
 ///      staging group of every stream with t' (PagedKvCache::relabel_staged). Because tau is a
 ///      multiple of g and p is a multiple of tau, that group holds token p alone, so the new type
 ///      covers tokens p .. p + tau - 1 and no group ever mixes types.
-class ThoughtTracker {
+template <thought_classifier C>
+class BasicThoughtTracker {
  public:
-  ThoughtTracker() : ThoughtTracker(ThoughtClassifier{}) {}
-  explicit ThoughtTracker(ThoughtClassifier classifier, ThoughtType initial = ThoughtType::kReasoning)
+  BasicThoughtTracker() : BasicThoughtTracker(C{}) {}
+  explicit BasicThoughtTracker(C classifier, ThoughtType initial = ThoughtType::kReasoning)
       : classifier_(std::move(classifier)), current_(initial) {}
 
-  [[nodiscard]] const ThoughtClassifier& classifier() const noexcept { return classifier_; }
+  [[nodiscard]] const C& classifier() const noexcept { return classifier_; }
+  [[nodiscard]] C& classifier() noexcept { return classifier_; }
   [[nodiscard]] ThoughtType current() const noexcept { return current_; }
   [[nodiscard]] const ThoughtStats& stats() const noexcept { return stats_; }
+  /// Positive multiples of the classifier's tau. Position 0 is not one: the first token attends
+  /// only to itself, so its sparsity is 0 whatever the model does; the first tau tokens keep the
+  /// tracker's initial type (R, the most important).
   [[nodiscard]] bool is_refresh_step(std::int64_t position) const noexcept {
-    return classifier_.is_refresh_step(position);
+    const std::int64_t tau = classifier_.tau();
+    return position > 0 && tau > 0 && position % tau == 0;
+  }
+  /// True when the classifier can ever change the type (it labels some token other than R).
+  [[nodiscard]] bool refreshes() const noexcept {
+    return classifier_.emits(ThoughtType::kExecution) || classifier_.emits(ThoughtType::kTransition);
   }
   /// The type token `position` is appended with (before its refresh, if any), counted.
   ThoughtType type_for(std::int64_t position) noexcept {
@@ -256,29 +332,42 @@ class ThoughtTracker {
     ++stats_.tokens[static_cast<std::size_t>(current_)];
     return current_;
   }
-  /// Classifies the signal of a refresh step and makes it the current type. Returns
-  /// kInvalidArgument (state unchanged) when `position` is not a refresh step, the span is
-  /// shorter than num_layers, or an L* entry is NaN/outside [0, 1].
+  /// Passes a token's hint to the classifier (every token, before its K/V).
+  void observe(std::int64_t position, const TokenHint& hint) { classifier_.observe(position, hint); }
+  /// Classifies a refresh step and makes the result the current type. Returns kInvalidArgument
+  /// (state unchanged) when `position` is not a refresh step; when the classifier needs the signal,
+  /// kShapeMismatch when the span is shorter than its layers and kNonFinite when a layer it uses
+  /// is NaN or outside [0, 1].
   [[nodiscard]] Status refresh(std::int64_t position, std::span<const float> layer_sparsity,
                                ThoughtType* new_type = nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (!classifier_.is_refresh_step(position)) {
+    if (!is_refresh_step(position)) {
       return {StatusCode::kInvalidArgument, "position " + std::to_string(position) + " is not a refresh step (tau = " +
                                                 std::to_string(classifier_.tau()) + ")"};
     }
-    if (static_cast<int>(layer_sparsity.size()) < classifier_.num_layers()) {
-      return {StatusCode::kShapeMismatch, "refresh got sparsity for " + std::to_string(layer_sparsity.size()) +
-                                              " layers; the classifier was calibrated for " +
-                                              std::to_string(classifier_.num_layers())};
-    }
-    for (int l : classifier_.layers()) {
-      const float s = layer_sparsity[static_cast<std::size_t>(l)];
-      if (!(s >= 0.0f && s <= 1.0f)) {
-        return {StatusCode::kNonFinite,
-                "sparsity of layer " + std::to_string(l) + " is " + std::to_string(s) + "; expected a share in [0, 1]"};
+    if (classifier_.needs_signal()) {
+      if constexpr (requires { classifier_.num_layers(); }) {
+        if (static_cast<int>(layer_sparsity.size()) < classifier_.num_layers()) {
+          return {StatusCode::kShapeMismatch, "refresh got sparsity for " + std::to_string(layer_sparsity.size()) +
+                                                  " layers; the classifier was calibrated for " +
+                                                  std::to_string(classifier_.num_layers())};
+        }
+      }
+      for (std::size_t l = 0; l < layer_sparsity.size(); ++l) {
+        if (!classifier_.uses_layer(static_cast<int>(l))) continue;
+        const float s = layer_sparsity[l];
+        if (!(s >= 0.0f && s <= 1.0f)) {
+          return {StatusCode::kNonFinite, "sparsity of layer " + std::to_string(l) + " is " + std::to_string(s) +
+                                              "; expected a share in [0, 1]"};
+        }
       }
     }
-    const ThoughtType t = classifier_.classify(classifier_.signal(layer_sparsity));
+    const ThoughtType t = classifier_.decide(position, layer_sparsity);
+    if (static_cast<int>(t) >= kNumThoughtTypes) {
+      return {StatusCode::kInvalidArgument, "the thought classifier " + std::string(classifier_.to_string()) +
+                                                " returned thought type " + std::to_string(static_cast<int>(t)) +
+                                                " at position " + std::to_string(position) + "; allowed: R, E, T"};
+    }
     // The token at `position` was counted under the old type by type_for(); move it.
     if (stats_.tokens[static_cast<std::size_t>(current_)] > 0) {
       --stats_.tokens[static_cast<std::size_t>(current_)];
@@ -295,9 +384,12 @@ class ThoughtTracker {
   }
 
  private:
-  ThoughtClassifier classifier_;
+  C classifier_;
   ThoughtType current_;
   ThoughtStats stats_;
 };
+
+/// The tracker of the built-in classifier.
+using ThoughtTracker = BasicThoughtTracker<ThoughtClassifier>;
 
 }  // namespace thinkv
