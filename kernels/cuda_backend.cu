@@ -415,8 +415,9 @@ Status CudaKvBackend::reset_stream(int stream) {
   return Status::ok();
 }
 
-Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const {
+Status CudaKvBackend::read_token(const TokenRef& token, float* k, float* v) const {
   THINKV_BACKEND_READY();
+  const SlotRef slot = token.slot;
   const Impl& m = *impl_;
   if (slot.block >= m.pools.total || slot.slot >= static_cast<std::uint32_t>(m.config.block_size)) {
     return {StatusCode::kOutOfRange,
@@ -440,9 +441,9 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
     CpuKvBackend::dequantize_token(p, kr.data(), vr.data(), nullptr, nullptr, 0.0f, 0.0f, d, g, k, v);
     return Status::ok();
   }
-  const std::int32_t owner = table.block_owner(slot.block);
-  const std::uint32_t r = table.slot_record(slot);
-  if (owner == kNoStream || r == kNoRecord || r >= m.num_records) {
+  const std::int32_t owner = token.stream;
+  const std::uint32_t r = token.record;
+  if (owner < 0 || owner >= m.config.num_streams || r == kNoRecord || r >= m.num_records) {
     return {StatusCode::kInvalidArgument,
             "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
   }
@@ -461,16 +462,11 @@ Status CudaKvBackend::read_token(const BlockTable& table, SlotRef slot, float* k
   return Status::ok();
 }
 
-Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs& args) const {
+Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArgs& args) const {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
   THINKV_RETURN_IF_ERROR(check_attention_args(args, m.config.num_streams));
-  for (int h = 0; h < args.num_kv_heads; ++h) {
-    const int s = args.kv_streams[h];
-    if (table.live_slots(s) + table.staged_count(s) == 0) {
-      return {StatusCode::kInvalidArgument, "stream " + std::to_string(s) + " holds no token to attend to"};
-    }
-  }
+  THINKV_RETURN_IF_ERROR(check_attend_view(streams, args));
   const int d = m.config.head_dim;
   if (d != 8 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported,
@@ -482,8 +478,9 @@ Status CudaKvBackend::attend(const BlockTable& table, const DecodeAttentionArgs&
                                           "kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
-  // Mirror the block table (whole metadata: version 1), numbered over the device storage.
-  flatten_block_table(table, m.flat, m.cap);
+  // Mirror the pools' metadata and the attended streams' block lists, numbered over the device
+  // storage (version 1: uploaded on every call).
+  flatten_attend_view(streams, m.config.num_streams, m.flat, m.cap);
   const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
   if (nb > m.meta_blocks || m.flat.block_indices.size() > m.meta_blocks + 1) {
     m.free_meta();

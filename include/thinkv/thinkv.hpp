@@ -10,7 +10,7 @@
 #include "thinkv/formats.hpp"
 #include "thinkv/paged/block_table.hpp"
 #include "thinkv/paged/layout.hpp"
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/policy/cache_policy.hpp"
 #include "thinkv/policy/precision_map.hpp"
 #include "thinkv/policy/retention_schedule.hpp"

@@ -28,7 +28,7 @@
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/decode_cache.hpp"
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/policy/cache_policy.hpp"
 #include "thinkv/tbe/token_selector.hpp"

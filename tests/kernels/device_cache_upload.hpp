@@ -11,7 +11,7 @@
 
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/paged/flat_block_table.hpp"
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 
 namespace thinkv::test {
 

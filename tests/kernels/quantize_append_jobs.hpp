@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "thinkv/kernels/quantize_append.hpp"
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 
 namespace thinkv::test {
 

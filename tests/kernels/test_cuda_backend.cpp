@@ -24,7 +24,7 @@
 
 #include "../unit/test_util.hpp"
 #include "thinkv/backend/cuda_backend.hpp"
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
 namespace {
@@ -136,8 +136,8 @@ void compare_tokens(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache<Cu
   int bad = 0, n = 0;
   for (int s = 0; s < cpu.config().num_streams; ++s) {
     for (auto slot : cpu.table().live_slot_list(s)) {
-      REQUIRE(cpu.backend().read_token(cpu.table(), slot, k1.data(), v1.data()).is_ok());
-      REQUIRE(gpu.backend().read_token(gpu.table(), slot, k2.data(), v2.data()).is_ok());
+      REQUIRE(cpu.backend().read_token(cpu.table().token_ref(slot), k1.data(), v1.data()).is_ok());
+      REQUIRE(gpu.backend().read_token(gpu.table().token_ref(slot), k2.data(), v2.data()).is_ok());
       bad += std::memcmp(k1.data(), k2.data(), k1.size() * 4) != 0 ||
              std::memcmp(v1.data(), v2.data(), v1.size() * 4) != 0;
       ++n;

@@ -420,7 +420,10 @@ std::size_t run_case(const Cache& cache, bool in_place, bool bad_entries, int nu
   for (std::size_t i = 0; i < n; ++i) {
     if (plan.want_live[i] < 0) continue;
     const int s = plan.streams[i];
-    REQUIRE_OK(cache.backend().gather(t, s, k, v));
+    std::vector<thinkv::StreamView> svs;
+    const std::int32_t sid = s;
+    const thinkv::AttendView av = t.attend_view(std::span<const std::int32_t>(&sid, 1), svs);
+    REQUIRE_OK(cache.backend().gather(av, av.streams[0], k, v));
     const std::size_t live = t.live_slot_list(s).size();
     const std::size_t nd = static_cast<std::size_t>(plan.indptr[i + 1] - plan.indptr[i]);
     const std::size_t n_out = std::min(live, nd * static_cast<std::size_t>(bs));

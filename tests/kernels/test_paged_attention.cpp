@@ -167,7 +167,10 @@ void run_case(const Case& cs, std::mt19937& rng) {
   std::vector<int> near(static_cast<std::size_t>(cs.num_q_heads), 0), ntokens(near.size(), 0);
   for (int h = 0; h < cs.num_kv_heads; ++h) {
     std::vector<float> k, v;
-    CHECK_OK(cache.backend().gather(cache.table(), kv_streams[static_cast<std::size_t>(h)], k, v));
+    std::vector<thinkv::StreamView> svs;
+    const thinkv::AttendView av =
+        cache.table().attend_view(std::span<const std::int32_t>(&kv_streams[static_cast<std::size_t>(h)], 1), svs);
+    CHECK_OK(cache.backend().gather(av, av.streams[0], k, v));
     const int n = static_cast<int>(k.size()) / d;
     for (int r = 0; r < group; ++r) {
       const int qh = h * group + r;

@@ -55,9 +55,9 @@ class FlakyBackend {
     return cpu_.commit(p);
   }
   Status reset_stream(int s) { return cpu_.reset_stream(s); }
-  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const { return cpu_.read_token(t, s, k, v); }
+  Status read_token(const TokenRef& t, float* k, float* v) const { return cpu_.read_token(t, k, v); }
   Status read_staged(int s, int r, float* k, float* v) const { return cpu_.read_staged(s, r, k, v); }
-  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const { return cpu_.attend(t, a); }
+  Status attend(const AttendView& w, const DecodeAttentionArgs& a) const { return cpu_.attend(w, a); }
   BackendStats stats() const { return cpu_.stats(); }
   // for snapshots
   std::span<const std::uint8_t> page(std::uint32_t b) const { return cpu_.page(b); }
@@ -316,4 +316,105 @@ TEST_CASE("PagedKvCache: a backend that cannot grow, or fails after growing, lea
   TT_REQUIRE_OK_DIFF(diff);
   TT_REQUIRE_OK_DIFF(tt::check_cache(c, m));
   CHECK(c.allocated_bytes() > allocated);
+}
+
+TEST_CASE("AttendView lists exactly the table's live slots, and storage refuses a view that disagrees",
+          "[backend][view]") {
+  TT_SEEDED_RNG();
+  const int d = 16, g = 8, bs = 16, streams = 3;
+  const CacheConfig cfg = config_for(kR4E4T2, d, g, bs, streams, 64);
+  PagedKvCache<CpuKvBackend> c(cfg);
+  // Random tokens of random types in every stream, with random evictions in between.
+  for (int round = 0; round < 6; ++round) {
+    for (int s = 0; s < streams; ++s) {
+      const auto th = static_cast<ThoughtType>(uniform_int(rng, 0, 2));
+      const int n = g * uniform_int(rng, 1, 4) + uniform_int(rng, 0, g - 1) * (round == 5);
+      for (int i = 0; i < n; ++i) {
+        if (c.table().staged_count(s) > 0 && c.table().staged_thought(s) != th) break;  // groups keep one type
+        const auto k = tt::random_row(rng, d), v = tt::random_row(rng, d);
+        REQUIRE(c.append(s, k, v, th, static_cast<std::uint32_t>(round)).is_ok());
+      }
+      std::vector<SlotRef> victims;
+      for (SlotRef r : c.table().live_slot_list(s)) {
+        if (tt::chance(rng, 0.3)) victims.push_back(r);
+      }
+      REQUIRE(c.evict(s, victims).is_ok());
+    }
+  }
+  const std::vector<std::int32_t> ids = {2, 0, 1};
+  std::vector<StreamView> sv;
+  const AttendView view = c.table().attend_view(ids, sv);
+  REQUIRE(view.streams.size() == ids.size());
+  std::int64_t slots_seen = 0;
+  for (std::size_t h = 0; h < ids.size(); ++h) {
+    const StreamView& s = view.streams[h];
+    CHECK(s.stream == ids[h]);
+    CHECK(s.staged == c.table().staged_count(ids[h]));
+    // Walking the view's blocks, masks and fill gives the table's live slots, in order, with their
+    // owners and records.
+    std::vector<SlotRef> walked;
+    for (std::uint32_t b : s.blocks) {
+      const int p = view.pool_of(b);
+      REQUIRE(p >= 0);
+      CHECK(static_cast<Precision>(p) == c.table().block_precision(b));
+      for (int i = 0; i < view.block_size; ++i) {
+        if (!view.live(p, b, i)) continue;
+        const TokenRef t = view.token(p, b, i);
+        const TokenRef want = c.table().token_ref(t.slot);
+        CHECK(t.stream == want.stream);
+        CHECK(t.record == want.record);
+        walked.push_back(t.slot);
+      }
+    }
+    CHECK(walked == c.table().live_slot_list(ids[h]));
+    CHECK(static_cast<std::int64_t>(walked.size()) == s.live);
+    slots_seen += s.live;
+  }
+  REQUIRE(slots_seen > 0);
+  // The backend's attention over the view is the cache's.
+  const std::vector<float> q = tt::random_row(rng, 3 * 2 * d);
+  Status st;
+  const auto want = attend_all(c, ids, 6, q, st);
+  REQUIRE(st.is_ok());
+  std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+  DecodeAttentionArgs a;
+  a.num_q_heads = 6;
+  a.num_kv_heads = 3;
+  a.kv_streams = ids.data();
+  a.q = q.data();
+  a.out = out.data();
+  REQUIRE(c.backend().attend(view, a).is_ok());
+  CHECK(out == want);
+  // Views that disagree with the args or with the masks are refused.
+  auto refused = [&](const AttendView& v, const char* text) {
+    const Status s = c.backend().attend(v, a);
+    INFO(s);
+    CHECK_FALSE(s.is_ok());
+    CHECK_THAT(s.message(), Catch::Matchers::Contains(text));
+  };
+  std::vector<StreamView> bad = sv;
+  AttendView v2 = view;
+  v2.streams = std::span<const StreamView>(bad).first(2);
+  refused(v2, "the view has 2 streams for 3 KV heads");
+  bad = sv;
+  bad[1].stream = 2;
+  v2.streams = bad;
+  refused(v2, "view stream 1 is stream 2");
+  bad = sv;
+  bad[0].live += 1;
+  v2.streams = bad;
+  refused(v2, "live slots but its blocks hold");
+  bad = sv;
+  std::vector<std::uint32_t> alien(bad[0].blocks.begin(), bad[0].blocks.end());
+  alien.push_back(kNoBlock - 1);
+  bad[0].blocks = alien;
+  v2.streams = bad;
+  refused(v2, "has no storage");
+  // A quantized token read without its owner or record is refused, not decoded with stale scales.
+  const SlotRef any = c.table().live_slot_list(ids[0]).front();
+  TokenRef t = c.table().token_ref(any);
+  std::vector<float> k(d), v(d);
+  REQUIRE(c.backend().read_token(t, k.data(), v.data()).is_ok());
+  t.stream = kNoStream;
+  CHECK(c.backend().read_token(t, k.data(), v.data()).code() == StatusCode::kInvalidArgument);
 }

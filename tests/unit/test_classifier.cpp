@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/thought/classifier.hpp"
 
 #include "test_util.hpp"

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "thinkv/policy/retention_schedule.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 
 using thinkv::EvictionPlan;

@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "thinkv/paged/paged_kv_cache.hpp"
+#include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/reference/attention.hpp"
 
 #include "test_util.hpp"

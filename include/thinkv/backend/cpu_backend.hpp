@@ -26,7 +26,7 @@
 
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/formats.hpp"
-#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/storage_view.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/reference/attention.hpp"
 
@@ -186,7 +186,8 @@ class BasicCpuKvBackend {
     return Status::ok();
   }
 
-  [[nodiscard]] Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const {
+  [[nodiscard]] Status read_token(const TokenRef& token, float* k, float* v) const {
+    const SlotRef slot = token.slot;
     if (slot.block >= pools_.total || slot.slot >= static_cast<std::uint32_t>(config_.block_size)) {
       return {StatusCode::kOutOfRange,
               "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} does not exist"};
@@ -203,9 +204,9 @@ class BasicCpuKvBackend {
       dequantize_token(p, kr, vr, nullptr, nullptr, 0.0f, 0.0f, d, config_.group_size, k, v);
       return Status::ok();
     }
-    const std::int32_t owner = table.block_owner(slot.block);
-    const std::uint32_t r = table.slot_record(slot);
-    if (owner == kNoStream || r == kNoRecord) {
+    const std::int32_t owner = token.stream;
+    const std::uint32_t r = token.record;
+    if (owner < 0 || owner >= config_.num_streams || r == kNoRecord) {
       return {StatusCode::kInvalidArgument,
               "slot {block " + std::to_string(slot.block) + ", slot " + std::to_string(slot.slot) + "} holds no token"};
     }
@@ -248,20 +249,15 @@ class BasicCpuKvBackend {
 
   /// Reference decode attention: dequantizes each KV head's live slots (block-list order, then
   /// slot order) and staged tokens once, and attends all the query heads that share it in FP32.
-  [[nodiscard]] Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const {
+  [[nodiscard]] Status attend(const AttendView& view, const DecodeAttentionArgs& args) const {
     THINKV_RETURN_IF_ERROR(check_attention_args(args, config_.num_streams));
+    THINKV_RETURN_IF_ERROR(check_attend_view(view, args));
     const int d = config_.head_dim;
-    for (int h = 0; h < args.num_kv_heads; ++h) {
-      const int s = args.kv_streams[h];
-      if (table.live_slots(s) + table.staged_count(s) == 0) {
-        return {StatusCode::kInvalidArgument, "stream " + std::to_string(s) + " holds no token to attend to"};
-      }
-    }
     const float scale = args.softmax_scale > 0.0f ? args.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
     const int group = args.num_q_heads / args.num_kv_heads;
     std::vector<float> k, v;
     for (int h = 0; h < args.num_kv_heads; ++h) {
-      THINKV_RETURN_IF_ERROR(gather(table, args.kv_streams[h], k, v));
+      THINKV_RETURN_IF_ERROR(gather(view, view.streams[static_cast<std::size_t>(h)], k, v));
       const int n = static_cast<int>(k.size() / static_cast<std::size_t>(d));
       reference::attend_tokens(args.q + static_cast<std::ptrdiff_t>(h) * group * d, group, k.data(), v.data(), n, d,
                                scale, args.out + static_cast<std::ptrdiff_t>(h) * group * d,
@@ -270,21 +266,35 @@ class BasicCpuKvBackend {
     return Status::ok();
   }
 
-  /// Dequantized K and V ([n, head_dim] each) of a stream's live slots then staged tokens, in
-  /// attention order.
-  [[nodiscard]] Status gather(const BlockTable& table, int stream, std::vector<float>& k, std::vector<float>& v) const {
+  /// Dequantized K and V ([n, head_dim] each) of a stream's live slots (block-list order, then
+  /// slot order) then staged tokens: attention order.
+  [[nodiscard]] Status gather(const AttendView& view, const StreamView& stream, std::vector<float>& k,
+                              std::vector<float>& v) const {
     const int d = config_.head_dim;
-    const auto slots = table.live_slot_list(stream);
-    const int staged = table.staged_count(stream);
-    const std::size_t n = slots.size() + static_cast<std::size_t>(staged);
+    const std::size_t n = static_cast<std::size_t>(stream.live) + static_cast<std::size_t>(stream.staged);
     k.resize(n * d);
     v.resize(n * d);
-    for (std::size_t j = 0; j < slots.size(); ++j) {
-      THINKV_RETURN_IF_ERROR(read_token(table, slots[j], k.data() + j * d, v.data() + j * d));
+    std::size_t j = 0;
+    for (std::uint32_t b : stream.blocks) {
+      const int p = view.pool_of(b);
+      for (int s = 0; s < view.block_size; ++s) {
+        if (!view.live(p, b, s)) continue;
+        if (j >= static_cast<std::size_t>(stream.live)) {
+          return {StatusCode::kInvalidArgument, "attend: stream " + std::to_string(stream.stream) +
+                                                    " has more live slots than the " + std::to_string(stream.live) +
+                                                    " its view lists"};
+        }
+        THINKV_RETURN_IF_ERROR(read_token(view.token(p, b, s), k.data() + j * d, v.data() + j * d));
+        ++j;
+      }
     }
-    for (int r = 0; r < staged; ++r) {
-      const std::size_t j = slots.size() + static_cast<std::size_t>(r);
-      THINKV_RETURN_IF_ERROR(read_staged(stream, r, k.data() + j * d, v.data() + j * d));
+    if (j != static_cast<std::size_t>(stream.live)) {
+      return {StatusCode::kInvalidArgument, "attend: stream " + std::to_string(stream.stream) + " lists " +
+                                                std::to_string(stream.live) + " live slots but its blocks hold " +
+                                                std::to_string(j)};
+    }
+    for (int r = 0; r < stream.staged; ++r, ++j) {
+      THINKV_RETURN_IF_ERROR(read_staged(stream.stream, r, k.data() + j * d, v.data() + j * d));
     }
     return Status::ok();
   }

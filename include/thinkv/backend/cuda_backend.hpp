@@ -4,7 +4,7 @@
 /// GPU memory, laid out exactly as the CPU backend lays out its host memory
 /// (thinkv/paged/layout.hpp); commits run the quantize-append kernel, attention runs the paged
 /// decode-attention kernel (thinkv::kernels). It drops into PagedKvCache / ThinKvCache in place of
-/// CpuKvBackend: `ThinKvCache<CudaKvBackend> cache(config);`.
+/// CpuKvBackend: `ThinKvCache<CudaKvBackend> cache(config, policy);`.
 ///
 /// Declared here without any CUDA header (the class keeps its device state behind a pointer);
 /// defined in kernels/cuda_backend.cu, so a program using it links `thinkv::kernels` (CMake
@@ -12,8 +12,9 @@
 ///
 /// Version 1, correctness first. Its interface is the CPU backend's: K, V, q, out and sparsity are
 /// HOST pointers, and every call is synchronous (it copies in, launches, copies out and waits).
-/// Each attend uploads the whole block-table metadata (fill, eviction masks, slot records, block
-/// lists: about (2 + 8 ceil(B / 64) + 4 B) bytes per block) before launching. That makes it a
+/// Each attend uploads the pools' block metadata from its AttendView (fill, eviction masks, slot
+/// records: about (2 + 8 ceil(B / 64) + 4 B) bytes per block with storage) and the attended
+/// streams' block lists before launching. That makes it a
 /// faithful drop-in for decoders that run on the CPU and a reference for the device kernels, not
 /// yet the fast path: a device-pointer, batched, metadata-delta API is the next step.
 ///
@@ -28,7 +29,7 @@
 #include <vector>
 
 #include "thinkv/backend/kv_backend.hpp"
-#include "thinkv/paged/block_table.hpp"
+#include "thinkv/paged/storage_view.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/reference/attention.hpp"
 #include "thinkv/status.hpp"
@@ -63,12 +64,12 @@ class CudaKvBackend {
   /// Forgets a stream's second-level scales (end of sequence).
   [[nodiscard]] Status reset_stream(int stream);
   /// Dequantizes one stored token into host memory (bit-identical to CpuKvBackend::read_token).
-  [[nodiscard]] Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const;
+  [[nodiscard]] Status read_token(const TokenRef& token, float* k, float* v) const;
   /// Decodes one staged token into host memory.
   [[nodiscard]] Status read_staged(int stream, int row, float* k, float* v) const;
   /// Decode attention on the GPU (launch_paged_decode_attention): host q in, host out (and
   /// sparsity, when asked) back.
-  [[nodiscard]] Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const;
+  [[nodiscard]] Status attend(const AttendView& view, const DecodeAttentionArgs& args) const;
   [[nodiscard]] BackendStats stats() const;
 
   /// For tests and debugging: a block's page bytes, a record's key-scale codes, a stream scale.

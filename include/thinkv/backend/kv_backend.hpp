@@ -5,7 +5,9 @@
 /// The cache (PagedKvCache) owns the host metadata (BlockTable) and decides where data goes; a
 /// backend owns the bytes (pages, key-scale records, staging buffers, second-level scales) and
 /// executes: give a pool storage for n blocks, stage a token, commit a staged group into planned
-/// slots, read a token back, attend. Pages of pool p are numbered by their index in the pool
+/// slots, read a token back, attend. It sees plain values only (paged/storage_view.hpp: the
+/// geometry, commit plans, token references, an attention's view of its streams' blocks and the
+/// pools' metadata), never the BlockTable or a policy setting. Pages of pool p are numbered by their index in the pool
 /// (block id - PoolMap::base[p]); the cache grows and shrinks a pool's storage in whole chunks.
 /// Two forms of the same interface:
 ///   - `kv_backend<B>`: a C++20 concept for header-only code (no virtual calls);
@@ -16,11 +18,12 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 
-#include "thinkv/paged/block_table.hpp"
 #include "thinkv/paged/layout.hpp"
+#include "thinkv/paged/storage_view.hpp"
 #include "thinkv/reference/attention.hpp"
 #include "thinkv/status.hpp"
 
@@ -45,7 +48,7 @@ struct BackendStats {
 template <class B>
 concept kv_backend = requires(B& b, const B& cb, const StorageConfig& config, Precision p, std::uint32_t n, int stream,
                               int row, const float* k, const float* v, float* k_out, float* v_out,
-                              const CommitPlan& plan, const BlockTable& table, SlotRef slot,
+                              const CommitPlan& plan, const TokenRef& token, const AttendView& view,
                               const DecodeAttentionArgs& args) {
   { cb.name() } -> std::convertible_to<std::string_view>;
   /// Sets up for the storage geometry `config` (already validated; it holds no policy setting):
@@ -63,14 +66,43 @@ concept kv_backend = requires(B& b, const B& cb, const StorageConfig& config, Pr
   { b.commit(plan) } -> std::same_as<Status>;
   /// Forgets a stream's staging and second-level scales (end of sequence).
   { b.reset_stream(stream) } -> std::same_as<Status>;
-  /// Dequantizes one stored token.
-  { cb.read_token(table, slot, k_out, v_out) } -> std::same_as<Status>;
+  /// Dequantizes one stored token (its slot, owning stream and key-scale record).
+  { cb.read_token(token, k_out, v_out) } -> std::same_as<Status>;
   /// Decodes one staged token.
   { cb.read_staged(stream, row, k_out, v_out) } -> std::same_as<Status>;
-  /// Decode attention over live slots and staged tokens of the given streams.
-  { cb.attend(table, args) } -> std::same_as<Status>;
+  /// Decode attention over the live slots and staged tokens of args.kv_streams, whose blocks
+  /// view.streams[h] lists (view.streams[h].stream == args.kv_streams[h]).
+  { cb.attend(view, args) } -> std::same_as<Status>;
   { cb.stats() } -> std::same_as<BackendStats>;
 };
+
+/// The checks every backend makes of an attention's view before reading it: one StreamView per KV
+/// head naming args.kv_streams[h], at least one token in each, every listed block in a pool's
+/// pages with storage. (The CPU backend also checks each stream's live count against the masks.)
+inline Status check_attend_view(const AttendView& view, const DecodeAttentionArgs& args) {
+  if (view.streams.size() != static_cast<std::size_t>(args.num_kv_heads)) {
+    return {StatusCode::kShapeMismatch, "attend: the view has " + std::to_string(view.streams.size()) +
+                                            " streams for " + std::to_string(args.num_kv_heads) + " KV heads"};
+  }
+  for (int h = 0; h < args.num_kv_heads; ++h) {
+    const StreamView& sv = view.streams[static_cast<std::size_t>(h)];
+    if (sv.stream != args.kv_streams[h]) {
+      return {StatusCode::kInvalidArgument, "attend: view stream " + std::to_string(h) + " is stream " +
+                                                std::to_string(sv.stream) + ", args name stream " +
+                                                std::to_string(args.kv_streams[h])};
+    }
+    if (sv.live + sv.staged == 0) {
+      return {StatusCode::kInvalidArgument, "stream " + std::to_string(sv.stream) + " holds no token to attend to"};
+    }
+    for (std::uint32_t b : sv.blocks) {
+      if (view.pool_of(b) < 0) {
+        return {StatusCode::kInvalidArgument,
+                "attend: block " + std::to_string(b) + " of stream " + std::to_string(sv.stream) + " has no storage"};
+      }
+    }
+  }
+  return Status::ok();
+}
 
 /// The same interface with virtual dispatch, for runtimes that pick a backend at run time.
 class KvBackend {
@@ -83,9 +115,9 @@ class KvBackend {
   [[nodiscard]] virtual Status stage(int stream, int row, const float* k, const float* v) = 0;
   [[nodiscard]] virtual Status commit(const CommitPlan& plan) = 0;
   [[nodiscard]] virtual Status reset_stream(int stream) = 0;
-  [[nodiscard]] virtual Status read_token(const BlockTable& table, SlotRef slot, float* k, float* v) const = 0;
+  [[nodiscard]] virtual Status read_token(const TokenRef& token, float* k, float* v) const = 0;
   [[nodiscard]] virtual Status read_staged(int stream, int row, float* k, float* v) const = 0;
-  [[nodiscard]] virtual Status attend(const BlockTable& table, const DecodeAttentionArgs& args) const = 0;
+  [[nodiscard]] virtual Status attend(const AttendView& view, const DecodeAttentionArgs& args) const = 0;
   [[nodiscard]] virtual BackendStats stats() const = 0;
 };
 
@@ -101,11 +133,9 @@ class BackendModel final : public KvBackend {
   Status stage(int s, int r, const float* k, const float* v) override { return b_.stage(s, r, k, v); }
   Status commit(const CommitPlan& p) override { return b_.commit(p); }
   Status reset_stream(int s) override { return b_.reset_stream(s); }
-  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const override {
-    return b_.read_token(t, s, k, v);
-  }
+  Status read_token(const TokenRef& t, float* k, float* v) const override { return b_.read_token(t, k, v); }
   Status read_staged(int s, int r, float* k, float* v) const override { return b_.read_staged(s, r, k, v); }
-  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const override { return b_.attend(t, a); }
+  Status attend(const AttendView& w, const DecodeAttentionArgs& a) const override { return b_.attend(w, a); }
   BackendStats stats() const override { return b_.stats(); }
   [[nodiscard]] B& get() noexcept { return b_; }
   [[nodiscard]] const B& get() const noexcept { return b_; }
@@ -129,9 +159,9 @@ class DynamicBackend {
   Status stage(int s, int r, const float* k, const float* v) { return impl_->stage(s, r, k, v); }
   Status commit(const CommitPlan& p) { return impl_->commit(p); }
   Status reset_stream(int s) { return impl_->reset_stream(s); }
-  Status read_token(const BlockTable& t, SlotRef s, float* k, float* v) const { return impl_->read_token(t, s, k, v); }
+  Status read_token(const TokenRef& t, float* k, float* v) const { return impl_->read_token(t, k, v); }
   Status read_staged(int s, int r, float* k, float* v) const { return impl_->read_staged(s, r, k, v); }
-  Status attend(const BlockTable& t, const DecodeAttentionArgs& a) const { return impl_->attend(t, a); }
+  Status attend(const AttendView& w, const DecodeAttentionArgs& a) const { return impl_->attend(w, a); }
   BackendStats stats() const { return impl_->stats(); }
   [[nodiscard]] KvBackend* get() const noexcept { return impl_.get(); }
 

@@ -23,61 +23,11 @@
 #include <vector>
 
 #include "thinkv/paged/layout.hpp"
+#include "thinkv/paged/storage_view.hpp"
 #include "thinkv/status.hpp"
 #include "thinkv/types.hpp"
 
 namespace thinkv {
-
-inline constexpr std::uint32_t kNoRecord = 0xFFFFFFFFu;  ///< slot has no key-scale record (BF16)
-inline constexpr std::uint32_t kNoBlock = 0xFFFFFFFFu;
-inline constexpr std::int32_t kNoStream = -1;
-
-/// One slot of one block. Block ids are global across pools (see PoolMap).
-struct SlotRef {
-  std::uint32_t block = kNoBlock;
-  std::uint32_t slot = 0;
-  friend constexpr bool operator==(const SlotRef&, const SlotRef&) = default;
-  friend constexpr auto operator<=>(const SlotRef&, const SlotRef&) = default;
-};
-
-/// Global block ids: pool p owns ids [base[p], base[p] + count[p]).
-struct PoolMap {
-  std::uint32_t base[kNumPrecisions] = {};
-  std::uint32_t count[kNumPrecisions] = {};
-  std::uint32_t total = 0;
-
-  static PoolMap from(const StorageConfig& c) {
-    PoolMap m;
-    for (int p = 0; p < kNumPrecisions; ++p) {
-      m.base[p] = m.total;
-      m.count[p] = static_cast<std::uint32_t>(c.pool_blocks[p]);
-      m.total += m.count[p];
-    }
-    return m;
-  }
-  [[nodiscard]] constexpr Precision precision_of(std::uint32_t block) const noexcept {
-    for (int p = kNumPrecisions - 1; p > 0; --p) {
-      if (block >= base[p]) return static_cast<Precision>(p);
-    }
-    return Precision::kBf16;
-  }
-  /// Index of the block inside its pool.
-  [[nodiscard]] constexpr std::uint32_t local_index(std::uint32_t block) const noexcept {
-    return block - base[static_cast<int>(precision_of(block))];
-  }
-};
-
-/// Where one staged group goes. Produced by BlockTable::plan_commit (pure), consumed by the
-/// backend (writes the data) and by BlockTable::apply_commit (records it).
-struct CommitPlan {
-  std::int32_t stream = kNoStream;
-  ThoughtType thought = ThoughtType::kReasoning;
-  Precision precision = Precision::kBf16;
-  std::vector<SlotRef> slots;             ///< [group_size] destination of staged token i
-  std::vector<std::uint32_t> new_blocks;  ///< blocks taken fresh from the pool, in order
-  std::uint32_t record = kNoRecord;       ///< key-scale record of this group (kNoRecord: BF16)
-  int reused_slots = 0;                   ///< how many of `slots` are evicted slots reused
-};
 
 /// Counters of the block table (never reset).
 /// Fresh blocks (per precision) and key-scale records that earlier plans of one batch will take.
@@ -285,6 +235,32 @@ class BlockTable {
     const Loc l = loc(s.block);
     return l.ok ? l.pool->slot_position[slot_index(l, s.slot)] : -1;
   }
+  // ---- what storage sees (storage_view.hpp) ----------------------------------------------
+
+  /// The token in a live slot: its block's owner and its key-scale record.
+  [[nodiscard]] TokenRef token_ref(SlotRef s) const { return {s, block_owner(s.block), slot_record(s)}; }
+  /// Pool p's block metadata for the pages with storage (spans valid until the next change).
+  [[nodiscard]] PoolView pool_view(Precision p) const noexcept {
+    const PoolState& ps = pool_[static_cast<int>(p)];
+    return {pools_.base[static_cast<int>(p)], ps.grown, ps.fill, ps.mask, ps.slot_record, ps.owner};
+  }
+  /// A stream's block list, staged count and live slots.
+  [[nodiscard]] StreamView stream_view(int stream) const {
+    const StreamState& s = stream_(stream);
+    return {stream, s.blocks, s.staged, s.live};
+  }
+  /// An attention's view of the streams `streams` (each one's StreamView into `out`, reused).
+  [[nodiscard]] AttendView attend_view(std::span<const std::int32_t> streams, std::vector<StreamView>& out) const {
+    out.clear();
+    for (std::int32_t s : streams) out.push_back(stream_view(s));
+    AttendView v;
+    v.block_size = config_.block_size;
+    v.evict_mask_words = layout_.evict_mask_words();
+    for (Precision p : kAllPrecisions) v.pools[static_cast<int>(p)] = pool_view(p);
+    v.streams = out;
+    return v;
+  }
+
   [[nodiscard]] int record_refs(std::uint32_t r) const { return r < records_grown_ ? record_refs_[r] : 0; }
   [[nodiscard]] std::int32_t record_owner(std::uint32_t r) const {
     return r < records_grown_ ? record_owner_[r] : kNoStream;

@@ -80,4 +80,52 @@ inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out, co
   if (out.block_indices.empty()) out.block_indices.push_back(0);
 }
 
+/// Fills `out` from an attention's view (what a backend receives): the pools' metadata, and the
+/// block lists and staged counts of the view's streams (the other streams' rows are empty), in
+/// the same compact numbering as flatten_block_table. `num_streams` sizes the CSR (kernels index
+/// it by stream id); `pages` as there (null = the view's pages with storage).
+inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlockTable& out,
+                                const std::uint32_t* pages = nullptr) {
+  const int bs = view.block_size;
+  const int words = view.evict_mask_words;
+  out.evict_mask_words = words;
+  out.total_blocks = 0;
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    out.pool_base[p] = out.total_blocks;
+    out.pool_count[p] = pages != nullptr ? pages[p] : view.pools[p].blocks;
+    out.total_blocks += out.pool_count[p];
+  }
+  const std::size_t n = out.total_blocks;
+  out.block_fill.assign(n, 0);
+  out.evict_mask.assign(n * words, 0);
+  out.slot_record.assign(n * bs, kNoRecord);
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    const PoolView& pv = view.pools[p];
+    const std::size_t have = std::min(out.pool_count[p], pv.blocks);
+    const std::size_t f = out.pool_base[p];
+    std::copy_n(pv.fill.begin(), have, out.block_fill.begin() + static_cast<std::ptrdiff_t>(f));
+    std::copy_n(pv.evict_mask.begin(), have * words, out.evict_mask.begin() + static_cast<std::ptrdiff_t>(f * words));
+    std::copy_n(pv.slot_record.begin(), have * bs, out.slot_record.begin() + static_cast<std::ptrdiff_t>(f * bs));
+  }
+  out.block_indptr.assign(static_cast<std::size_t>(num_streams) + 1, 0);
+  out.block_indices.clear();
+  out.staged_count.assign(static_cast<std::size_t>(num_streams), 0);
+  // Rows in stream order; a stream the view lists twice (two KV heads of one stream) once.
+  std::vector<const StreamView*> by_stream(static_cast<std::size_t>(num_streams), nullptr);
+  for (const StreamView& sv : view.streams) {
+    if (sv.stream >= 0 && sv.stream < num_streams) by_stream[static_cast<std::size_t>(sv.stream)] = &sv;
+  }
+  for (int s = 0; s < num_streams; ++s) {
+    if (const StreamView* sv = by_stream[static_cast<std::size_t>(s)]) {
+      for (std::uint32_t b : sv->blocks) {
+        const int p = view.pool_of(b);
+        out.block_indices.push_back(out.pool_base[p] + (b - view.pools[p].base));
+      }
+      out.staged_count[static_cast<std::size_t>(s)] = sv->staged;
+    }
+    out.block_indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>(out.block_indices.size());
+  }
+  if (out.block_indices.empty()) out.block_indices.push_back(0);
+}
+
 }  // namespace thinkv

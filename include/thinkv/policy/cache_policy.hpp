@@ -13,7 +13,7 @@
 /// from one, with a `static constexpr std::string_view kName` for method names). Each component
 /// must model its concept; the static_asserts below say which call a type lacks:
 ///   thought_classifier (thought/classifier.hpp), precision_policy (policy/precision_map.hpp),
-///   retention_schedule (policy/retention_schedule.hpp) or NoEviction, token_selector
+///   retention_schedule (tbe/eviction_plan.hpp) or NoEviction, token_selector
 ///   (tbe/token_selector.hpp) or NoSelection.
 /// Before anything reaches the paged cache, the backends or the kernels, a set is lowered to
 /// plain descriptors: the precision policy to a PrecisionMap (3 bytes), the classifier to the
@@ -70,7 +70,7 @@ struct CachePolicy {
                 "thinkv::Precision and to_string()");
   static_assert(std::same_as<Retention, NoEviction> || retention_schedule<Retention>,
                 "ThinKV: the retention schedule of a CachePolicy must be thinkv::NoEviction or model "
-                "thinkv::retention_schedule (include/thinkv/policy/retention_schedule.hpp): copyable, with "
+                "thinkv::retention_schedule (include/thinkv/tbe/eviction_plan.hpp): copyable, with "
                 "num_levels() -> int, retained(int level) -> int and to_string()");
   static_assert(std::same_as<Retention, NoEviction> || token_selector<Selector>,
                 "ThinKV: a CachePolicy that evicts needs a token selector that models thinkv::token_selector "

@@ -1,7 +1,7 @@
 #pragma once
 /// \file retention_schedule.hpp
 /// TBE retention schedule: how many tokens a thought segment keeps after n step-downs.
-/// (The eviction planner that uses it is built on top of this policy.)
+/// (The concept it models, retention_schedule, is the eviction planner's: tbe/eviction_plan.hpp.)
 
 #include <concepts>
 #include <initializer_list>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "thinkv/status.hpp"
+#include "thinkv/tbe/eviction_plan.hpp"
 
 namespace thinkv {
 
@@ -66,18 +67,6 @@ class RetentionSchedule {
   std::vector<int> sizes_;
 };
 
-/// A TBE retention schedule policy: what the eviction planner and BasicThinKvCache call on it.
-///  - num_levels(): step-downs a segment can take (>= 1);
-///  - retained(level): the most tokens a segment keeps after `level` step-downs, level in
-///    1..num_levels(); positive and strictly decreasing in level (the cache checks this at
-///    construction, naming the first level that breaks it);
-///  - to_string(): for messages and method names.
-template <class R>
-concept retention_schedule = std::copy_constructible<R> && requires(const R& r, int level) {
-  { r.num_levels() } -> std::convertible_to<int>;
-  { r.retained(level) } -> std::convertible_to<int>;
-  { r.to_string() } -> std::convertible_to<std::string>;
-};
 static_assert(retention_schedule<RetentionSchedule>);
 
 /// Checks the retained sizes of any schedule: >= 1 level, each positive, strictly decreasing.

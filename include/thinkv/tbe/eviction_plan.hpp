@@ -17,15 +17,29 @@
 /// against the budget: the caller passes the live tokens of the other segments.
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <ostream>
 #include <span>
+#include <string>
 #include <vector>
 
-#include "thinkv/policy/retention_schedule.hpp"
 #include "thinkv/types.hpp"
 
 namespace thinkv {
+
+/// A TBE retention schedule policy: what the eviction planner and BasicThinKvCache call on it.
+///  - num_levels(): step-downs a segment can take (>= 1);
+///  - retained(level): the most tokens a segment keeps after `level` step-downs, level in
+///    1..num_levels(); positive and strictly decreasing in level (the cache checks this at
+///    construction, naming the first level that breaks it);
+///  - to_string(): for messages and method names.
+template <class R>
+concept retention_schedule = std::copy_constructible<R> && requires(const R& r, int level) {
+  { r.num_levels() } -> std::convertible_to<int>;
+  { r.retained(level) } -> std::convertible_to<int>;
+  { r.to_string() } -> std::convertible_to<std::string>;
+};
 
 /// One thought segment of one stream, as the planner sees it.
 struct SegmentState {

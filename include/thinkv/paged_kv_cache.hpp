@@ -179,7 +179,16 @@ class PagedKvCache {
   }
 
   /// Decode attention of one (sequence, layer) over the streams named in args.
-  [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const { return backend_.attend(table_, args); }
+  /// The backend sees the attended streams' block lists and the pools' metadata (AttendView).
+  [[nodiscard]] Status attend(const DecodeAttentionArgs& args) const {
+    THINKV_RETURN_IF_ERROR(check_attention_args(args, config().num_streams));
+    std::vector<StreamView> streams;
+    streams.reserve(static_cast<std::size_t>(args.num_kv_heads));
+    return backend_.attend(
+        table_.attend_view(std::span<const std::int32_t>(args.kv_streams, static_cast<std::size_t>(args.num_kv_heads)),
+                           streams),
+        args);
+  }
 
   /// Dequantizes one live slot of the cache.
   [[nodiscard]] Status read_token(SlotRef slot, std::span<float> k, std::span<float> v) const {
@@ -191,7 +200,7 @@ class PagedKvCache {
       return {StatusCode::kInvalidArgument, "read_token: slot {block " + std::to_string(slot.block) + ", slot " +
                                                 std::to_string(slot.slot) + "} is not live"};
     }
-    return backend_.read_token(table_, slot, k.data(), v.data());
+    return backend_.read_token(table_.token_ref(slot), k.data(), v.data());
   }
 
   /// Releases everything a stream holds (end of its sequence).
