@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "thinkv/paged/block_table.hpp"
@@ -38,47 +39,6 @@ struct FlatBlockTable {
     return pool_base[p] + (block - pools.base[p]);
   }
 };
-
-/// Fills `out` from `table` (reusing its capacity). `pages[p]` gives pool p's length in the flat
-/// numbering (a device's storage; each at least table.allocated_blocks(p)); null = the table's
-/// allocated blocks.
-inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out, const std::uint32_t* pages = nullptr) {
-  const PoolMap& pools = table.pools();
-  const int bs = table.config().block_size;
-  const int streams = table.config().num_streams;
-  const int words = table.layout().evict_mask_words();
-  out.evict_mask_words = words;
-  out.total_blocks = 0;
-  for (int p = 0; p < kNumPrecisions; ++p) {
-    out.pool_base[p] = out.total_blocks;
-    out.pool_count[p] = pages != nullptr ? pages[p] : table.allocated_blocks(static_cast<Precision>(p));
-    out.total_blocks += out.pool_count[p];
-  }
-  const std::size_t n = out.total_blocks;
-  out.block_fill.assign(n, 0);
-  out.evict_mask.assign(n * words, 0);
-  out.slot_record.assign(n * bs, kNoRecord);
-  for (int p = 0; p < kNumPrecisions; ++p) {
-    const std::uint32_t have = std::min(out.pool_count[p], table.allocated_blocks(static_cast<Precision>(p)));
-    for (std::uint32_t i = 0; i < have; ++i) {
-      const std::uint32_t b = pools.base[p] + i;
-      const std::size_t f = out.pool_base[p] + i;
-      out.block_fill[f] = static_cast<std::uint16_t>(table.block_fill(b));
-      const auto m = table.evict_mask(b);
-      for (int w = 0; w < words; ++w) out.evict_mask[f * words + w] = m[static_cast<std::size_t>(w)];
-      for (int s = 0; s < bs; ++s) out.slot_record[f * bs + s] = table.slot_record({b, static_cast<std::uint32_t>(s)});
-    }
-  }
-  out.block_indptr.assign(static_cast<std::size_t>(streams) + 1, 0);
-  out.block_indices.clear();
-  out.staged_count.resize(static_cast<std::size_t>(streams));
-  for (int s = 0; s < streams; ++s) {
-    for (std::uint32_t b : table.blocks(s)) out.block_indices.push_back(out.flat_id(table, b));
-    out.block_indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>(out.block_indices.size());
-    out.staged_count[static_cast<std::size_t>(s)] = table.staged_count(s);
-  }
-  if (out.block_indices.empty()) out.block_indices.push_back(0);
-}
 
 /// Fills `out` from an attention's view (what a backend receives): the pools' metadata, and the
 /// block lists and staged counts of the view's streams (the other streams' rows are empty), in
@@ -126,6 +86,16 @@ inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlo
     out.block_indptr[static_cast<std::size_t>(s) + 1] = static_cast<std::int32_t>(out.block_indices.size());
   }
   if (out.block_indices.empty()) out.block_indices.push_back(0);
+}
+
+/// Fills `out` from `table` (reusing its capacity): flatten_attend_view over every stream.
+/// `pages[p]` gives pool p's length in the flat numbering (a device's storage; each at least
+/// table.allocated_blocks(p)); null = the table's allocated blocks.
+inline void flatten_block_table(const BlockTable& table, FlatBlockTable& out, const std::uint32_t* pages = nullptr) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(table.config().num_streams));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::vector<StreamView> views;
+  flatten_attend_view(table.attend_view(ids, views), table.config().num_streams, out, pages);
 }
 
 }  // namespace thinkv
