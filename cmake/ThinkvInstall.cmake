@@ -25,9 +25,11 @@ endif()
 install(TARGETS thinkv_core EXPORT thinkvCoreTargets)
 install(EXPORT thinkvCoreTargets NAMESPACE thinkv:: FILE thinkvCoreTargets.cmake
         DESTINATION "${THINKV_INSTALL_CMAKEDIR}" COMPONENT thinkv_development)
-install(TARGETS thinkv_calibration EXPORT thinkvCalibrationTargets)
-install(EXPORT thinkvCalibrationTargets NAMESPACE thinkv:: FILE thinkvCalibrationTargets.cmake
-        DESTINATION "${THINKV_INSTALL_CMAKEDIR}" COMPONENT thinkv_development)
+if(THINKV_HAS_CALIBRATION)
+  install(TARGETS thinkv_calibration EXPORT thinkvCalibrationTargets)
+  install(EXPORT thinkvCalibrationTargets NAMESPACE thinkv:: FILE thinkvCalibrationTargets.cmake
+          DESTINATION "${THINKV_INSTALL_CMAKEDIR}" COMPONENT thinkv_development)
+endif()
 if(THINKV_HAS_KERNELS)
   install(TARGETS thinkv_kernels EXPORT thinkvKernelsTargets
           ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT thinkv_development)

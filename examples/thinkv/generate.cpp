@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "../decoder/cli_util.hpp"
 #include "../decoder/decoder.hpp"
 #include "cache_flags.hpp"
@@ -24,13 +26,13 @@
 #include "thinkv/backend/cuda_backend.hpp"
 #endif
 #include "thinkv/thought/calibration_file.hpp"
-#include "thinkv/util/json.hpp"
 
 namespace {
 
 using namespace thinkv;
 using namespace thinkv::decoder;
 using namespace thinkv::decoder::cli;
+using Json = nlohmann::ordered_json;
 
 constexpr const char* kGenerateUsage =
     "usage: thinkv generate -m PATH [-n STEPS] [-p TEXT | -f FILE | --problems FILE --problem N|ID]\n"
@@ -270,25 +272,27 @@ bool read_problem(const std::string& path, const std::string& which, std::string
     ++no;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    json::Value v;
-    if (Status s = json::parse(line, path, v); !s.is_ok()) {
-      err = path + ":" + std::to_string(no) + ": not a JSON object (" + s.message() + ")";
+    const Json v = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!v.is_object()) {
+      err = path + ":" + std::to_string(no) + ": not a JSON object";
       return false;
     }
-    const json::Value* pid = v.find("id");
-    const std::string this_id = pid == nullptr     ? ""
-                                : pid->is_string() ? pid->as_string()
-                                : pid->is_number() ? json::write(*pid, 0)
-                                                   : "";
+    // A string as it is, a number as its JSON text, anything else as "".
+    auto text_of = [&](const char* key) -> std::string {
+      const auto it = v.find(key);
+      if (it == v.end()) return "";
+      if (it->is_string()) return it->get<std::string>();
+      return it->is_number() ? it->dump() : "";
+    };
+    const std::string this_id = text_of("id");
     if ((numeric && k == index) || (!numeric && this_id == which)) {
-      const json::Value* p = v.find("prompt");
-      const json::Value* a = v.find("answer");
-      if (p == nullptr || !p->is_string() || p->as_string().empty()) {
+      const auto p = v.find("prompt");
+      if (p == v.end() || !p->is_string() || p->get_ref<const std::string&>().empty()) {
         err = path + ":" + std::to_string(no) + ": field 'prompt' is missing or not a non-empty string";
         return false;
       }
-      prompt = p->as_string();
-      answer = a == nullptr ? "" : a->is_string() ? a->as_string() : a->is_number() ? json::write(*a, 0) : "";
+      prompt = p->get<std::string>();
+      answer = text_of("answer");
       id = this_id;
       return true;
     }
@@ -328,15 +332,11 @@ std::string segments_text(const std::vector<SegmentState>& segs) {
   return s;
 }
 
-json::Value fidelity_json(const Fidelity& f) {
-  return json::Value::object({
-      {"reference", json::Value::string("full")},
-      {"steps", json::Value::integer(f.steps)},
-      {"token_agreement", json::Value::number(f.token_agreement)},
-      {"mean_kl", json::Value::number(f.mean_kl)},
-      {"max_kl", json::Value::number(f.max_kl)},
-      {"first_divergence", json::Value::integer(f.first_divergence)},
-  });
+Json fidelity_json(const Fidelity& f) {
+  return Json{
+      {"reference", "full"},  {"steps", f.steps},   {"token_agreement", f.token_agreement},
+      {"mean_kl", f.mean_kl}, {"max_kl", f.max_kl}, {"first_divergence", f.first_divergence},
+  };
 }
 
 }  // namespace
@@ -612,58 +612,56 @@ int run_generate(int argc, char** argv) {
     const int budget = cfg != nullptr                                ? (evicts(cfg->mode) ? cfg->token_budget : 0)
                        : std::holds_alternative<DenseKvConfig>(spec) ? std::get<DenseKvConfig>(spec).token_budget
                                                                      : 0;
-    json::Value::Object o{
-        {"model", json::Value::string(model.name)},
-        {"model_path", json::Value::string(model.path)},
-        {"format", json::Value::string(model.format)},
-        {"weights", json::Value::string(to_string(model.weight_type))},
-        {"mode", json::Value::string(std::string(to_string(a.method)))},
-        {"cache", json::Value::string(st.method)},
-        {"precision", json::Value::string(cfg ? precision_text(*cfg) : std::string("fp16"))},
-        {"budget", json::Value::integer(budget)},
-        {"group_size", json::Value::integer(cfg ? cfg->group_size : 0)},
-        {"segment_len", json::Value::integer(cfg ? cfg->segment_len : 0)},
-        {"tau", json::Value::integer(cfg ? cfg->classifier.tau() : 0)},
-        {"calibrated", json::Value::boolean(calibrated)},
-        {"temperature", json::Value::number(a.temperature)},
-        {"seed", json::Value::integer(static_cast<long long>(a.seed))},
-        {"prompt_tokens", json::Value::integer(P)},
-        {"steps", json::Value::integer(a.steps)},
-        {"generated_tokens", json::Value::integer(gen)},
-        {"forward_passes", json::Value::integer(st.forward_passes)},
-        {"seconds", json::Value::number(st.seconds)},
-        {"tokens_per_s", json::Value::number(tps)},
-        {"prompt_seconds", json::Value::number(st.prompt_seconds)},
-        {"prompt_tokens_per_s", json::Value::number(pp_speed.empty() ? 0.0 : pp_speed.front())},
-        {"generation_tokens_per_s", json::Value::number(tg_speed.empty() ? 0.0 : tg_speed.front())},
-        {"repeat", json::Value::integer(a.repeat)},
-        {"threads", json::Value::integer(threads)},
-        {"backend", json::Value::string(cfg ? a.backend : std::string("cpu"))},
-        {"kv_bytes", json::Value::integer(rep.held_bytes)},
-        {"kv_bytes_peak", json::Value::integer(st.peak_physical_bytes)},
-        {"kv_bytes_allocated", json::Value::integer(rep.allocated_bytes)},
-        {"fullkv_fp16_bytes", json::Value::integer(st.fullkv_fp16_bytes_all_positions)},
-        {"kv_ratio", json::Value::number(ratio)},
-        {"live_tokens", json::Value::integer(rep.live_tokens / std::max(1, streams))},
-        {"max_live_tokens", json::Value::integer(st.max_live_tokens)},
-        {"hole_slots", json::Value::integer(st.final_memory.hole_slots)},
-        {"eviction_calls", json::Value::integer(rep.eviction_calls)},
-        {"eviction_calls_per_step", json::Value::number(ev_per_step)},
-        {"tokens_evicted", json::Value::integer(rep.tokens_evicted)},
-        {"case1_steps", json::Value::integer(st.cache_stats.case1_steps)},
-        {"slots_reused", json::Value::integer(st.table_stats.slots_reused)},
-        {"gather_bytes", json::Value::integer(rep.gather_bytes)},
-        {"budget_unreachable_steps", json::Value::integer(st.cache_stats.budget_unreachable)},
-        {"refreshes", json::Value::integer(ts.refreshes)},
-        {"thought_tokens", json::Value::object({{"R", json::Value::integer(ts.tokens[0])},
-                                                {"E", json::Value::integer(ts.tokens[1])},
-                                                {"T", json::Value::integer(ts.tokens[2])}})},
-        {"answer", answered ? json::Value::string(answer) : json::Value::null()},
-        {"expected_answer", expected.empty() ? json::Value::null() : json::Value::string(expected)},
-        {"full_answer", full_answered ? json::Value::string(full_answer) : json::Value::null()},
-        {"fidelity", a.compare ? fidelity_json(fid) : json::Value::null()},
+    Json o{
+        {"model", model.name},
+        {"model_path", model.path},
+        {"format", model.format},
+        {"weights", to_string(model.weight_type)},
+        {"mode", (std::string(to_string(a.method)))},
+        {"cache", st.method},
+        {"precision", (cfg ? precision_text(*cfg) : std::string("fp16"))},
+        {"budget", budget},
+        {"group_size", cfg ? cfg->group_size : 0},
+        {"segment_len", cfg ? cfg->segment_len : 0},
+        {"tau", cfg ? cfg->classifier.tau() : 0},
+        {"calibrated", calibrated},
+        {"temperature", a.temperature},
+        {"seed", static_cast<long long>(a.seed)},
+        {"prompt_tokens", P},
+        {"steps", a.steps},
+        {"generated_tokens", gen},
+        {"forward_passes", st.forward_passes},
+        {"seconds", st.seconds},
+        {"tokens_per_s", tps},
+        {"prompt_seconds", st.prompt_seconds},
+        {"prompt_tokens_per_s", (pp_speed.empty() ? 0.0 : pp_speed.front())},
+        {"generation_tokens_per_s", (tg_speed.empty() ? 0.0 : tg_speed.front())},
+        {"repeat", a.repeat},
+        {"threads", threads},
+        {"backend", cfg ? a.backend : std::string("cpu")},
+        {"kv_bytes", rep.held_bytes},
+        {"kv_bytes_peak", st.peak_physical_bytes},
+        {"kv_bytes_allocated", rep.allocated_bytes},
+        {"fullkv_fp16_bytes", st.fullkv_fp16_bytes_all_positions},
+        {"kv_ratio", ratio},
+        {"live_tokens", rep.live_tokens / std::max(1, streams)},
+        {"max_live_tokens", st.max_live_tokens},
+        {"hole_slots", st.final_memory.hole_slots},
+        {"eviction_calls", rep.eviction_calls},
+        {"eviction_calls_per_step", ev_per_step},
+        {"tokens_evicted", rep.tokens_evicted},
+        {"case1_steps", st.cache_stats.case1_steps},
+        {"slots_reused", st.table_stats.slots_reused},
+        {"gather_bytes", rep.gather_bytes},
+        {"budget_unreachable_steps", st.cache_stats.budget_unreachable},
+        {"refreshes", ts.refreshes},
+        {"thought_tokens", Json{{"R", ts.tokens[0]}, {"E", ts.tokens[1]}, {"T", ts.tokens[2]}}},
+        {"answer", answered ? Json(answer) : Json(nullptr)},
+        {"expected_answer", expected.empty() ? Json(nullptr) : Json(expected)},
+        {"full_answer", full_answered ? Json(full_answer) : Json(nullptr)},
+        {"fidelity", a.compare ? fidelity_json(fid) : Json(nullptr)},
     };
-    std::printf("%s\n", json::write(json::Value::object(std::move(o)), 0).c_str());
+    std::printf("%s\n", o.dump(-1, ' ', false, Json::error_handler_t::replace).c_str());
     std::fflush(stdout);
   }
   return 0;
@@ -1039,7 +1037,7 @@ int run_sweep(int argc, char** argv) {
   std::ostringstream csv;
   csv << "mode,budget,prompts,kv_held_ratio,kv_peak_ratio,token_agreement,token_agreement_min,"
          "token_agreement_max,mean_kl,first_divergence_median,eviction_calls_per_step,budget_unreachable_steps\n";
-  json::Value::Array rows;
+  Json rows = Json::array();
   for (const Cell& c : cells) {
     std::vector<int> d = c.divergences;
     for (int& x : d) x = x < 0 ? a.steps : x;
@@ -1048,25 +1046,21 @@ int run_sweep(int argc, char** argv) {
     csv << to_string(c.mode) << "," << c.budget << "," << c.prompts << "," << c.memory << "," << c.memory_peak << ","
         << c.agreement << "," << c.agreement_min << "," << c.agreement_max << "," << c.kl << "," << med << ","
         << c.ev_per_step << "," << c.unreachable << "\n";
-    rows.push_back(json::Value::object({{"mode", json::Value::string(std::string(to_string(c.mode)))},
-                                        {"budget", json::Value::integer(c.budget)},
-                                        {"prompts", json::Value::integer(c.prompts)},
-                                        {"kv_held_ratio", json::Value::number(c.memory)},
-                                        {"kv_peak_ratio", json::Value::number(c.memory_peak)},
-                                        {"token_agreement", json::Value::number(c.agreement)},
-                                        {"token_agreement_min", json::Value::number(c.agreement_min)},
-                                        {"token_agreement_max", json::Value::number(c.agreement_max)},
-                                        {"mean_kl", json::Value::number(c.kl)},
-                                        {"first_divergence_median", json::Value::integer(med)},
-                                        {"eviction_calls_per_step", json::Value::number(c.ev_per_step)},
-                                        {"budget_unreachable_steps", json::Value::number(c.unreachable)}}));
+    rows.push_back(Json{{"mode", (std::string(to_string(c.mode)))},
+                        {"budget", c.budget},
+                        {"prompts", c.prompts},
+                        {"kv_held_ratio", c.memory},
+                        {"kv_peak_ratio", c.memory_peak},
+                        {"token_agreement", c.agreement},
+                        {"token_agreement_min", c.agreement_min},
+                        {"token_agreement_max", c.agreement_max},
+                        {"mean_kl", c.kl},
+                        {"first_divergence_median", med},
+                        {"eviction_calls_per_step", c.ev_per_step},
+                        {"budget_unreachable_steps", c.unreachable}});
   }
-  const std::string json_text = json::write(json::Value::object({{"model", json::Value::string(model.name)},
-                                                                 {"steps", json::Value::integer(a.steps)},
-                                                                 {"reference", json::Value::string("full (FP16)")},
-                                                                 {"cells", json::Value::array(std::move(rows))}}),
-                                            1) +
-                                "\n";
+  const Json doc{{"model", model.name}, {"steps", a.steps}, {"reference", "full (FP16)"}, {"cells", std::move(rows)}};
+  const std::string json_text = doc.dump(1, ' ', false, Json::error_handler_t::replace) + "\n";
   for (const auto& [path, content] :
        {std::pair<std::string, std::string>{a.md, md.str()}, {a.json, json_text}, {a.csv, csv.str()}}) {
     if (path.empty()) continue;

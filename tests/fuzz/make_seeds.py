@@ -132,9 +132,9 @@ write("corpus", "calibration", "two_types.json",
       ' "date": "2026-01-01T00:00:00Z", "method": "kde-silverman", "bandwidth_rule": "x", "tool": "t"}}\n')
 
 # ---- JSON ----------------------------------------------------------------------------------------
-write("corpus", "json", "object.json", '{"a": [1, 2.5, -3e-7, true, null], "b": {"c": "\\u00e9\\n"}, "d": ""}')
-write("corpus", "json", "deep.json", "[" * 40 + "]" * 40)
-write("corpus", "json", "numbers.json", "[0, -0, 1e308, 2.2250738585072014e-308, 123456789012345678901234567890]")
+write("corpus", "calibration", "object.json", '{"a": [1, 2.5, -3e-7, true, null], "b": {"c": "\\u00e9\\n"}, "d": ""}')
+write("corpus", "calibration", "deep.json", "[" * 40 + "]" * 40)
+write("corpus", "calibration", "numbers.json", "[0, -0, 1e308, 2.2250738585072014e-308, 123456789012345678901234567890]")
 
 # ---- cache arguments -----------------------------------------------------------------------------
 for i, args in enumerate([

@@ -13,7 +13,7 @@ if(NOT rc EQUAL 0)
 endif()
 set(_bad)
 foreach(_h thought/calibration.hpp thought/calibration_file.hpp thought/trace.hpp
-           thought/density_plot.hpp util/json.hpp kernels/ cuda_runtime cuda_backend.hpp)
+           thought/density_plot.hpp nlohmann/ kernels/ cuda_runtime cuda_backend.hpp)
   string(FIND "${deps}" "${_h}" _pos)
   if(NOT _pos EQUAL -1)
     list(APPEND _bad "${_h}")

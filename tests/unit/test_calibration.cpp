@@ -767,9 +767,10 @@ TEST_CASE("calibration file: corrupt and mismatched files are rejected naming th
       {replaced(v, "\"steps\": 12000", "\"steps\": -5"),
        "calib.json: field 'provenance.steps' is -5, expected an integer in [0,"},
       {replaced(v, ", \"tool\": \"thinkv calibrate\"", ""), "calib.json: missing field 'provenance.tool'"},
-      {v.substr(0, v.size() / 2), "calib.json:9:18: expected a JSON value, found end of input"},  // truncated
-      {"\x89PNG\r\n\x1a\n garbage", "calib.json:1:1: expected a JSON value, found byte 0x89"},
-      {"", "calib.json:1:1: expected a JSON value, found end of input"},
+      {v.substr(0, v.size() / 2),
+       "calib.json:9:18: syntax error while parsing value - unexpected end of input"},  // truncated
+      {"\x89PNG\r\n\x1a\n garbage", "calib.json:1:1: syntax error while parsing value - invalid literal"},
+      {"", "calib.json:1:1: syntax error while parsing value - unexpected end of input"},
       {"[1, 2]", "calib.json: the document is a array, expected a JSON object"},
   };
   for (const Case& c : cases) {
@@ -816,6 +817,84 @@ TEST_CASE("calibration file: more layers than the classifier takes is refused", 
   std::ostringstream os;
   CHECK_FALSE(write_calibration_json(os, f).is_ok());
   CHECK(os.str().empty());
+}
+
+TEST_CASE("calibration file: the JSON layer (positions, duplicates, depth, numbers, float text)",
+          "[calibration][file][json]") {
+  const std::string v = kValidFile;
+  CalibrationFile f;
+  REQUIRE(read_str(v, f).is_ok());
+  const CalibrationFile ok = f;
+  auto fails = [&](const std::string& text, const std::string& start, const std::string& contains) {
+    CalibrationFile g = ok;
+    const Status s = read_str(text, g);
+    INFO("input:\n" << text << "\nmessage: " << s.message());
+    REQUIRE_FALSE(s.is_ok());
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(s.message(), StartsWith(start));
+    CHECK_THAT(s.message(), Contains(contains));
+    CHECK(g.layers == ok.layers);  // unchanged
+  };
+  // Malformed text: the line and column (bytes, 1-based) of the byte where parsing stopped.
+  fails(replaced(v, "\"tau\": 128,", "\"tau\": 128,,"), "calib.json:7:14: syntax error", "not valid JSON");
+  fails("{\n  \"format\": tru\n}", "calib.json:2:16: syntax error", "invalid literal");
+  fails("", "calib.json:1:1: syntax error", "not valid JSON");
+  fails(v.substr(0, 100), "calib.json:", "the file is corrupt or truncated");
+  // A member given twice: ambiguous, so refused (nlohmann-json alone would keep the last one).
+  fails(replaced(v, "\"tau\": 128,", "\"tau\": 128, \"tau\": 64,"), "calib.json: member \"tau\" is given twice",
+        "not valid JSON");
+  fails(replaced(v, "\"num_layers\": 32}", "\"num_layers\": 32, \"name\": \"x\"}"),
+        "calib.json: member \"name\" is given twice", "");
+  // The same name in two different objects is fine.
+  REQUIRE(read_str(
+              replaced(v, "\"tool\": \"thinkv calibrate\"}", "\"tool\": \"thinkv calibrate\", \"x\": {\"tau\": 1}}"), f)
+              .is_ok());
+  // Nesting: 64 levels read (the root object is level 1; an unknown member is ignored), 65 do not.
+  auto nested = [&](int depth) {
+    const auto arrays = static_cast<std::size_t>(depth - 1);
+    return replaced(v, "\"tau\": 128,",
+                    "\"tau\": 128, \"deep\": " + std::string(arrays, '[') + std::string(arrays, ']') + ",");
+  };
+  REQUIRE(read_str(nested(kMaxCalibrationJsonDepth), f).is_ok());
+  fails(nested(kMaxCalibrationJsonDepth + 1), "calib.json: nesting deeper than 64 levels", "");
+  fails(nested(100000), "calib.json: nesting deeper than 64 levels", "");
+  // Numbers: beyond double is an error; integral values spelt as floats are integers.
+  fails(replaced(v, "\"tau\": 128", "\"tau\": 1e400"), "calib.json: number overflow", "");
+  REQUIRE(read_str(replaced(v, "\"tau\": 128", "\"tau\": 128.0"), f).is_ok());
+  CHECK(f.tau == 128);
+  fails(replaced(v, "\"tau\": 128", "\"tau\": 128.5"), "calib.json: field 'tau' is 128.5, expected an integer", "");
+  fails(replaced(v, "\"tau\": 128", "\"tau\": 18446744073709551615"),
+        "calib.json: field 'tau' is 18446744073709551615, expected an integer", "");
+  fails(replaced(v, "\"tau\": 128", "\"tau\": NaN"), "calib.json:7:10: syntax error", "");
+  // Floats are written with the shortest digits that read back to the same float.
+  REQUIRE(read_str(v, f).is_ok());
+  std::ostringstream os;
+  REQUIRE(write_calibration_json(os, f).is_ok());
+  CHECK_THAT(os.str(), Contains("\"thresholds\": [0.41, 0.7],"));
+  CHECK_THAT(os.str(), Contains("\"layers\": [3, 17, 20],"));
+  TT_SEEDED_RNG();
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int i = 0; i < 200; ++i) {
+    float a = u(rng), b = u(rng);
+    if (a == b || a == 0.0f || b == 0.0f) continue;
+    if (a > b) std::swap(a, b);
+    f.thresholds = {a, b};
+    std::ostringstream o;
+    REQUIRE(write_calibration_json(o, f).is_ok());
+    CalibrationFile back;
+    REQUIRE(read_str(o.str(), back).is_ok());
+    CHECK(back.thresholds == f.thresholds);  // bit for bit
+    CHECK(o.str().size() < 700);             // no 17-digit doubles
+  }
+  // Non-UTF-8 bytes in the model name are refused by the reader and written as U+FFFD.
+  fails(replaced(v, "\"name\": \"m\"", "\"name\": \"m\xff\""), "calib.json:4:23: syntax error",
+        "ill-formed UTF-8 byte");
+  f = ok;
+  f.model_name = "m\xff";
+  std::ostringstream o2;
+  REQUIRE(write_calibration_json(o2, f).is_ok());
+  REQUIRE(read_str(o2.str(), f).is_ok());
+  CHECK(f.model_name == "m\xEF\xBF\xBD");
 }
 
 TEST_CASE("calibration file: check_model", "[calibration][file]") {

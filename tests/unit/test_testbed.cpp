@@ -20,13 +20,13 @@
 
 #include "../../examples/decoder/decoder.hpp"
 #include "thinkv/thought/calibration_file.hpp"
-#include "thinkv/util/json.hpp"
 
 namespace {
 
 using namespace thinkv;
 using namespace thinkv::decoder;
 namespace fs = std::filesystem;
+using Json = thinkv::CalibrationJson;
 
 fs::path repo_models() { return fs::path(__FILE__).parent_path() / ".." / ".." / "models"; }
 
@@ -40,9 +40,10 @@ std::vector<TestProblem> read_problems(const fs::path& p, int n) {
   std::vector<TestProblem> out;
   std::string line;
   while (static_cast<int>(out.size()) < n && std::getline(f, line)) {
-    json::Value v;
-    REQUIRE(json::parse(line, p.string(), v).is_ok());
-    out.push_back({v.find("id")->as_string(), v.find("prompt")->as_string(), v.find("answer")->as_string()});
+    const Json v = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+    REQUIRE(v.is_object());
+    out.push_back(
+        {v.at("id").get<std::string>(), v.at("prompt").get<std::string>(), v.at("answer").get<std::string>()});
   }
   return out;
 }
@@ -54,9 +55,9 @@ std::map<std::string, std::string> torch_completions() {
   std::map<std::string, std::string> out;
   std::string line;
   while (std::getline(f, line)) {
-    json::Value v;
-    REQUIRE(json::parse(line, "round2_generations.jsonl", v).is_ok());
-    out[v.find("id")->as_string()] = v.find("completion")->as_string();
+    const Json v = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+    REQUIRE(v.is_object());
+    out[v.at("id").get<std::string>()] = v.at("completion").get<std::string>();
   }
   return out;
 }

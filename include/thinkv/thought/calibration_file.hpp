@@ -19,8 +19,16 @@
 ///
 /// Reading validates every field and rejects a corrupt file with a message naming the field.
 /// "diagnostics" (per-layer scores and mode counts) and unknown fields are ignored by the reader.
+///
+/// JSON is read and written with nlohmann-json (Debian: nlohmann-json3-dev), which is why this
+/// header belongs to the calibration component and not to the dependency-free runtime core. The
+/// reader adds what a configuration file needs on top: "<file>:<line>:<column>:" on malformed
+/// text, a member given twice in one object is an error (which value was meant is ambiguous),
+/// nesting is limited to kMaxCalibrationJsonDepth, and floats are written with the shortest
+/// digits that read back to the same float ("0.41", not "0.4099999964237213").
 
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <filesystem>
@@ -33,11 +41,12 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "thinkv/status.hpp"
 #include "thinkv/thought/calibration.hpp"
 #include "thinkv/thought/classifier.hpp"
 #include "thinkv/types.hpp"
-#include "thinkv/util/json.hpp"
 
 namespace thinkv {
 
@@ -45,6 +54,11 @@ inline constexpr std::string_view kCalibrationFormat = "thinkv-calibration";
 inline constexpr int kCalibrationVersion = 1;
 /// Larger inputs are not calibration files (they hold a few hundred bytes).
 inline constexpr std::size_t kMaxCalibrationFileBytes = std::size_t{16} << 20;
+/// Deeper nesting is not a calibration file (the format nests 3 levels).
+inline constexpr int kMaxCalibrationJsonDepth = 64;
+
+/// The JSON value type of calibration files (members keep their order).
+using CalibrationJson = nlohmann::ordered_json;
 
 struct CalibrationProvenance {
   long prompts = 0;
@@ -111,13 +125,153 @@ inline Status too_many_layers(std::string_view source, long long num_layers) {
               " layers (kMaxClassifierLayers), so this calibration cannot be used"};
 }
 
+/// The double with the shortest decimal text that reads back to `x` as a float, so that the JSON
+/// writer (which prints a double's shortest text) writes 0.41f as "0.41".
+inline double shortest_float(float x) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  double d = static_cast<double>(x);
+  std::from_chars(buf, r.ptr, d);
+  return d;
+}
+
+/// JSON text of one value, as nlohmann-json writes it; invalid UTF-8 in strings becomes U+FFFD.
+inline std::string dump_scalar(const CalibrationJson& v) {
+  return v.dump(-1, ' ', false, CalibrationJson::error_handler_t::replace);
+}
+
+/// Pretty-printed with two spaces per level, arrays of scalars on one line (the layout of the
+/// files `thinkv calibrate` writes: thresholds and layers read at a glance).
+inline void write_pretty(std::string& out, const CalibrationJson& v, int level) {
+  auto newline = [&](int lv) {
+    out += '\n';
+    out.append(static_cast<std::size_t>(2 * lv), ' ');
+  };
+  if (v.is_array()) {
+    if (v.empty()) {
+      out += "[]";
+      return;
+    }
+    bool flat = true;
+    for (const auto& x : v) flat = flat && !x.is_structured();
+    out += '[';
+    bool first = true;
+    for (const auto& x : v) {
+      if (!first) out += flat ? ", " : ",";
+      first = false;
+      if (!flat) newline(level + 1);
+      write_pretty(out, x, level + 1);
+    }
+    if (!flat) newline(level);
+    out += ']';
+  } else if (v.is_object()) {
+    if (v.empty()) {
+      out += "{}";
+      return;
+    }
+    out += '{';
+    bool first = true;
+    for (const auto& [key, x] : v.items()) {
+      if (!first) out += ',';
+      first = false;
+      newline(level + 1);
+      out += dump_scalar(CalibrationJson(key));
+      out += ": ";
+      write_pretty(out, x, level + 1);
+    }
+    newline(level);
+    out += '}';
+  } else {
+    out += dump_scalar(v);
+  }
+}
+
 inline std::string float_list(const std::vector<float>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) {
-    json::Value x = json::Value::number_f(v[i]);
-    s += (i ? ", " : "") + json::write(x);
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, v[i]);
+    s += (i ? ", " : "") + std::string(buf, r.ptr);
   }
   return s + "]";
+}
+
+/// An integral JSON number in [lo, hi] (2.0 counts: the value, not the spelling, is checked).
+inline bool integer_in(const CalibrationJson& v, long long lo, long long hi, long long& out) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(hi)) return false;
+    out = static_cast<long long>(u);
+  } else if (v.is_number_integer()) {
+    out = v.get<std::int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!(d == std::floor(d)) || d < static_cast<double>(lo) || d > static_cast<double>(hi)) return false;
+    out = static_cast<long long>(d);
+  } else {
+    return false;
+  }
+  return out >= lo && out <= hi;
+}
+
+/// Thrown by the parser callback to stop at the first member given twice or too deep a nesting.
+struct StructureError {
+  std::string what;
+};
+
+/// Parses `text`; on error a message "<src>:<line>:<column>: <what>" (position where known).
+inline Status parse_json(const std::string& text, const std::string& src, CalibrationJson& out) {
+  std::vector<std::vector<std::string>> keys;  // member names of each open object
+  int open = 0;                                // open arrays and objects (the root object is 1)
+  auto callback = [&](int /*depth*/, CalibrationJson::parse_event_t event, CalibrationJson& parsed) {
+    using E = CalibrationJson::parse_event_t;
+    if (event == E::object_start || event == E::array_start) {
+      if (++open > kMaxCalibrationJsonDepth) {
+        throw StructureError{"nesting deeper than " + std::to_string(kMaxCalibrationJsonDepth) + " levels"};
+      }
+    }
+    if (event == E::object_end || event == E::array_end) --open;
+    if (event == E::object_start) {
+      keys.emplace_back();
+    } else if (event == E::object_end) {
+      keys.pop_back();
+    } else if (event == E::key) {
+      auto& seen = keys.back();
+      const std::string& k = parsed.get_ref<const std::string&>();
+      for (const auto& x : seen) {
+        if (x == k) throw StructureError{"member \"" + k + "\" is given twice in one object"};
+      }
+      seen.push_back(k);
+    }
+    return true;
+  };
+  try {
+    out = CalibrationJson::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/false);
+  } catch (const StructureError& e) {
+    return {StatusCode::kInvalidArgument, src + ": " + e.what};
+  } catch (const CalibrationJson::parse_error& e) {
+    // e.byte: 1-based offset of the last byte read. Line and column (bytes) are counted here.
+    const std::size_t at = std::min<std::size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
+    std::size_t line = 1, col = 1;
+    for (std::size_t i = 0; i < at; ++i) {
+      if (text[i] == '\n') {
+        ++line;
+        col = 1;
+      } else {
+        ++col;
+      }
+    }
+    std::string what = e.what();  // "[json.exception.parse_error.101] parse error at line 1, column 2: <what>"
+    if (const auto p = what.find("column "); p != std::string::npos) {
+      if (const auto c = what.find(": ", p); c != std::string::npos) what = what.substr(c + 2);
+    }
+    return {StatusCode::kInvalidArgument, src + ":" + std::to_string(line) + ":" + std::to_string(col) + ": " + what};
+  } catch (const CalibrationJson::exception& e) {  // e.g. out_of_range.406: a number beyond double
+    std::string what = e.what();
+    if (const auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
+    return {StatusCode::kInvalidArgument, src + ": " + what};
+  }
+  return Status::ok();
 }
 
 inline bool type_from_letter(std::string_view s, ThoughtType& t) {
@@ -193,41 +347,37 @@ inline Status validate_calibration(const CalibrationFile& f, std::string_view so
   return Status::ok();
 }
 
-/// Writes a calibration file (validated first; nothing is written when invalid).
+/// Writes a calibration file (validated first; nothing is written when invalid). `diagnostics`,
+/// when given, is written as the "diagnostics" member.
 inline Status write_calibration_json(std::ostream& os, const CalibrationFile& f,
-                                     const json::Value* diagnostics = nullptr) {
+                                     const CalibrationJson* diagnostics = nullptr) {
   THINKV_RETURN_IF_ERROR(validate_calibration(f, "write_calibration_json"));
-  using json::Value;
-  Value root = Value::object();
-  root.set("format", Value::string(f.format));
-  root.set("version", Value::integer(f.version));
-  Value model = Value::object();
-  model.set("name", Value::string(f.model_name));
-  model.set("num_layers", Value::integer(f.num_layers));
-  root.set("model", std::move(model));
-  Value th = Value::array();
-  for (float x : f.thresholds) th.push_back(Value::number_f(x));
-  root.set("thresholds", std::move(th));
-  Value layers = Value::array();
-  for (int l : f.layers) layers.push_back(Value::integer(l));
-  root.set("layers", std::move(layers));
-  root.set("tau", Value::integer(f.tau));
-  root.set("num_types", Value::integer(f.num_types));
-  Value bands = Value::array();
+  using calib_file_detail::shortest_float;
+  CalibrationJson root = CalibrationJson::object();
+  root["format"] = f.format;
+  root["version"] = f.version;
+  root["model"] = {{"name", f.model_name}, {"num_layers", f.num_layers}};
+  CalibrationJson th = CalibrationJson::array();
+  for (float x : f.thresholds) th.push_back(shortest_float(x));
+  root["thresholds"] = std::move(th);
+  root["layers"] = f.layers;
+  root["tau"] = f.tau;
+  root["num_types"] = f.num_types;
+  CalibrationJson bands = CalibrationJson::array();
   for (int i = 0; i < f.num_types; ++i) {
-    bands.push_back(Value::string(std::string(to_string(f.band_types[static_cast<std::size_t>(i)]))));
+    bands.push_back(std::string(to_string(f.band_types[static_cast<std::size_t>(i)])));
   }
-  root.set("band_types", std::move(bands));
-  Value prov = Value::object();
-  prov.set("prompts", Value::integer(f.provenance.prompts));
-  prov.set("steps", Value::integer(f.provenance.steps));
-  prov.set("date", Value::string(f.provenance.date));
-  prov.set("method", Value::string(f.provenance.method));
-  prov.set("bandwidth_rule", Value::string(f.provenance.bandwidth_rule));
-  prov.set("tool", Value::string(f.provenance.tool));
-  root.set("provenance", std::move(prov));
-  if (diagnostics != nullptr) root.set("diagnostics", *diagnostics);
-  os << json::write(root) << '\n';
+  root["band_types"] = std::move(bands);
+  root["provenance"] = {{"prompts", f.provenance.prompts},
+                        {"steps", f.provenance.steps},
+                        {"date", f.provenance.date},
+                        {"method", f.provenance.method},
+                        {"bandwidth_rule", f.provenance.bandwidth_rule},
+                        {"tool", f.provenance.tool}};
+  if (diagnostics != nullptr) root["diagnostics"] = *diagnostics;
+  std::string text;
+  calib_file_detail::write_pretty(text, root, 0);
+  os << text << '\n';
   os.flush();
   if (!os) return {StatusCode::kInvalidArgument, "write_calibration_json: the output stream failed (disk full?)"};
   return Status::ok();
@@ -235,29 +385,27 @@ inline Status write_calibration_json(std::ostream& os, const CalibrationFile& f,
 
 /// The "diagnostics" object of a result: per layer the score, the mean valley depth, the mode
 /// histogram over prompts and whether it was chosen (for people; the reader ignores it).
-inline json::Value calibration_diagnostics(const CalibrationResult& r) {
-  using json::Value;
-  Value score = Value::array(), depth = Value::array(), hist = Value::array();
+inline CalibrationJson calibration_diagnostics(const CalibrationResult& r) {
+  using calib_file_detail::shortest_float;
+  CalibrationJson score = CalibrationJson::array(), depth = CalibrationJson::array(), hist = CalibrationJson::array();
   for (const LayerReport& rep : r.layer_reports) {
-    score.push_back(Value::number_f(static_cast<float>(rep.score)));
-    depth.push_back(Value::number_f(static_cast<float>(rep.mean_valley_depth)));
-    Value h = Value::array();
-    for (int c : rep.mode_histogram) h.push_back(Value::integer(c));
+    score.push_back(shortest_float(static_cast<float>(rep.score)));
+    depth.push_back(shortest_float(static_cast<float>(rep.mean_valley_depth)));
+    CalibrationJson h = CalibrationJson::array();
+    for (int c : rep.mode_histogram) h.push_back(c);
     hist.push_back(std::move(h));
   }
-  Value d = Value::object();
-  d.set("layer_score", std::move(score));
-  d.set("layer_mean_valley_depth", std::move(depth));
-  d.set("layer_mode_histogram", std::move(hist));
-  Value notes = Value::array();
-  for (const auto& n : r.notes) notes.push_back(Value::string(n));
-  d.set("notes", std::move(notes));
+  CalibrationJson d = CalibrationJson::object();
+  d["layer_score"] = std::move(score);
+  d["layer_mean_valley_depth"] = std::move(depth);
+  d["layer_mode_histogram"] = std::move(hist);
+  d["notes"] = r.notes;
   return d;
 }
 
 /// Writes the calibration file of a result, with its diagnostics.
 inline Status write_calibration_json(std::ostream& os, const CalibrationResult& r) {
-  const json::Value diag = calibration_diagnostics(r);
+  const CalibrationJson diag = calibration_diagnostics(r);
   return write_calibration_json(os, to_calibration_file(r), &diag);
 }
 
@@ -266,45 +414,52 @@ namespace calib_file_detail {
 /// Field access with messages that name the field ("model.num_layers").
 class Fields {
  public:
+  using Json = CalibrationJson;
   explicit Fields(std::string_view source) : source_(source) {}
 
-  Status object(const json::Value& parent, std::string_view key, std::string_view path, const json::Value*& out) {
-    return get(parent, key, path, json::Type::kObject, out);
+  Status object(const Json& parent, std::string_view key, std::string_view path, const Json*& out) {
+    return get(parent, key, path, Json::value_t::object, "object", out);
   }
-  Status string(const json::Value& parent, std::string_view key, std::string_view path, std::string& out) {
-    const json::Value* v = nullptr;
-    THINKV_RETURN_IF_ERROR(get(parent, key, path, json::Type::kString, v));
-    out = v->as_string();
+  Status string(const Json& parent, std::string_view key, std::string_view path, std::string& out) {
+    const Json* v = nullptr;
+    THINKV_RETURN_IF_ERROR(get(parent, key, path, Json::value_t::string, "string", v));
+    out = v->get<std::string>();
     return Status::ok();
   }
-  Status integer(const json::Value& parent, std::string_view key, std::string_view path, long long lo, long long hi,
+  Status integer(const Json& parent, std::string_view key, std::string_view path, long long lo, long long hi,
                  long long& out) {
-    const json::Value* v = nullptr;
-    THINKV_RETURN_IF_ERROR(get(parent, key, path, json::Type::kNumber, v));
-    if (!v->is_integer() || v->as_number() < static_cast<double>(lo) || v->as_number() > static_cast<double>(hi)) {
-      return bad(source_, "field '" + std::string(path) + "' is " + json::write(*v) + ", expected an integer in [" +
+    const Json* v = find(parent, key);
+    if (v == nullptr) return bad(source_, "missing field '" + std::string(path) + "'");
+    if (!v->is_number()) return wrong_type(path, *v, "number");
+    if (!integer_in(*v, lo, hi, out)) {
+      return bad(source_, "field '" + std::string(path) + "' is " + dump_scalar(*v) + ", expected an integer in [" +
                               std::to_string(lo) + ", " + std::to_string(hi) + "]");
     }
-    out = static_cast<long long>(v->as_number());
     return Status::ok();
   }
-  Status array(const json::Value& parent, std::string_view key, std::string_view path, const json::Value*& out) {
-    return get(parent, key, path, json::Type::kArray, out);
+  Status array(const Json& parent, std::string_view key, std::string_view path, const Json*& out) {
+    return get(parent, key, path, Json::value_t::array, "array", out);
   }
 
-  Status get(const json::Value& parent, std::string_view key, std::string_view path, json::Type want,
-             const json::Value*& out) {
-    const json::Value* v = parent.find(key);
-    if (v == nullptr) return bad(source_, "missing field '" + std::string(path) + "'");
-    if (v->type() != want) {
-      return bad(source_, "field '" + std::string(path) + "' is a " + std::string(json::to_string(v->type())) +
-                              ", expected a " + std::string(json::to_string(want)));
-    }
-    out = v;
-    return Status::ok();
+  static const Json* find(const Json& parent, std::string_view key) {
+    const auto it = parent.find(std::string(key));
+    return it == parent.end() ? nullptr : &*it;
   }
 
  private:
+  Status get(const Json& parent, std::string_view key, std::string_view path, Json::value_t want, const char* want_name,
+             const Json*& out) {
+    const Json* v = find(parent, key);
+    if (v == nullptr) return bad(source_, "missing field '" + std::string(path) + "'");
+    if (v->type() != want) return wrong_type(path, *v, want_name);
+    out = v;
+    return Status::ok();
+  }
+  Status wrong_type(std::string_view path, const Json& v, const char* want) {
+    return bad(source_,
+               "field '" + std::string(path) + "' is a " + std::string(v.type_name()) + ", expected a " + want);
+  }
+
   std::string_view source_;
 };
 
@@ -324,13 +479,13 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
     }
   }
   if (in.bad()) return {StatusCode::kInvalidArgument, src + ": read error"};
-  json::Value root;
-  if (Status s = json::parse(text, src, root); !s.is_ok()) {
+  CalibrationJson root;
+  if (Status s = calib_file_detail::parse_json(text, src, root); !s.is_ok()) {
     return {StatusCode::kInvalidArgument,
             s.message() + " (not valid JSON: the file is corrupt or truncated — recalibrate with `thinkv calibrate`)"};
   }
   if (!root.is_object()) {
-    return bad(src, "the document is a " + std::string(json::to_string(root.type())) + ", expected a JSON object");
+    return bad(src, "the document is a " + std::string(root.type_name()) + ", expected a JSON object");
   }
   calib_file_detail::Fields F(src);
   CalibrationFile f;
@@ -344,14 +499,17 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
   f.version = static_cast<int>(ll);
   if (f.version != kCalibrationVersion) return validate_calibration(f, src);  // the version message
 
-  const json::Value* model = nullptr;
+  using calib_file_detail::dump_scalar;
+  using calib_file_detail::Fields;
+  const CalibrationJson* model = nullptr;
   THINKV_RETURN_IF_ERROR(F.object(root, "model", "model", model));
   THINKV_RETURN_IF_ERROR(F.string(*model, "name", "model.name", f.model_name));
   // The classifier's limit, not the trace format's (kMaxTraceLayers): a file that validates
   // always becomes a classifier (classifier_from_calibration).
-  if (const json::Value* n = model->find("num_layers");
-      n != nullptr && n->is_integer() && n->as_number() > kMaxClassifierLayers && n->as_number() <= 1e18) {
-    return calib_file_detail::too_many_layers(src, static_cast<long long>(n->as_number()));
+  if (const CalibrationJson* n = Fields::find(*model, "num_layers"); n != nullptr) {
+    if (long long big = 0; calib_file_detail::integer_in(*n, kMaxClassifierLayers + 1, 1000000000000000000LL, big)) {
+      return calib_file_detail::too_many_layers(src, big);
+    }
   }
   THINKV_RETURN_IF_ERROR(F.integer(*model, "num_layers", "model.num_layers", 1, kMaxClassifierLayers, ll));
   f.num_layers = static_cast<int>(ll);
@@ -360,23 +518,24 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
   THINKV_RETURN_IF_ERROR(F.integer(root, "tau", "tau", 1, 1LL << 30, ll));
   f.tau = static_cast<int>(ll);
 
-  const json::Value* arr = nullptr;
+  const CalibrationJson* arr = nullptr;
   THINKV_RETURN_IF_ERROR(F.array(root, "thresholds", "thresholds", arr));
   for (std::size_t i = 0; i < arr->size(); ++i) {
-    const json::Value& x = arr->as_array()[i];
+    const CalibrationJson& x = (*arr)[i];
     if (!x.is_number()) {
-      return bad(src, "field 'thresholds[" + std::to_string(i) + "]' is a " + std::string(json::to_string(x.type())) +
+      return bad(src, "field 'thresholds[" + std::to_string(i) + "]' is a " + std::string(x.type_name()) +
                           ", expected a number");
     }
-    f.thresholds.push_back(static_cast<float>(x.as_number()));
+    f.thresholds.push_back(static_cast<float>(x.get<double>()));
   }
   THINKV_RETURN_IF_ERROR(F.array(root, "layers", "layers", arr));
   for (std::size_t i = 0; i < arr->size(); ++i) {
-    const json::Value& x = arr->as_array()[i];
-    if (!x.is_integer() || x.as_number() < -1e9 || x.as_number() > 1e9) {
-      return bad(src, "field 'layers[" + std::to_string(i) + "]' is " + json::write(x) + ", expected a layer index");
+    const CalibrationJson& x = (*arr)[i];
+    long long l = 0;
+    if (!calib_file_detail::integer_in(x, -1000000000LL, 1000000000LL, l)) {
+      return bad(src, "field 'layers[" + std::to_string(i) + "]' is " + dump_scalar(x) + ", expected a layer index");
     }
-    f.layers.push_back(static_cast<int>(x.as_number()));
+    f.layers.push_back(static_cast<int>(l));
   }
   THINKV_RETURN_IF_ERROR(F.array(root, "band_types", "band_types", arr));
   if (static_cast<int>(arr->size()) != f.num_types) {
@@ -385,13 +544,13 @@ inline Status read_calibration_json(std::istream& in, std::string_view source, C
   }
   f.band_types = default_band_types(f.num_types);
   for (std::size_t i = 0; i < arr->size(); ++i) {
-    const json::Value& x = arr->as_array()[i];
-    if (!x.is_string() || !calib_file_detail::type_from_letter(x.as_string(), f.band_types[i])) {
-      return bad(src, "field 'band_types[" + std::to_string(i) + "]' is " + json::write(x) +
+    const CalibrationJson& x = (*arr)[i];
+    if (!x.is_string() || !calib_file_detail::type_from_letter(x.get<std::string>(), f.band_types[i])) {
+      return bad(src, "field 'band_types[" + std::to_string(i) + "]' is " + dump_scalar(x) +
                           ", expected \"E\", \"R\" or \"T\"");
     }
   }
-  const json::Value* prov = nullptr;
+  const CalibrationJson* prov = nullptr;
   THINKV_RETURN_IF_ERROR(F.object(root, "provenance", "provenance", prov));
   THINKV_RETURN_IF_ERROR(F.integer(*prov, "prompts", "provenance.prompts", 0, 1LL << 50, ll));
   f.provenance.prompts = static_cast<long>(ll);
