@@ -2,10 +2,10 @@
 # Callers run from the repository root with `set -euo pipefail`.
 
 # Debian packages the build needs (Debian 12 versions: CMake 3.25, g++ 12, Catch2 2.13, benchmark 1.7,
-# nlohmann-json 3.11).
+# nlohmann-json 3.11, CLI11 2.1).
 # clang and libclang-rt-14-dev (libFuzzer, sanitizer runtimes) build the fuzz targets;
 # clang-format-14 checks the formatting (tests/lint/).
-THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev nlohmann-json3-dev clang libclang-rt-14-dev
+THINKV_APT_PACKAGES=(cmake ninja-build g++ catch2 libbenchmark-dev nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev
                      clang-format-14)
 
 thinkv_log() { printf '\n==== %s\n' "$*" >&2; }

@@ -1,8 +1,8 @@
 #pragma once
 /// \file cli_util.hpp
 /// Small pieces shared by the decoder subcommands of the `thinkv` CLI (generate, sweep, trace):
-/// a minimal option scanner, number parsing, a progress line, and model + tokenizer loading with
-/// the model search path and its error message.
+/// number parsing, a progress line, and model + tokenizer loading with the model search path and
+/// its error message. The command-line parser itself is examples/thinkv/cli_args.hpp (CLI11).
 
 #include <unistd.h>
 
@@ -60,48 +60,6 @@ inline bool parse_int_list(std::string_view s, long long lo, long long hi, std::
     s.remove_prefix(comma + 1);
   }
 }
-
-/// Walks argv: options "--name value", "--name=value" and flags "--name".
-class Options {
- public:
-  Options(int argc, char** argv) : argc_(argc), argv_(argv) {}
-  /// Advances to the next argument; false at the end.
-  bool next() {
-    if (++i_ >= argc_) return false;
-    arg_ = argv_[i_];
-    name_ = arg_;
-    inline_ = false;
-    if (arg_.starts_with("--")) {
-      if (const auto eq = arg_.find('='); eq != std::string_view::npos) {
-        name_ = arg_.substr(0, eq);
-        value_ = arg_.substr(eq + 1);
-        inline_ = true;
-      }
-    }
-    return true;
-  }
-  [[nodiscard]] std::string_view arg() const noexcept { return arg_; }
-  [[nodiscard]] std::string_view name() const noexcept { return name_; }
-  /// The option's value (inline or the next argument); false when missing.
-  bool value(std::string_view& v) {
-    if (inline_) {
-      v = value_;
-      return true;
-    }
-    if (i_ + 1 >= argc_) return false;
-    v = argv_[++i_];
-    return true;
-  }
-  /// True for a flag given without "=value".
-  [[nodiscard]] bool is_flag() const noexcept { return !inline_; }
-
- private:
-  int argc_;
-  char** argv_;
-  int i_ = 0;
-  std::string_view arg_, name_, value_;
-  bool inline_ = false;
-};
 
 /// Progress by default only when stderr is a terminal and stdout is not the same terminal (the
 /// generated text would otherwise be torn by the status line); --progress forces it.

@@ -14,14 +14,10 @@
 
 #include "../decoder/cli_util.hpp"
 #include "../decoder/decoder.hpp"
+#include "cli_args.hpp"
 #include "thinkv/thought/calibration_file.hpp"
 
 namespace thinkv::decoder::cli {
-
-inline int usage_error(const char* cmd, const char* usage, const std::string& msg) {
-  std::fprintf(stderr, "thinkv %s: %s\n%sRun `thinkv %s --help` for details.\n", cmd, msg.c_str(), usage, cmd);
-  return kExitUsage;
-}
 
 /// Cache flags shared by generate and sweep.
 struct CacheFlags {
@@ -35,70 +31,30 @@ struct CacheFlags {
   bool keep_prompt = true;  ///< --keep-prompt (default) / --compress-prompt
 };
 
-/// Parses one cache flag at the scanner's position. Returns 1 when handled, 0 when not a cache
-/// flag, -1 after printing a usage error.
-inline int parse_cache_flag(Options& o, CacheFlags& c, const char* cmd, const char* usage, int& rc) {
-  const std::string_view n = o.name();
-  std::string_view v;
-  auto need = [&](const char* what) {
-    if (!o.value(v) || v.empty()) {
-      rc = usage_error(cmd, usage, std::string(n) + " needs " + what);
-      return false;
-    }
-    return true;
-  };
-  if (n == "--budget") {
-    if (!need("a token count")) return -1;
-    // 0 = no budget, as ThinKvConfig::token_budget = 0 (TBE then evicts on transitions only).
-    if (!parse_int(v, 0, 1 << 30, c.budget)) {
-      rc = usage_error(cmd, usage, "--budget " + std::string(v) + ": must be an integer >= 0 (0: no budget)");
-      return -1;
-    }
-  } else if (n == "--group") {
-    if (!need("8, 16 or 32")) return -1;
-    if (!parse_int(v, 1, 1024, c.group) || (c.group != 8 && c.group != 16 && c.group != 32)) {
-      rc = usage_error(cmd, usage, "--group " + std::string(v) + ": must be 8, 16 or 32");
-      return -1;
-    }
-  } else if (n == "--segment") {
-    if (!need("a length")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.segment)) {
-      rc = usage_error(cmd, usage, "--segment " + std::string(v) + ": must be an integer >= 1");
-      return -1;
-    }
-  } else if (n == "--tau") {
-    if (!need("a period")) return -1;
-    if (!parse_int(v, 1, 1 << 30, c.tau)) {
-      rc = usage_error(cmd, usage, "--tau " + std::string(v) + ": must be an integer >= 1");
-      return -1;
-    }
-  } else if (n == "--precision") {
-    if (!need("a map like R4E4T2")) return -1;
-    if (Status s = PrecisionMap::parse(v, c.precision); !s.is_ok()) {
-      rc = usage_error(cmd, usage, "--precision: " + s.message());
-      return -1;
-    }
-  } else if (n == "--calibration") {
-    if (!need("a file")) return -1;
-    c.calibration = v;
-  } else if (n == "--keep-prompt" || n == "--compress-prompt") {
-    if (!o.is_flag()) {
-      rc = usage_error(cmd, usage, std::string(n) + " takes no value");
-      return -1;
-    }
-    c.keep_prompt = n == "--keep-prompt";
-  } else if (n == "--select") {
-    if (!need("kmeans, first or last")) return -1;
+/// Adds the cache options to a subcommand's parser.
+inline void add_cache_options(ArgParser& p, CacheFlags& c) {
+  // 0 = no budget, as ThinKvConfig::token_budget = 0 (TBE then evicts on transitions only).
+  p.integer("--budget", c.budget, 0, 1 << 30, "must be an integer >= 0 (0: no budget)");
+  p.value("--group", [&c](const std::string& v) {
+    return parse_int(v, 1, 1024, c.group) && (c.group == 8 || c.group == 16 || c.group == 32)
+               ? std::string()
+               : std::string("must be 8, 16 or 32");
+  });
+  p.integer("--segment", c.segment, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("--tau", c.tau, 1, 1 << 30, "must be an integer >= 1");
+  p.value("--precision", [&c](const std::string& v) {
+    if (v.empty()) return std::string("needs a map like R4E4T2");
+    const Status s = PrecisionMap::parse(v, c.precision);
+    return s.is_ok() ? std::string() : s.message();
+  });
+  p.text("--calibration", c.calibration, "a file");
+  p.flag("--keep-prompt,!--compress-prompt", c.keep_prompt);
+  p.value("--select", [&c](const std::string& v) {
     const auto sel = parse_segment_selection(v);
-    if (!sel) {
-      rc = usage_error(cmd, usage, "--select " + std::string(v) + ": must be kmeans, first or last");
-      return -1;
-    }
+    if (!sel) return std::string("must be kmeans, first or last");
     c.selection = *sel;
-  } else {
-    return 0;
-  }
-  return 1;
+    return std::string();
+  });
 }
 
 /// Loads --calibration into a classifier (checked against the model). Prints and returns the

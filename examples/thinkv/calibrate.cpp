@@ -99,18 +99,7 @@ struct Args {
 };
 
 /// Prints "thinkv calibrate: msg" and the usage; returns the usage exit status.
-int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "thinkv calibrate: %s\n%sRun `thinkv calibrate --help` for details.\n", msg.c_str(), kUsage);
-  return kExitUsage;
-}
-
-bool parse_int(std::string_view s, int lo, int hi, int& out) {
-  int x = 0;
-  const auto r = std::from_chars(s.data(), s.data() + s.size(), x);
-  if (r.ec != std::errc() || r.ptr != s.data() + s.size() || x < lo || x > hi) return false;
-  out = x;
-  return true;
-}
+int usage_error(const std::string& msg) { return thinkv::decoder::cli::usage_error("calibrate", kUsage, msg); }
 
 bool parse_double(std::string_view s, double& out) {
   double x = 0;
@@ -122,118 +111,65 @@ bool parse_double(std::string_view s, double& out) {
 
 /// Parses the command line; returns 0 or the usage exit status (message printed).
 int parse_args(int argc, char** argv, Args& a) {
-  bool only_files = false;
+  using thinkv::decoder::cli::parse_int;
+  thinkv::decoder::cli::ArgParser p("calibrate", kUsage);
   std::string thresholds_text;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (only_files || arg == "-" || arg.empty() || arg[0] != '-') {
-      a.traces.emplace_back(arg);
-      continue;
+  p.app().add_option("traces", a.traces)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  p.flag("-q,--quiet", a.quiet);
+  p.flag("-v,--verbose", a.verbose);
+  p.flag("--progress", a.progress);
+  p.text("-o,--output", a.output, "a file name");
+  p.text("--plot", a.plot, "a file name");
+  p.integer("--types", a.types, 2, 3, "must be 3 (E, R, T) or 2 (E, T)");
+  p.integer("--max-layers", a.max_layers, 1, thinkv::kMaxTraceLayers, "must be an integer >= 1");
+  p.integer("--tau", a.tau, 1, 1 << 30, "must be an integer >= 1");
+  p.value("--group", [&a](const std::string& v) {
+    return parse_int(v, 1, 64, a.group) && (a.group == 8 || a.group == 16 || a.group == 32)
+               ? std::string()
+               : std::string("must be 8, 16 or 32");
+  });
+  p.integer("--min-prompts", a.min_prompts, 1, 1 << 30, "must be an integer >= 1");
+  p.value("--bandwidth-scale", [&a](const std::string& v) {
+    return parse_double(v, a.bandwidth_scale) && a.bandwidth_scale > 0.0 ? std::string()
+                                                                         : std::string("must be a number > 0");
+  });
+  p.value("--layers", [&a](const std::string& v) {
+    if (v.empty()) return std::string("needs layer indices, e.g. --layers 2,4");
+    a.layers.clear();
+    std::string_view rest = v;
+    for (;;) {
+      const auto comma = rest.find(',');
+      int l = 0;
+      if (!parse_int(rest.substr(0, comma), 0, thinkv::kMaxTraceLayers - 1, l)) {
+        return "'" + std::string(rest.substr(0, comma)) + "' is not a layer index";
+      }
+      a.layers.push_back(l);
+      if (comma == std::string_view::npos) return std::string();
+      rest.remove_prefix(comma + 1);
     }
-    if (arg == "--") {
-      only_files = true;
-      continue;
+  });
+  p.value("--band-types", [&a](const std::string& v) {
+    if (v.empty()) return std::string("needs types, e.g. --band-types E,R,T");
+    a.band_types.clear();
+    std::string_view rest = v;
+    for (;;) {
+      const auto comma = rest.find(',');
+      const std::string_view t = rest.substr(0, comma);
+      if (t == "R")
+        a.band_types.push_back(thinkv::ThoughtType::kReasoning);
+      else if (t == "E")
+        a.band_types.push_back(thinkv::ThoughtType::kExecution);
+      else if (t == "T")
+        a.band_types.push_back(thinkv::ThoughtType::kTransition);
+      else
+        return "'" + std::string(t) + "' is not R, E or T";
+      if (comma == std::string_view::npos) return std::string();
+      rest.remove_prefix(comma + 1);
     }
-    std::string_view name = arg, inline_value;
-    bool has_inline = false;
-    if (arg.starts_with("--")) {
-      if (const auto eq = arg.find('='); eq != std::string_view::npos) {
-        name = arg.substr(0, eq);
-        inline_value = arg.substr(eq + 1);
-        has_inline = true;
-      }
-    }
-    auto value = [&](std::string_view& v) -> bool {
-      if (has_inline) {
-        v = inline_value;
-        return true;
-      }
-      if (i + 1 >= argc) return false;
-      v = argv[++i];
-      return true;
-    };
-    auto flag = [&](bool& b) {
-      if (has_inline) return false;
-      b = true;
-      return true;
-    };
-    std::string_view v;
-    if (name == "-h" || name == "--help") {
-      if (!flag(a.help)) return usage_error(std::string(name) + " takes no value");
-    } else if (name == "-q" || name == "--quiet") {
-      if (!flag(a.quiet)) return usage_error(std::string(name) + " takes no value");
-    } else if (name == "-v" || name == "--verbose") {
-      if (!flag(a.verbose)) return usage_error(std::string(name) + " takes no value");
-    } else if (name == "--progress") {
-      if (!flag(a.progress)) return usage_error(std::string(name) + " takes no value");
-    } else if (name == "-o" || name == "--output") {
-      if (!value(v) || v.empty()) return usage_error(std::string(name) + " needs a file name");
-      a.output = v;
-    } else if (name == "--plot") {
-      if (!value(v) || v.empty()) return usage_error("--plot needs a file name");
-      a.plot = v;
-    } else if (name == "--types") {
-      if (!value(v) || !parse_int(v, 2, 3, a.types)) {
-        return usage_error("--types " + std::string(v) + ": must be 3 (E, R, T) or 2 (E, T)");
-      }
-    } else if (name == "--max-layers") {
-      if (!value(v) || !parse_int(v, 1, thinkv::kMaxTraceLayers, a.max_layers)) {
-        return usage_error("--max-layers " + std::string(v) + ": must be an integer >= 1");
-      }
-    } else if (name == "--tau") {
-      if (!value(v) || !parse_int(v, 1, 1 << 30, a.tau)) {
-        return usage_error("--tau " + std::string(v) + ": must be an integer >= 1");
-      }
-    } else if (name == "--group") {
-      if (!value(v) || !parse_int(v, 1, 64, a.group) || (a.group != 8 && a.group != 16 && a.group != 32)) {
-        return usage_error("--group " + std::string(v) + ": must be 8, 16 or 32");
-      }
-    } else if (name == "--min-prompts") {
-      if (!value(v) || !parse_int(v, 1, 1 << 30, a.min_prompts)) {
-        return usage_error("--min-prompts " + std::string(v) + ": must be an integer >= 1");
-      }
-    } else if (name == "--bandwidth-scale") {
-      if (!value(v) || !parse_double(v, a.bandwidth_scale) || !(a.bandwidth_scale > 0.0)) {
-        return usage_error("--bandwidth-scale " + std::string(v) + ": must be a number > 0");
-      }
-    } else if (name == "--layers") {
-      if (!value(v) || v.empty()) return usage_error("--layers needs layer indices, e.g. --layers 2,4");
-      std::string_view rest = v;
-      for (;;) {
-        const auto comma = rest.find(',');
-        int l = 0;
-        if (!parse_int(rest.substr(0, comma), 0, thinkv::kMaxTraceLayers - 1, l)) {
-          return usage_error("--layers " + std::string(v) + ": '" + std::string(rest.substr(0, comma)) +
-                             "' is not a layer index");
-        }
-        a.layers.push_back(l);
-        if (comma == std::string_view::npos) break;
-        rest.remove_prefix(comma + 1);
-      }
-    } else if (name == "--band-types") {
-      if (!value(v) || v.empty()) return usage_error("--band-types needs types, e.g. --band-types E,R,T");
-      std::string_view rest = v;
-      for (;;) {
-        const auto comma = rest.find(',');
-        const std::string_view t = rest.substr(0, comma);
-        if (t == "R")
-          a.band_types.push_back(thinkv::ThoughtType::kReasoning);
-        else if (t == "E")
-          a.band_types.push_back(thinkv::ThoughtType::kExecution);
-        else if (t == "T")
-          a.band_types.push_back(thinkv::ThoughtType::kTransition);
-        else
-          return usage_error("--band-types " + std::string(v) + ": '" + std::string(t) + "' is not R, E or T");
-        if (comma == std::string_view::npos) break;
-        rest.remove_prefix(comma + 1);
-      }
-    } else if (name == "--thresholds") {
-      if (!value(v) || v.empty()) return usage_error("--thresholds needs values, e.g. --thresholds 0.4,0.7");
-      thresholds_text = v;
-    } else {
-      return usage_error("unknown option '" + std::string(arg) + "'");
-    }
-  }
+  });
+  p.text("--thresholds", thresholds_text, "values, e.g. --thresholds 0.4,0.7");
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  a.help = p.help();
   if (a.help) return 0;
   if (a.tau % a.group != 0) {
     return usage_error("--tau " + std::to_string(a.tau) + " is not a multiple of the quantization group " +

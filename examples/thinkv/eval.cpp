@@ -98,79 +98,45 @@ struct Args {
 };
 
 int parse(int argc, char** argv, Args& a) {
-  Options o(argc, argv);
-  int rc = 0;
-  while (o.next()) {
-    const std::string_view n = o.name();
-    std::string_view v;
-    const int c = parse_cache_flag(o, a.cache, "eval", kUsage, rc);
-    if (c < 0) return rc;
-    if (c > 0) continue;
-    auto need = [&]() { return o.value(v) && !v.empty(); };
-    auto file = [&](std::string& dst) {
-      if (!need()) return false;
-      dst = v;
-      return true;
-    };
-    if (n == "-h" || n == "--help") {
-      a.help = true;
-    } else if (n == "--model" || n == "-m") {
-      if (!file(a.model)) return usage(std::string(n) + " needs a file");
-    } else if (n == "--tokenizer") {
-      if (!file(a.tokenizer)) return usage("--tokenizer needs a file");
-    } else if (n == "--problems") {
-      if (!file(a.problems)) return usage("--problems needs a JSONL file");
-    } else if (n == "--json") {
-      if (!file(a.json)) return usage("--json needs a file");
-    } else if (n == "--md") {
-      if (!file(a.md)) return usage("--md needs a file");
-    } else if (n == "--svg") {
-      if (!file(a.svg)) return usage("--svg needs a file");
-    } else if (n == "--generations") {
-      if (!file(a.generations)) return usage("--generations needs a file");
-    } else if (n == "--labels") {
-      if (!file(a.labels)) return usage("--labels needs a rules file");
-    } else if (n == "--answer-pattern") {
-      if (!need()) return usage("--answer-pattern needs a regular expression");
-      a.pattern = v;
-    } else if (n == "--methods") {
-      if (!need()) return usage("--methods needs a comma-separated list");
-      a.methods.clear();
-      std::string_view rest = v;
-      while (true) {
-        const auto comma = rest.find(',');
-        const std::string_view name = rest.substr(0, comma);
-        const auto m = parse_method(name);
-        if (!m) return usage("--methods: '" + std::string(name) + "' is not a method; allowed: " + method_names());
-        if (std::find(a.methods.begin(), a.methods.end(), *m) == a.methods.end()) a.methods.push_back(*m);
-        if (comma == std::string_view::npos) break;
-        rest.remove_prefix(comma + 1);
-      }
-    } else if (n == "--budgets") {
-      if (!need() || !parse_int_list(v, 1, 1 << 24, a.budgets))
-        return usage("--budgets " + std::string(v) + ": a comma-separated list of integers >= 1");
-    } else if (n == "--limit") {
-      if (!need() || !parse_int(v, 1, 1 << 30, a.limit)) return usage("--limit must be an integer >= 1");
-    } else if (n == "--offset") {
-      if (!need() || !parse_int(v, 0, 1 << 30, a.offset)) return usage("--offset must be an integer >= 0");
-    } else if (n == "--max-steps") {
-      if (!need() || !parse_int(v, 1, 1 << 30, a.max_steps)) return usage("--max-steps must be an integer >= 1");
-    } else if (n == "--jobs" || n == "-j") {
-      if (!need() || !parse_int(v, 1, 1024, a.jobs)) return usage("--jobs must be in 1..1024");
-    } else if (n == "--threads" || n == "-t") {
-      if (!need() || !parse_int(v, 1, 1024, a.threads)) return usage("--threads must be in 1..1024");
-    } else if (n == "--kl") {
-      a.kl = true;
-    } else if (n == "--progress") {
-      a.progress = true;
-    } else if (n == "--no-progress") {
-      a.progress = false;
-    } else if (n == "-q" || n == "--quiet") {
-      a.quiet = true;
-    } else {
-      return usage("unknown option '" + std::string(o.arg()) + "'");
+  ArgParser p("eval", kUsage);
+  add_cache_options(p, a.cache);
+  p.text("-m,--model", a.model, "a file");
+  p.text("--tokenizer", a.tokenizer, "a file");
+  p.text("--problems", a.problems, "a JSONL file");
+  p.text("--json", a.json, "a file");
+  p.text("--md", a.md, "a file");
+  p.text("--svg", a.svg, "a file");
+  p.text("--generations", a.generations, "a file");
+  p.text("--labels", a.labels, "a rules file");
+  p.text("--answer-pattern", a.pattern, "a regular expression");
+  p.value("--methods", [&a](const std::string& v) {
+    if (v.empty()) return std::string("needs a comma-separated list");
+    a.methods.clear();
+    std::string_view rest = v;
+    while (true) {
+      const auto comma = rest.find(',');
+      const std::string_view name = rest.substr(0, comma);
+      const auto m = parse_method(name);
+      if (!m) return "'" + std::string(name) + "' is not a method; allowed: " + method_names();
+      if (std::find(a.methods.begin(), a.methods.end(), *m) == a.methods.end()) a.methods.push_back(*m);
+      if (comma == std::string_view::npos) return std::string();
+      rest.remove_prefix(comma + 1);
     }
-  }
+  });
+  p.value("--budgets", [&a](const std::string& v) {
+    return parse_int_list(v, 1, 1 << 24, a.budgets) ? std::string()
+                                                    : std::string("a comma-separated list of integers >= 1");
+  });
+  p.integer("--limit", a.limit, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("--offset", a.offset, 0, 1 << 30, "must be an integer >= 0");
+  p.integer("--max-steps", a.max_steps, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("-j,--jobs", a.jobs, 1, 1024, "must be an integer in 1..1024");
+  p.integer("-t,--threads", a.threads, 1, 1024, "must be an integer in 1..1024");
+  p.flag("--kl", a.kl);
+  p.flag("--progress,!--no-progress", a.progress);
+  p.flag("-q,--quiet", a.quiet);
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  a.help = p.help();
   if (a.help) return 0;
   if (a.model.empty()) return usage("no model given (--model PATH)");
   if (a.problems.empty()) return usage("no problems given (--problems FILE.jsonl)");

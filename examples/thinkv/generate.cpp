@@ -154,105 +154,63 @@ struct GenerateArgs {
 };
 
 int parse_generate(int argc, char** argv, GenerateArgs& a) {
-  const char* cmd = "generate";
-  Options o(argc, argv);
-  int rc = 0;
-  while (o.next()) {
-    const std::string_view n = o.name();
-    std::string_view v;
-    const int c = parse_cache_flag(o, a.cache, cmd, kGenerateUsage, rc);
-    if (c < 0) return rc;
-    if (c > 0) continue;
-    auto need = [&](const char* what) { return o.value(v) && (!v.empty() || std::string_view(what) == "text"); };
-    if (n == "-h" || n == "--help") {
-      a.help = true;
-    } else if (n == "--model" || n == "-m") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs a file");
-      a.model = v;
-    } else if (n == "--tokenizer") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--tokenizer needs a file");
-      a.tokenizer = v;
-    } else if (n == "--prompt" || n == "-p") {
-      if (!need("text")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs text");
-      a.prompt = v;
-      a.have_prompt = true;
-    } else if (n == "--file" || n == "-f") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, std::string(n) + " needs a prompt file");
-      std::ifstream f{std::string(v), std::ios::binary};
-      if (!f)
-        return usage_error(cmd, kGenerateUsage,
-                           std::string(n) + " " + std::string(v) + ": cannot open the prompt file");
-      std::ostringstream all;
-      all << f.rdbuf();
-      a.prompt = all.str();
-      a.have_prompt = true;
-    } else if (n == "--ctx-size" || n == "-c") {
-      if (!need("a count") || !parse_int(v, 1, 1 << 30, a.ctx)) {
-        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
-      }
-    } else if (n == "--repeat" || n == "-r") {
-      if (!need("a count") || !parse_int(v, 1, 1000, a.repeat)) {
-        return usage_error(cmd, kGenerateUsage,
-                           std::string(n) + " " + std::string(v) + ": must be an integer in 1..1000");
-      }
-    } else if (n == "--steps" || n == "-n") {
-      if (!need("a count") || !parse_int(v, 1, 1 << 30, a.steps)) {
-        return usage_error(cmd, kGenerateUsage, std::string(n) + " " + std::string(v) + ": must be an integer >= 1");
-      }
-    } else if (n == "--mode") {
-      if (!need("a mode")) return usage_error(cmd, kGenerateUsage, "--mode needs a method: " + method_names());
-      const auto m = parse_method(v);
-      if (!m)
-        return usage_error(cmd, kGenerateUsage, "--mode " + std::string(v) + ": must be one of " + method_names());
-      a.method = *m;
-    } else if (n == "--problems") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--problems needs a JSONL file");
-      a.problems = v;
-    } else if (n == "--problem") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--problem needs an index or an id");
-      a.problem = v;
-    } else if (n == "--answer-pattern") {
-      if (!need("a file")) return usage_error(cmd, kGenerateUsage, "--answer-pattern needs a regular expression");
-      a.answer_pattern = v;
-    } else if (n == "--temperature") {
-      if (!need("a number") || !parse_float(v, a.temperature) || a.temperature < 0.0f) {
-        return usage_error(cmd, kGenerateUsage, "--temperature " + std::string(v) + ": must be a number >= 0");
-      }
-    } else if (n == "--seed" || n == "-s") {
-      if (!need("a number") || !parse_u64(v, a.seed)) {
-        return usage_error(cmd, kGenerateUsage,
-                           std::string(n) + " " + std::string(v) + ": must be an unsigned integer");
-      }
-    } else if (n == "--compare") {
-      if (!need("full") || v != "full") {
-        return usage_error(cmd, kGenerateUsage, "--compare " + std::string(v) + ": only `--compare full` is supported");
-      }
-      a.compare = true;
-    } else if (n == "--threads" || n == "-t") {
-      if (!need("a count") || !parse_int(v, 1, 1024, a.threads)) {
-        return usage_error(cmd, kGenerateUsage,
-                           std::string(n) + " " + std::string(v) + ": must be an integer in 1..1024");
-      }
-    } else if (n == "--backend") {
-      if (!need("a backend") || (v != "cpu" && v != "cuda")) {
-        return usage_error(cmd, kGenerateUsage, "--backend " + std::string(v) + ": must be cpu or cuda");
-      }
-      a.backend = v;
-    } else if (n == "--json") {
-      if (!o.is_flag()) return usage_error(cmd, kGenerateUsage, "--json takes no value");
-      a.json = true;
-    } else if (n == "--progress") {
-      if (!o.is_flag()) return usage_error(cmd, kGenerateUsage, "--progress takes no value");
-      a.progress = true;
-    } else {
-      return usage_error(cmd, kGenerateUsage, "unknown option '" + std::string(o.arg()) + "'");
-    }
-  }
+  ArgParser p("generate", kGenerateUsage);
+  add_cache_options(p, a.cache);
+  p.text("-m,--model", a.model, "a file");
+  p.text("--tokenizer", a.tokenizer, "a file");
+  p.value("-p,--prompt", [&a](const std::string& v) {
+    a.prompt = v;  // may be empty: the BOS token alone
+    a.have_prompt = true;
+    return std::string();
+  });
+  p.value("-f,--file", [&a](const std::string& v) {
+    if (v.empty()) return std::string("needs a prompt file");
+    std::ifstream f{v, std::ios::binary};
+    if (!f) return std::string("cannot open the prompt file");
+    std::ostringstream all;
+    all << f.rdbuf();
+    a.prompt = all.str();
+    a.have_prompt = true;
+    return std::string();
+  });
+  p.integer("-c,--ctx-size", a.ctx, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("-r,--repeat", a.repeat, 1, 1000, "must be an integer in 1..1000");
+  p.integer("-n,--steps", a.steps, 1, 1 << 30, "must be an integer >= 1");
+  p.value("--mode", [&a](const std::string& v) {
+    const auto m = parse_method(v);
+    if (!m) return "must be one of " + method_names();
+    a.method = *m;
+    return std::string();
+  });
+  p.text("--problems", a.problems, "a JSONL file");
+  p.text("--problem", a.problem, "an index or an id");
+  p.text("--answer-pattern", a.answer_pattern, "a regular expression");
+  p.value("--temperature", [&a](const std::string& v) {
+    return parse_float(v, a.temperature) && a.temperature >= 0.0f ? std::string()
+                                                                  : std::string("must be a number >= 0");
+  });
+  p.value("-s,--seed", [&a](const std::string& v) {
+    return parse_u64(v, a.seed) ? std::string() : std::string("must be an unsigned integer");
+  });
+  p.value("--compare", [&a](const std::string& v) {
+    if (v != "full") return std::string("only `--compare full` is supported");
+    a.compare = true;
+    return std::string();
+  });
+  p.integer("-t,--threads", a.threads, 1, 1024, "must be an integer in 1..1024");
+  p.value("--backend", [&a](const std::string& v) {
+    if (v != "cpu" && v != "cuda") return std::string("must be cpu or cuda");
+    a.backend = v;
+    return std::string();
+  });
+  p.flag("--json", a.json);
+  p.flag("--progress", a.progress);
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  a.help = p.help();
   if (a.help) return 0;
-  if (a.model.empty()) return usage_error(cmd, kGenerateUsage, "no model given (--model PATH)");
-  if (!a.problems.empty() && a.have_prompt)
-    return usage_error(cmd, kGenerateUsage, "give --prompt or --problems, not both");
-  if (a.steps < 0 && a.problems.empty()) return usage_error(cmd, kGenerateUsage, "no step count given (--steps N)");
+  if (a.model.empty()) return p.error("no model given (--model PATH)");
+  if (!a.problems.empty() && a.have_prompt) return p.error("give --prompt or --problems, not both");
+  if (a.steps < 0 && a.problems.empty()) return p.error("no step count given (--steps N)");
   return 0;
 }
 
@@ -710,76 +668,40 @@ struct SweepArgs {
 };
 
 int parse_sweep(int argc, char** argv, SweepArgs& a) {
-  const char* cmd = "sweep";
-  Options o(argc, argv);
-  int rc = 0;
+  ArgParser p("sweep", kSweepUsage);
   a.progress = ::isatty(2) != 0;
-  while (o.next()) {
-    const std::string_view n = o.name();
-    std::string_view v;
-    const int c = parse_cache_flag(o, a.cache, cmd, kSweepUsage, rc);
-    if (c < 0) return rc;
-    if (c > 0) {
-      if (n == "--budget") return usage_error(cmd, kSweepUsage, "use --budgets LIST in a sweep");
-      continue;
+  add_cache_options(p, a.cache);
+  p.text("--model", a.model, "a file");
+  p.text("--tokenizer", a.tokenizer, "a file");
+  p.text("--prompts", a.prompts_file, "a file");
+  p.text("--md", a.md, "a file");
+  p.text("--svg", a.svg, "a file");
+  p.text("--json", a.json, "a file");
+  p.text("--csv", a.csv, "a file");
+  p.integer("--steps", a.steps, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("--threads", a.threads, 1, 1024, "must be an integer in 1..1024");
+  p.value("--budgets", [&a](const std::string& v) {
+    return parse_int_list(v, 1, 1 << 30, a.budgets) ? std::string()
+                                                    : std::string("a comma-separated list of integers >= 1");
+  });
+  p.value("--modes", [&a](const std::string& v) {
+    a.modes.clear();
+    std::string_view rest = v;
+    while (true) {
+      const auto comma = rest.find(',');
+      const auto m = parse_cache_mode(rest.substr(0, comma));
+      if (!m) return "'" + std::string(rest.substr(0, comma)) + "' is not full, tbq, tbe or thinkv";
+      a.modes.push_back(*m);
+      if (comma == std::string_view::npos) return std::string();
+      rest.remove_prefix(comma + 1);
     }
-    auto need = [&]() { return o.value(v) && !v.empty(); };
-    if (n == "-h" || n == "--help") {
-      a.help = true;
-    } else if (n == "--model") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--model needs a file");
-      a.model = v;
-    } else if (n == "--tokenizer") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--tokenizer needs a file");
-      a.tokenizer = v;
-    } else if (n == "--prompts") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--prompts needs a file");
-      a.prompts_file = v;
-    } else if (n == "--md") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--md needs a file");
-      a.md = v;
-    } else if (n == "--svg") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--svg needs a file");
-      a.svg = v;
-    } else if (n == "--json") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--json needs a file");
-      a.json = v;
-    } else if (n == "--csv") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--csv needs a file");
-      a.csv = v;
-    } else if (n == "--steps") {
-      if (!need() || !parse_int(v, 1, 1 << 30, a.steps))
-        return usage_error(cmd, kSweepUsage, "--steps must be an integer >= 1");
-    } else if (n == "--threads") {
-      if (!need() || !parse_int(v, 1, 1024, a.threads))
-        return usage_error(cmd, kSweepUsage, "--threads must be in 1..1024");
-    } else if (n == "--budgets") {
-      if (!need() || !parse_int_list(v, 1, 1 << 30, a.budgets)) {
-        return usage_error(cmd, kSweepUsage,
-                           "--budgets " + std::string(v) + ": a comma-separated list of integers >= 1");
-      }
-    } else if (n == "--modes") {
-      if (!need()) return usage_error(cmd, kSweepUsage, "--modes needs a list");
-      a.modes.clear();
-      std::string_view rest = v;
-      while (true) {
-        const auto comma = rest.find(',');
-        const auto m = parse_cache_mode(rest.substr(0, comma));
-        if (!m)
-          return usage_error(cmd, kSweepUsage,
-                             "--modes: '" + std::string(rest.substr(0, comma)) + "' is not full, tbq, tbe or thinkv");
-        a.modes.push_back(*m);
-        if (comma == std::string_view::npos) break;
-        rest.remove_prefix(comma + 1);
-      }
-    } else if (n == "--progress") {
-      a.progress = true;
-    } else {
-      return usage_error(cmd, kSweepUsage, "unknown option '" + std::string(o.arg()) + "'");
-    }
-  }
+  });
+  p.flag("--progress", a.progress);
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  a.help = p.help();
   if (a.help) return 0;
-  if (a.model.empty()) return usage_error(cmd, kSweepUsage, "no model given (--model PATH)");
+  if (p.app().count("--budget") > 0) return p.error("use --budgets LIST in a sweep");
+  if (a.model.empty()) return p.error("no model given (--model PATH)");
   return 0;
 }
 

@@ -105,36 +105,17 @@ std::string list(const std::vector<double>& v) {
 int run_thoughts(int argc, char** argv) {
   std::string trace_path, texts, labels, calib, compare, compare_texts, md, json_out;
   bool help = false;
-  decoder::cli::Options o(argc, argv);
-  while (o.next()) {
-    const std::string_view n = o.name();
-    std::string_view v;
-    auto need = [&](std::string& dst) {
-      if (!o.value(v) || v.empty()) return false;
-      dst = v;
-      return true;
-    };
-    if (n == "-h" || n == "--help")
-      help = true;
-    else if (n == "--texts") {
-      if (!need(texts)) return usage("--texts needs a file");
-    } else if (n == "--labels") {
-      if (!need(labels)) return usage("--labels needs a rules file");
-    } else if (n == "--calibration") {
-      if (!need(calib)) return usage("--calibration needs a file");
-    } else if (n == "--compare") {
-      if (!need(compare)) return usage("--compare needs a trace file");
-    } else if (n == "--compare-texts") {
-      if (!need(compare_texts)) return usage("--compare-texts needs a file");
-    } else if (n == "--md") {
-      if (!need(md)) return usage("--md needs a file");
-    } else if (n == "--json") {
-      if (!need(json_out)) return usage("--json needs a file");
-    } else if (!n.starts_with("-") && trace_path.empty())
-      trace_path = o.arg();
-    else
-      return usage("unknown option '" + std::string(o.arg()) + "'");
-  }
+  decoder::cli::ArgParser p("thoughts", kUsage);
+  p.app().add_option("trace", trace_path);
+  p.text("--texts", texts, "a file");
+  p.text("--labels", labels, "a rules file");
+  p.text("--calibration", calib, "a file");
+  p.text("--compare", compare, "a trace file");
+  p.text("--compare-texts", compare_texts, "a file");
+  p.text("--md", md, "a file");
+  p.text("--json", json_out, "a file");
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  help = p.help();
   if (help) {
     std::printf("%s%s", kUsage, kHelp);
     return 0;

@@ -70,10 +70,7 @@ constexpr const char* kHelp =
     "  thinkv trace --model testbed.bin --problems calib_prompts.jsonl -o trace.csv --texts t.jsonl\n"
     "  thinkv calibrate trace.csv -o calib.json --plot densities.svg\n";
 
-int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "thinkv trace: %s\n%sRun `thinkv trace --help` for details.\n", msg.c_str(), kUsage);
-  return kExitUsage;
-}
+int usage_error(const std::string& msg) { return thinkv::decoder::cli::usage_error("trace", kUsage, msg); }
 
 struct Args {
   std::string model, tokenizer, prompt, prompts_file, problems_file, output, texts;
@@ -90,61 +87,34 @@ struct Args {
 };
 
 int parse(int argc, char** argv, Args& a) {
-  Options o(argc, argv);
-  int rc = 0;
-  while (o.next()) {
-    const std::string_view n = o.name();
-    std::string_view v;
-    const int c = parse_cache_flag(o, a.cache, "trace", kUsage, rc);
-    if (c < 0) return rc;
-    if (c > 0) continue;
-    auto need = [&]() { return o.value(v) && !v.empty(); };
-    if (n == "-h" || n == "--help") {
-      a.help = true;
-    } else if (n == "--model" || n == "-m") {
-      if (!need()) return usage_error("--model needs a file");
-      a.model = v;
-    } else if (n == "--tokenizer") {
-      if (!need()) return usage_error("--tokenizer needs a file");
-      a.tokenizer = v;
-    } else if (n == "--prompt" || n == "-p") {
-      if (!o.value(v)) return usage_error("--prompt needs text");
-      a.prompt = v;
-      a.have_prompt = true;
-    } else if (n == "--prompts") {
-      if (!need()) return usage_error("--prompts needs a file");
-      a.prompts_file = v;
-    } else if (n == "--problems") {
-      if (!need()) return usage_error("--problems needs a JSONL file");
-      a.problems_file = v;
-    } else if (n == "--texts") {
-      if (!need()) return usage_error("--texts needs a file name");
-      a.texts = v;
-    } else if (n == "-o" || n == "--output") {
-      if (!need()) return usage_error(std::string(n) + " needs a file name");
-      a.output = v;
-    } else if (n == "--steps" || n == "-n") {
-      if (!need() || !parse_int(v, 1, 1 << 30, a.steps)) return usage_error("--steps must be an integer >= 1");
-    } else if (n == "--limit") {
-      if (!need() || !parse_int(v, 1, 1 << 30, a.limit)) return usage_error("--limit must be an integer >= 1");
-    } else if (n == "--offset") {
-      if (!need() || !parse_int(v, 0, 1 << 30, a.offset)) return usage_error("--offset must be an integer >= 0");
-    } else if (n == "--until-eos") {
-      a.until_eos = true;
-    } else if (n == "--mode") {
-      const auto m = need() ? parse_cache_mode(v) : std::nullopt;
-      if (!m) return usage_error("--mode must be full, tbq, tbe or thinkv");
-      a.mode = *m;
-    } else if (n == "--threads" || n == "-t") {
-      if (!need() || !parse_int(v, 1, 1024, a.threads)) return usage_error("--threads must be in 1..1024");
-    } else if (n == "--progress") {
-      a.progress = true;
-    } else if (n == "-q" || n == "--quiet") {
-      a.quiet = true;
-    } else {
-      return usage_error("unknown option '" + std::string(o.arg()) + "'");
-    }
-  }
+  ArgParser p("trace", kUsage);
+  add_cache_options(p, a.cache);
+  p.text("-m,--model", a.model, "a file");
+  p.text("--tokenizer", a.tokenizer, "a file");
+  p.value("-p,--prompt", [&a](const std::string& v) {
+    a.prompt = v;  // may be empty
+    a.have_prompt = true;
+    return std::string();
+  });
+  p.text("--prompts", a.prompts_file, "a file");
+  p.text("--problems", a.problems_file, "a JSONL file");
+  p.text("--texts", a.texts, "a file name");
+  p.text("-o,--output", a.output, "a file name");
+  p.integer("-n,--steps", a.steps, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("--limit", a.limit, 1, 1 << 30, "must be an integer >= 1");
+  p.integer("--offset", a.offset, 0, 1 << 30, "must be an integer >= 0");
+  p.flag("--until-eos", a.until_eos);
+  p.value("--mode", [&a](const std::string& v) {
+    const auto m = parse_cache_mode(v);
+    if (!m) return std::string("must be full, tbq, tbe or thinkv");
+    a.mode = *m;
+    return std::string();
+  });
+  p.integer("-t,--threads", a.threads, 1, 1024, "must be an integer in 1..1024");
+  p.flag("--progress", a.progress);
+  p.flag("-q,--quiet", a.quiet);
+  if (const int rc = p.parse(argc, argv); rc != 0) return rc;
+  a.help = p.help();
   if (a.help) return 0;
   if (a.model.empty()) return usage_error("no model given (--model PATH)");
   if (a.output.empty()) return usage_error("no output file given (-o trace.csv)");

@@ -24,9 +24,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
   }
   if (!cur.empty()) args.push_back(cur);
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
   // Model shape: 2 layers, 4 query / 2 KV heads of 16, context 96.
   ModelConfig mc;
   mc.dim = 64;
@@ -41,24 +38,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   CacheFlags flags;
   Method method = Method::kThinKv;
   int prompt = 5;
-  Options o(static_cast<int>(args.size()), argv.data());
-  while (o.next()) {  // usage errors print to stderr: run with -close_fd_mask=2
-    int rc = 0;
-    const int c = parse_cache_flag(o, flags, "fuzz", "", rc);
-    if (c < 0) return 0;
-    if (c > 0) continue;
-    std::string_view v;
-    if (o.name() == "--mode") {
-      if (!o.value(v)) return 0;
-      const auto m = parse_method(v);
-      if (!m) return 0;
-      method = *m;
-    } else if (o.name() == "--prompt-tokens") {
-      if (!o.value(v) || !parse_int(v, 1, 95, prompt)) return 0;
-    } else {
-      return 0;
-    }
-  }
+  // The parser of `thinkv generate` for these flags: usage errors print to stderr (run with
+  // -close_fd_mask=2) and end the input.
+  ArgParser p("fuzz", "");
+  add_cache_options(p, flags);
+  p.value("--mode", [&method](const std::string& v) {
+    const auto m = parse_method(v);
+    if (!m) return std::string("not a method");
+    method = *m;
+    return std::string();
+  });
+  p.integer("--prompt-tokens", prompt, 1, 95, "must be in 1..95");
+  args.erase(args.begin());  // the program name
+  if (p.parse(args) != 0) return 0;
   MethodOptions mo;
   mo.method = method;
   mo.cache = cache_options(flags, thinkv_mode(method), mc.seq_len, ThoughtClassifier{}, prompt);
