@@ -125,8 +125,8 @@ inline Status too_many_layers(std::string_view source, long long num_layers) {
               " layers (kMaxClassifierLayers), so this calibration cannot be used"};
 }
 
-/// The double with the shortest decimal text that reads back to `x` as a float, so that the JSON
-/// writer (which prints a double's shortest text) writes 0.41f as "0.41".
+/// The double with the shortest decimal text that reads back to `x` as a float, so that the
+/// writer (write_pretty, which prints a double's shortest text) writes 0.41f as "0.41".
 inline double shortest_float(float x) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof buf, x);
@@ -181,6 +181,12 @@ inline void write_pretty(std::string& out, const CalibrationJson& v, int level) 
     }
     newline(level);
     out += '}';
+  } else if (v.is_number_float() && std::isfinite(v.get<double>())) {
+    // std::to_chars: the shortest text that reads back to the same double. nlohmann-json's own
+    // Grisu2 output reads back too but is not always the shortest ("0.7337977999999999").
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, v.get<double>());
+    out.append(buf, r.ptr);
   } else {
     out += dump_scalar(v);
   }
