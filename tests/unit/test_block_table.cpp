@@ -663,3 +663,119 @@ TEST_CASE("flatten_block_table gives the arrays a device kernel reads, equal to 
   CHECK(t.stats().slots_evicted > 0);
   TT_REQUIRE_OK_DIFF(d);
 }
+
+TEST_CASE("The pools' change log brings a mirror of the metadata up to date with the pages changed",
+          "[block_table][flat][delta]") {
+  // A mirror kept as a device backend keeps it (CudaKvBackend::attend): the flat arrays copied
+  // whole on the first sync and after the numbering changed (storage grew or shrank) or a log
+  // was trimmed, else only the pages flat_changes lists. After every sync it must equal a fresh
+  // flattening, and in steady state it must be brought up to date by changes alone.
+  TT_SEEDED_RNG();
+  for (int round = 0; round < 6; ++round) {
+    const int bs = std::array{5, 16, 100}[static_cast<std::size_t>(round % 3)];
+    CacheConfig c = table_config(8, bs, {0, 60, 60, 60}, kR4E4T2, 3);
+    c.chunk_blocks = 4;  // storage grows and shrinks often
+    CAPTURE(round, bs);
+    BlockTable t(c);
+    CtModel m(c);
+    FlatBlockTable mirror, fresh;
+    FlatBlockDelta delta;
+    std::uint64_t rev[kNumPrecisions] = {};
+    bool synced = false;
+    int full = 0, by_changes = 0, pages_sent = 0, unchanged = 0;
+    std::vector<std::int32_t> all{0, 1, 2};
+    std::vector<StreamView> views;
+    for (int op = 0; op < 400; ++op) {
+      CAPTURE(op);
+      const int s = uniform_int(rng, 0, 2);
+      const double a = uniform01(rng);
+      if (a < 0.6) {
+        const auto th = static_cast<ThoughtType>(uniform_int(rng, 0, 2));
+        if (m.fit(s, th) != StatusCode::kOk) continue;
+        push_group(t, m, s, th);
+      } else if (a < 0.95) {
+        auto live = t.live_slot_list(s);
+        if (live.empty()) continue;
+        std::shuffle(live.begin(), live.end(), rng);
+        live.resize(static_cast<std::size_t>(uniform_int(rng, 1, static_cast<int>(live.size()))));
+        REQUIRE(t.evict(s, live).is_ok());
+        m.evict(s, live);
+      } else {
+        t.reset_stream(s);
+        m.reset(s);
+      }
+      if (!chance(rng, 0.4)) continue;  // several operations between syncs, sometimes
+      const AttendView view = t.attend_view(all, views);
+      FlatBlockTable numbering;
+      flat_numbering(view, numbering);
+      bool whole = !synced;
+      for (int p = 0; p < kNumPrecisions; ++p) whole = whole || numbering.pool_count[p] != mirror.pool_count[p];
+      if (!whole) whole = !flat_changes(view, mirror, rev, delta);
+      if (whole) {
+        flatten_attend_view(view, 3, mirror);
+        ++full;
+      } else {
+        const int words = mirror.evict_mask_words;
+        for (std::size_t i = 0; i < delta.size(); ++i) {
+          const std::uint32_t b = delta.ids[i];
+          mirror.block_fill[b] = delta.fill[i];
+          std::copy_n(delta.evict_mask.begin() + static_cast<std::ptrdiff_t>(i * words), words,
+                      mirror.evict_mask.begin() + static_cast<std::ptrdiff_t>(b * words));
+          std::copy_n(delta.slot_record.begin() + static_cast<std::ptrdiff_t>(i * bs), bs,
+                      mirror.slot_record.begin() + static_cast<std::ptrdiff_t>(b * bs));
+        }
+        ++by_changes;
+        pages_sent += static_cast<int>(delta.size());
+        unchanged += delta.size() == 0;
+        // Each page at most once, and only pages with storage.
+        std::vector<std::uint32_t> ids = delta.ids;
+        std::sort(ids.begin(), ids.end());
+        REQUIRE(std::adjacent_find(ids.begin(), ids.end()) == ids.end());
+        if (!ids.empty()) REQUIRE(ids.back() < mirror.total_blocks);
+      }
+      for (int p = 0; p < kNumPrecisions; ++p) rev[p] = view.pools[p].revision;
+      synced = true;
+      flatten_attend_view(view, 3, fresh);
+      REQUIRE(mirror.total_blocks == fresh.total_blocks);
+      REQUIRE(mirror.block_fill == fresh.block_fill);
+      REQUIRE(mirror.evict_mask == fresh.evict_mask);
+      REQUIRE(mirror.slot_record == fresh.slot_record);
+    }
+    CAPTURE(full, by_changes, pages_sent, unchanged);
+    CHECK(full >= 2);          // the first sync, and at least one change of the storage
+    CHECK(by_changes > full);  // steady state goes by changes
+    CHECK(pages_sent > 0);
+  }
+}
+
+TEST_CASE("The change log: a mirror too far behind is told to copy the pool", "[block_table][flat][delta]") {
+  CacheConfig c =
+      table_config(8, 8, {0, 0, 8, 0}, PrecisionMap(Precision::kNvfp4, Precision::kNvfp4, Precision::kNvfp4), 1);
+  BlockTable t(c);
+  CtModel m(c);
+  push_group(t, m, 0, R);
+  const PoolView first = t.pool_view(Precision::kNvfp4);
+  std::span<const std::uint32_t> pages;
+  REQUIRE(first.changes_since(first.revision, pages));
+  CHECK(pages.empty());
+  CHECK_FALSE(first.changes_since(first.revision + 1, pages));  // from the future
+  const std::uint64_t synced = first.revision;
+  // Evict and refill one slot many times: the log outgrows its bound and restarts.
+  for (int i = 0; i < 3001; ++i) {
+    const SlotRef r = t.live_slot_list(0)[0];
+    REQUIRE(t.evict(0, std::vector<SlotRef>{r}).is_ok());
+    m.evict(0, std::vector<SlotRef>{r});
+    if (t.live_slot_list(0).empty()) { push_group(t, m, 0, R); }
+  }
+  for (int i = 0; i < 3; ++i) {  // three changes the log holds
+    const std::vector<SlotRef> one{t.live_slot_list(0)[0]};
+    REQUIRE(t.evict(0, one).is_ok());
+    m.evict(0, one);
+  }
+  const PoolView later = t.pool_view(Precision::kNvfp4);
+  CHECK(later.revision > synced + 1024);
+  CHECK(later.changed.size() <= 1024);
+  CHECK_FALSE(later.changes_since(synced, pages));
+  REQUIRE(later.changes_since(later.revision - 3, pages));
+  CHECK(pages.size() == 3);
+}

@@ -242,7 +242,15 @@ class BlockTable {
   /// Pool p's block metadata for the pages with storage (spans valid until the next change).
   [[nodiscard]] PoolView pool_view(Precision p) const noexcept {
     const PoolState& ps = pool_[static_cast<int>(p)];
-    return {pools_.base[static_cast<int>(p)], ps.grown, ps.fill, ps.mask, ps.slot_record, ps.owner};
+    return {pools_.base[static_cast<int>(p)],
+            ps.grown,
+            ps.fill,
+            ps.mask,
+            ps.slot_record,
+            ps.owner,
+            ps.revision,
+            ps.log_first,
+            ps.changed};
   }
   /// A stream's block list, staged count and live slots.
   [[nodiscard]] StreamView stream_view(int stream) const {
@@ -467,6 +475,7 @@ class BlockTable {
   /// current state (no other mutation in between), or from a batch planned with PlanClaims and
   /// applied in order.
   void apply_commit(const CommitPlan& plan) {
+    ++op_;
     StreamState& s = stream_(plan.stream);
     const int p = static_cast<int>(plan.precision);
     grow_pool(plan.precision, blocks_needed(plan));
@@ -479,6 +488,7 @@ class BlockTable {
       ps.thought[local] = plan.thought;
       ps.fill[local] = 0;
       ps.live[local] = 0;
+      touch(ps, local);
       ++ps.chunk_held[local / chunk_[p]];
       s.blocks.push_back(b);
       ++stats_.blocks_allocated;
@@ -507,6 +517,7 @@ class BlockTable {
         q.fill[local] = static_cast<std::uint16_t>(std::max<int>(q.fill[local], static_cast<int>(r.slot) + 1));
       }
       q.slot_record[si] = plan.record;
+      touch(q, local);
       q.slot_segment[si] = s.staged_segment[i];
       q.slot_position[si] = s.staged_position[i];
       ++q.live[local];
@@ -544,11 +555,13 @@ class BlockTable {
         }
       }
     }
+    ++op_;
     StreamState& s = stream_(stream);
     for (const SlotRef r : slots) {
       std::uint32_t local = 0;
       PoolState& q = pool_of(r.block, local);
       q.mask[mask_index(local, r.slot)] |= std::uint64_t{1} << (r.slot % 64);
+      touch(q, local);
       --q.live[local];
       --s.live;
       ++s.holes;
@@ -582,6 +595,7 @@ class BlockTable {
   /// Releases everything a stream holds (end of sequence): blocks, records, staging, and the
   /// storage of chunks left with no held block at the top of their pool.
   void reset_stream(int stream) {
+    ++op_;
     StreamState& s = stream_(stream);
     for (std::uint32_t b : s.blocks) {
       for (int i = 0; i < block_fill(b); ++i) {
@@ -636,7 +650,25 @@ class BlockTable {
     std::vector<std::uint32_t> slot_record;   // [grown, block_size]
     std::vector<std::uint32_t> slot_segment;  // [grown, block_size]
     std::vector<std::int32_t> slot_position;  // [grown, block_size]
+    // change log (PoolView): pages whose fill, mask, slot records or owner changed
+    std::uint64_t revision = 0;
+    std::uint64_t log_first = 0;
+    std::vector<std::uint32_t> changed;
+    std::uint64_t last_op = 0;  // the call that logged changed.back()
   };
+  /// Logs a change of page `local` of pool `ps`. Within one mutating call (no mirror can sync in
+  /// the middle of one) consecutive changes of a page log once. The log is trimmed when it
+  /// outgrows the pool (a mirror that far behind copies the whole pool).
+  void touch(PoolState& ps, std::uint32_t local) {
+    if (ps.last_op == op_ && !ps.changed.empty() && ps.changed.back() == local) return;
+    ps.last_op = op_;
+    if (ps.changed.size() >= std::max<std::size_t>(1024, 2 * static_cast<std::size_t>(ps.grown))) {
+      ps.changed.clear();
+      ps.log_first = ps.revision;
+    }
+    ps.changed.push_back(local);
+    ++ps.revision;
+  }
   /// Where a global block id lives: its pool and local id; ok = false without storage.
   struct Loc {
     const PoolState* pool = nullptr;
@@ -766,6 +798,11 @@ class BlockTable {
     ps.slot_segment.resize(ns, 0);
     ps.slot_position.resize(ns, -1);
     ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
+    if (blocks != ps.grown) {  // pages come or go: the log restarts (mirrors copy the pool)
+      ++ps.revision;
+      ps.log_first = ps.revision;
+      ps.changed.clear();
+    }
     ps.grown = blocks;
   }
   /// Releases the storage of the chunks at the top of each pool that hold no block.
@@ -810,12 +847,14 @@ class BlockTable {
     ps.fill[local] = 0;
     ps.live[local] = 0;
     ps.owner[local] = kNoStream;
+    touch(ps, local);
     --ps.chunk_held[local / chunk_[static_cast<int>(pools_.precision_of(b))]];
     ps.free.insert(b);
     ++stats_.blocks_freed;
   }
 
   CacheConfig config_;
+  std::uint64_t op_ = 0;  // mutating calls so far (touch)
   CacheLayout layout_;
   PoolMap pools_;
   BlockTableStats stats_;

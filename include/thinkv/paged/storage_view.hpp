@@ -77,6 +77,14 @@ struct TokenRef {
 
 /// One precision pool's block metadata, by page index i (block id base + i), for the pages with
 /// storage (0 .. blocks - 1). Spans into the cache's metadata, valid until its next change.
+///
+/// The change log lets a backend that mirrors the metadata (a device) send only what changed:
+/// every change of a page's fill, eviction mask, slot records or owner raises `revision` by one
+/// and appends the page index to `changed`, so changed[i] is the page of revision
+/// log_first + i + 1. A mirror synced at revision r with log_first <= r <= revision is brought
+/// up to date by copying pages changed[r - log_first ..] (a page may repeat); one synced before
+/// log_first (the log was trimmed, or the pool's storage was resized, which restarts the log)
+/// copies the whole pool.
 struct PoolView {
   std::uint32_t base = 0;                      ///< global id of page 0
   std::uint32_t blocks = 0;                    ///< pages with storage
@@ -84,6 +92,16 @@ struct PoolView {
   std::span<const std::uint64_t> evict_mask;   ///< [blocks * evict_mask_words] bit s: slot s evicted
   std::span<const std::uint32_t> slot_record;  ///< [blocks * block_size] key-scale record per slot
   std::span<const std::int32_t> owner;         ///< [blocks] owning stream (kNoStream: free)
+  std::uint64_t revision = 0;                  ///< changes so far
+  std::uint64_t log_first = 0;                 ///< revision before changed[0]
+  std::span<const std::uint32_t> changed;      ///< pages changed after log_first, in order
+
+  /// The pages a mirror synced at `synced` must copy, or false when it must copy every page.
+  [[nodiscard]] bool changes_since(std::uint64_t synced, std::span<const std::uint32_t>& pages) const noexcept {
+    if (synced < log_first || synced > revision) return false;
+    pages = changed.subspan(static_cast<std::size_t>(synced - log_first));
+    return true;
+  }
 };
 
 /// One stream as an attention reads it: its blocks in list order (slot order within a block is
