@@ -43,6 +43,20 @@ T* typed(void* p) {
   return static_cast<T*>(p);
 }
 
+/// Writes n changed blocks' metadata (FlatBlockDelta, packed) into the device mirror: one CTA
+/// per block.
+__global__ void scatter_block_meta(const std::uint32_t* ids, const std::uint16_t* fill, const std::uint64_t* mask,
+                                   const std::uint32_t* rec, int words, int block_size, std::uint16_t* dfill,
+                                   std::uint64_t* dmask, std::uint32_t* drec) {
+  const std::size_t i = blockIdx.x;
+  const std::size_t b = ids[i];
+  if (threadIdx.x == 0) dfill[b] = fill[i];
+  for (int w = threadIdx.x; w < words; w += blockDim.x) dmask[b * words + w] = mask[i * words + w];
+  for (int s = threadIdx.x; s < block_size; s += blockDim.x) drec[b * block_size + s] = rec[i * block_size + s];
+}
+
+constexpr std::size_t align256(std::size_t x) { return (x + 255) & ~std::size_t{255}; }
+
 }  // namespace
 
 struct CudaKvBackend::Impl {
@@ -71,6 +85,15 @@ struct CudaKvBackend::Impl {
   std::size_t meta_blocks = 0;
   std::int32_t* indptr = nullptr;
   std::int32_t* staged = nullptr;
+  // What the mirror has seen: each pool's revision (PoolView's change log) on the device storage
+  // of meta_cap[] pages. attend copies everything when meta_synced is false, else the changes.
+  bool meta_synced = false;
+  std::uint64_t meta_rev[kNumPrecisions] = {};
+  std::uint32_t meta_cap[kNumPrecisions] = {};
+  FlatBlockDelta delta;
+  std::vector<std::uint8_t> delta_host;
+  void* delta_dev = nullptr;
+  std::size_t delta_dev_bytes = 0;
   // Commit scratch: one job.
   kernels::QuantizeAppendJob* job = nullptr;
   std::uint32_t* dest = nullptr;
@@ -111,6 +134,10 @@ struct CudaKvBackend::Impl {
     slot_record = nullptr;
     indices = nullptr;
     meta_blocks = 0;
+    meta_synced = false;
+    if (delta_dev != nullptr) (void)cudaFree(delta_dev);
+    delta_dev = nullptr;
+    delta_dev_bytes = 0;
   }
 
   /// Device allocation owned by the caller (pages, records, metadata mirror).
@@ -478,12 +505,15 @@ Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArg
                                           "kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
-  // Mirror the pools' metadata and the attended streams' block lists, numbered over the device
-  // storage (version 1: uploaded on every call).
-  flatten_attend_view(streams, m.config.num_streams, m.flat, m.cap);
+  // The device mirror of the pools' metadata, numbered over the device storage: copied whole
+  // on the first call, after the storage or the mirror's buffers changed, or when a pool's
+  // change log no longer reaches back to the mirror's revision; otherwise only the pages changed
+  // since (PoolView's change log). The attended streams' block lists are sent every call.
+  flat_numbering(streams, m.flat, m.cap);
+  flatten_streams(streams, m.config.num_streams, m.flat);
   const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
   if (nb > m.meta_blocks || m.flat.block_indices.size() > m.meta_blocks + 1) {
-    m.free_meta();
+    m.free_meta();  // also forgets the sync
     const std::size_t want = std::max(nb, m.flat.block_indices.size());
     const auto words = static_cast<std::size_t>(m.layout.evict_mask_words());
     void* p = nullptr;
@@ -498,16 +528,60 @@ Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArg
     m.indices = typed<std::uint32_t>(p);
     m.meta_blocks = want;
   }
-  THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
-  THINKV_CUDA_TRY(
-      cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4, cudaMemcpyHostToDevice));
+  bool whole = !m.meta_synced;
+  for (int p = 0; p < kNumPrecisions; ++p) whole = whole || m.meta_cap[p] != m.cap[p];
+  if (!whole) whole = !flat_changes(streams, m.flat, m.meta_rev, m.delta);
+  if (whole) {
+    flatten_attend_view(streams, m.config.num_streams, m.flat, m.cap);
+    THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
+    THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
+    THINKV_CUDA_TRY(
+        cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4, cudaMemcpyHostToDevice));
+    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(
+        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
+    ++m.stats.metadata_full_uploads;
+  } else if (m.delta.size() > 0) {
+    // One upload of the packed pages ([ids][fill][mask][records], 256-byte aligned parts), one
+    // scatter launch.
+    const std::size_t n = m.delta.size();
+    const std::size_t o_fill = align256(n * 4);
+    const std::size_t o_mask = o_fill + align256(n * 2);
+    const std::size_t o_rec = o_mask + align256(m.delta.evict_mask.size() * 8);
+    const std::size_t bytes = o_rec + m.delta.slot_record.size() * 4;
+    m.delta_host.resize(bytes);
+    std::memcpy(m.delta_host.data(), m.delta.ids.data(), n * 4);
+    std::memcpy(m.delta_host.data() + o_fill, m.delta.fill.data(), n * 2);
+    std::memcpy(m.delta_host.data() + o_mask, m.delta.evict_mask.data(), m.delta.evict_mask.size() * 8);
+    std::memcpy(m.delta_host.data() + o_rec, m.delta.slot_record.data(), m.delta.slot_record.size() * 4);
+    if (bytes > m.delta_dev_bytes) {
+      if (m.delta_dev != nullptr) (void)cudaFree(m.delta_dev);
+      m.delta_dev = nullptr;
+      m.delta_dev_bytes = 0;
+      THINKV_CUDA_TRY(cudaMalloc(&m.delta_dev, bytes * 2));
+      m.delta_dev_bytes = bytes * 2;
+    }
+    THINKV_CUDA_TRY(cudaMemcpy(m.delta_dev, m.delta_host.data(), bytes, cudaMemcpyHostToDevice));
+    auto* dbase = static_cast<const std::uint8_t*>(m.delta_dev);
+    scatter_block_meta<<<static_cast<unsigned>(n), 64>>>(
+        reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
+        reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
+        m.layout.evict_mask_words(), m.config.block_size, m.fill, m.mask, m.slot_record);
+    THINKV_CUDA_TRY(cudaGetLastError());
+    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(m.delta.bytes());
+  }
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    m.meta_rev[p] = streams.pools[p].revision;
+    m.meta_cap[p] = m.cap[p];
+  }
+  m.meta_synced = true;
   THINKV_CUDA_TRY(
       cudaMemcpy(m.indptr, m.flat.block_indptr.data(), m.flat.block_indptr.size() * 4, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(
       cudaMemcpy(m.indices, m.flat.block_indices.data(), m.flat.block_indices.size() * 4, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(
       cudaMemcpy(m.staged, m.flat.staged_count.data(), m.flat.staged_count.size() * 4, cudaMemcpyHostToDevice));
+  m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(
+      m.flat.block_indptr.size() * 4 + m.flat.block_indices.size() * 4 + m.flat.staged_count.size() * 4);
   // Scratch: q, out, sparsity, streams, workspace (16-byte aligned pieces of one buffer).
   kernels::DecodeAttentionParams prm;
   prm.num_q_heads = args.num_q_heads;

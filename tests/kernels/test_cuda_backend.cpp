@@ -299,6 +299,19 @@ TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[
   CHECK(cpu.stats().refreshes == gpu.stats().refreshes);
   CHECK(cpu.tracker(0).stats().refresh_histogram == gpu.tracker(0).stats().refresh_histogram);
   compare_storage(cpu.paged(), gpu.paged());
+  // The device mirror of the metadata went by changes (every output above was checked against
+  // the CPU, so the changes were complete): whole copies only on the first attend and when the
+  // storage grew or shrank.
+  const thinkv::BackendStats bs = gpu.paged().backend().stats();
+  const int attends = steps * c.num_layers;
+  INFO("metadata: " << bs.metadata_full_uploads << " whole copies in " << attends << " attends, "
+                    << bs.metadata_bytes_uploaded << " bytes");
+  std::printf("metadata mirror: %lld whole copies in %d attends, %lld bytes uploaded\n",
+              static_cast<long long>(bs.metadata_full_uploads), attends,
+              static_cast<long long>(bs.metadata_bytes_uploaded));
+  CHECK(bs.metadata_full_uploads >= 1);
+  CHECK(bs.metadata_full_uploads * 4 < attends);
+  CHECK(cpu.paged().backend().stats().metadata_bytes_uploaded == 0);
 }
 
 // Everything a user can observe of a GPU cache: every page, key-scale record and second-level

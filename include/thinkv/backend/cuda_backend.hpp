@@ -12,11 +12,15 @@
 ///
 /// Version 1, correctness first. Its interface is the CPU backend's: K, V, q, out and sparsity are
 /// HOST pointers, and every call is synchronous (it copies in, launches, copies out and waits).
-/// Each attend uploads the pools' block metadata from its AttendView (fill, eviction masks, slot
-/// records: about (2 + 8 ceil(B / 64) + 4 B) bytes per block with storage) and the attended
-/// streams' block lists before launching. That makes it a
-/// faithful drop-in for decoders that run on the CPU and a reference for the device kernels, not
-/// yet the fast path: a device-pointer, batched, metadata-delta API is the next step.
+/// The pools' block metadata (fill, eviction masks, slot records) is mirrored on the device and
+/// kept up to date by changes: an attend sends the pages changed since the previous one
+/// (PoolView's change log, one packed upload and one scatter launch), and the whole metadata,
+/// about (2 + 8 ceil(B / 64) + 4 B) bytes per block with storage, only on the first attend, after
+/// the storage grew or shrank, or when the log no longer reaches back
+/// (BackendStats::metadata_bytes_uploaded, metadata_full_uploads). The attended streams' block
+/// lists are sent on every attend. That makes it a faithful drop-in for decoders that run on the
+/// CPU and a reference for the device kernels, not yet the fast path: a device-pointer, batched
+/// API on the caller's stream is the next step.
 ///
 /// Shapes: everything StorageConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
 /// at most 8 query heads per KV head (the attention kernel's limits) and says so otherwise.

@@ -41,6 +41,13 @@ struct BackendStats {
   /// plans of new tokens account for: any other write (a compaction) shows as moved bytes. A
   /// backend must count it (both in-tree backends do; tests check it against the formats).
   std::int64_t page_bytes_written = 0;
+  /// A backend that mirrors the block metadata in another memory (a device): the metadata bytes
+  /// it copied there (pools' fill, masks and slot records, and the attended streams' block
+  /// lists), and how many of its attends had to copy the pools' metadata whole (the first one,
+  /// and after its storage grew or shrank); the others copy only the pages changed since. 0 for
+  /// the CPU backend, which reads the table's metadata in place.
+  std::int64_t metadata_bytes_uploaded = 0;
+  std::int64_t metadata_full_uploads = 0;
 };
 
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
