@@ -3,9 +3,12 @@
 /// CPU backend's layout, commits through launch_quantize_append, attention through
 /// launch_paged_decode_attention. Host-pointer, synchronous, correctness-first (see the header).
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <deque>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -13,6 +16,7 @@
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/cuda_backend.hpp"
 #include "thinkv/formats.hpp"
+#include "thinkv/kernels/kmeans_kernels.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 #include "thinkv/kernels/quantize_append.hpp"
 #include "thinkv/paged/flat_block_table.hpp"
@@ -38,6 +42,14 @@ Status cuda_status(cudaError_t e, const char* what) {
     }                                                                                             \
   } while (0)
 
+// The one-token calls run on the legacy default stream, synchronously: they first wait for the
+// batched work enqueued on the backend's stream (a no-op when it is idle or the default stream).
+#define THINKV_ONE_TOKEN_CALL()                                                          \
+  do {                                                                                   \
+    THINKV_BACKEND_READY();                                                              \
+    if (impl_->stream != nullptr) THINKV_CUDA_TRY(cudaStreamSynchronize(impl_->stream)); \
+  } while (0)
+
 template <class T>
 T* typed(void* p) {
   return static_cast<T*>(p);
@@ -56,6 +68,130 @@ __global__ void scatter_block_meta(const std::uint32_t* ids, const std::uint16_t
 }
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) & ~std::size_t{255}; }
+
+__device__ inline float load_elem(const void* p, ElementType t, std::size_t i) {
+  switch (t) {
+    case ElementType::kF16: return __half2float(static_cast<const __half*>(p)[i]);
+    case ElementType::kBf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+/// Batched stage: one CTA per row. Converts the row's K and V to BF16 (round to nearest even, as
+/// encode_bf16), or stages zeros and raises the row's fault when a value is not finite or exceeds
+/// 2^64; keeps the device staged count (0 once the row completes a group: its commit follows in
+/// stream order).
+__global__ void stage_rows_kernel(const StageRow* rows, const void* k, const void* v, ElementType kt, ElementType vt,
+                                  int d, int g, std::uint16_t* staging, std::int32_t* staged, unsigned int* fault_word,
+                                  unsigned int* fault_block, int fault_cap) {
+  const StageRow r = rows[blockIdx.x];
+  bool bad = false;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    const std::size_t i = static_cast<std::size_t>(r.src) * d + c;
+    const float kx = load_elem(k, kt, i), vx = load_elem(v, vt, i);
+    bad = bad || !(fabsf(kx) <= 0x1p64f) || !(fabsf(vx) <= 0x1p64f);
+  }
+  bad = __syncthreads_or(bad) != 0;
+  std::uint16_t* sk = staging + ((static_cast<std::size_t>(r.stream) * 2 + 0) * g + r.row) * d;
+  std::uint16_t* sv = staging + ((static_cast<std::size_t>(r.stream) * 2 + 1) * g + r.row) * d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    const std::size_t i = static_cast<std::size_t>(r.src) * d + c;
+    const float kx = bad ? 0.0f : load_elem(k, kt, i), vx = bad ? 0.0f : load_elem(v, vt, i);
+    sk[c] = __bfloat16_as_ushort(__float2bfloat16_rn(kx));
+    sv[c] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
+  }
+  if (threadIdx.x == 0) {
+    staged[r.stream] = r.row + 1 == g ? 0 : r.row + 1;
+    if (bad && atomicOr(&fault_word[r.fault], 1u) == 0u) {
+      const unsigned pos = atomicAdd(&fault_block[0], 1u);
+      if (pos < static_cast<unsigned>(fault_cap)) {
+        fault_block[1 + 2 * pos] = static_cast<unsigned>(r.fault);
+        fault_block[2 + 2 * pos] = static_cast<unsigned>(r.tag);
+      }
+      fault_word[r.fault] = 1u | (static_cast<unsigned>(r.tag) << 1);  // the tag, for an overflowing list
+    }
+  }
+}
+
+/// Writes changed block lists into their fixed-capacity rows: one CTA per changed stream.
+/// head[i] = {stream, count, offset into blocks}.
+__global__ void scatter_block_lists(const std::int32_t* head, const std::uint32_t* blocks, int stride,
+                                    std::uint32_t* indices, std::int32_t* counts) {
+  const int s = head[3 * blockIdx.x], n = head[3 * blockIdx.x + 1], off = head[3 * blockIdx.x + 2];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) indices[static_cast<std::size_t>(s) * stride + i] = blocks[off + i];
+  if (threadIdx.x == 0) counts[s] = n;
+}
+
+__global__ void fill_row_starts(std::int32_t* ptr, int n, int stride) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= n) ptr[i] = i * stride;
+}
+
+__global__ void convert_to_f32(const void* in, ElementType t, float* out, std::size_t n) {
+  const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = load_elem(in, t, i);
+}
+__global__ void convert_from_f32(const float* in, void* out, ElementType t, std::size_t n) {
+  const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if (t == ElementType::kF16) {
+    static_cast<__half*>(out)[i] = __float2half_rn(in[i]);
+  } else {
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(in[i]);
+  }
+}
+
+/// Where TBE's K-means reads a token's key: pool, page and slot, owner and record, and the row
+/// of the points it fills.
+struct GatherRow {
+  std::uint32_t pool, page, slot, record;
+  std::int32_t owner;
+  std::uint32_t dst;
+};
+struct GatherView {
+  const std::uint8_t* pages[kNumPrecisions];
+  unsigned long long page_bytes[kNumPrecisions];
+  int row_bytes[kNumPrecisions];
+  const std::uint8_t* records;
+  const float* s2;
+  int d;
+};
+
+/// Dequantizes one token's key per CTA exactly as CpuKvBackend::dequantize_token does:
+/// element * (E4M3 key scale * s2_k), or the BF16 value.
+__global__ void gather_keys_kernel(GatherView v, const GatherRow* rows, float* points) {
+  const GatherRow r = rows[blockIdx.x];
+  const std::uint8_t* kr =
+      v.pages[r.pool] + r.page * v.page_bytes[r.pool] + static_cast<std::size_t>(r.slot) * v.row_bytes[r.pool];
+  float* out = points + static_cast<std::size_t>(r.dst) * v.d;
+  const auto p = static_cast<Precision>(r.pool);
+  for (int c = threadIdx.x; c < v.d; c += blockDim.x) {
+    if (p == Precision::kBf16) {
+      out[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
+      continue;
+    }
+    std::uint8_t code;
+    switch (p) {
+      case Precision::kFp8E4M3: code = kr[c]; break;
+      case Precision::kNvfp4: code = static_cast<std::uint8_t>((kr[c >> 1] >> ((c & 1) * 4)) & 0xF); break;
+      default: code = static_cast<std::uint8_t>((kr[c >> 2] >> ((c & 3) * 2)) & 0x3); break;
+    }
+    const float s2k = v.s2[(static_cast<std::size_t>(r.owner) * 2) * kNumPrecisions + r.pool];
+    const float scale = __fmul_rn(decode_e4m3(v.records[static_cast<std::size_t>(r.record) * v.d + c]), s2k);
+    out[c] = __fmul_rn(decode_element(p, code), scale);
+  }
+}
+
+constexpr int kFaultCap = 255;  // faults one copy reports; more between two polls: a full scan
+
+/// Pinned host bytes and device bytes of one upload, reused round robin (its event says when the
+/// copy of its previous use is done).
+struct UploadSlot {
+  void* host = nullptr;
+  void* dev = nullptr;
+  std::size_t cap = 0;
+  cudaEvent_t done = nullptr;
+};
 
 }  // namespace
 
@@ -103,10 +239,136 @@ struct CudaKvBackend::Impl {
   void* attn = nullptr;
   std::size_t attn_bytes = 0;
   FlatBlockTable flat;
+  // ---- batched calls -------------------------------------------------------------------------
+  cudaStream_t stream = nullptr;
+  std::vector<UploadSlot> ring;  // pinned uploads, round robin
+  std::size_t ring_next = 0;
+  std::vector<std::uint8_t> pack;   // host packing scratch
+  std::int32_t* bstaged = nullptr;  // [S] staged counts, kept on the device
+  // Block lists: stream s's row is lidx[s * lstride ..], lcount[s] blocks; lptr[s] = s * lstride.
+  // lver[s]: the StreamView::list_version the row holds (kStale: unknown), in the numbering of
+  // lcap[] pages.
+  std::uint32_t* lidx = nullptr;
+  std::int32_t* lcount = nullptr;
+  std::int32_t* lptr = nullptr;
+  int lstride = 0;
+  std::vector<std::uint64_t> lver;
+  std::uint32_t lcap[kNumPrecisions] = {};
+  static constexpr std::uint64_t kStale = ~std::uint64_t{0};
+  // Faults: fault_word[S] (bit 0 raised, the tag above it); fault_block = [count, (fault, tag) x
+  // kFaultCap], copied back by poll_faults into pinned copies (FIFO, each with its event).
+  unsigned int* fault_word = nullptr;
+  unsigned int* fault_block = nullptr;
+  struct FaultCopy {
+    unsigned int* host = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  std::vector<FaultCopy> fault_free;
+  std::deque<FaultCopy> fault_busy;
+  // Batched commits' counters (read by stats() / synchronize()).
+  unsigned long long* bsat = nullptr;
+  unsigned int* brej = nullptr;
+  // Host results of batched attends: pinned bytes copied to `dst` by synchronize().
+  struct HostResult {
+    const void* pinned;
+    void* dst;
+    std::size_t bytes;
+  };
+  std::vector<HostResult> results;
+  std::vector<std::pair<void*, std::size_t>> result_chunks;  // pinned, reused after synchronize
+  std::size_t result_chunk = 0, result_used = 0;
+  // Batched attention scratch (q / out conversions, sparsity, streams, workspace).
+  void* battn = nullptr;
+  std::size_t battn_bytes = 0;
+  // K-means scratch (points, kept).
+  void* sel = nullptr;
+  std::size_t sel_bytes = 0;
 
   ~Impl() { release(); }
 
+  void release_batched() {
+    for (UploadSlot& u : ring) {
+      if (u.done != nullptr) (void)cudaEventSynchronize(u.done);
+      if (u.host != nullptr) (void)cudaFreeHost(u.host);
+      if (u.dev != nullptr) (void)cudaFree(u.dev);
+      if (u.done != nullptr) (void)cudaEventDestroy(u.done);
+    }
+    ring.clear();
+    for (FaultCopy& f : fault_busy) fault_free.push_back(f);
+    fault_busy.clear();
+    for (FaultCopy& f : fault_free) {
+      if (f.done != nullptr) {
+        (void)cudaEventSynchronize(f.done);
+        (void)cudaEventDestroy(f.done);
+      }
+      if (f.host != nullptr) (void)cudaFreeHost(f.host);
+    }
+    fault_free.clear();
+    for (auto& c : result_chunks) (void)cudaFreeHost(c.first);
+    result_chunks.clear();
+    results.clear();
+    result_chunk = result_used = 0;
+    for (void* q : {static_cast<void*>(lidx), static_cast<void*>(lcount), static_cast<void*>(lptr), battn, sel}) {
+      if (q != nullptr) (void)cudaFree(q);
+    }
+    lidx = nullptr;
+    lcount = nullptr;
+    lptr = nullptr;
+    lstride = 0;
+    lver.clear();
+    battn = nullptr;
+    battn_bytes = 0;
+    sel = nullptr;
+    sel_bytes = 0;
+  }
+
+  /// Copies `bytes` of host data into device memory on `stream` through the next pinned slot;
+  /// returns the device copy (valid for the kernels enqueued after it).
+  Status upload(const void* src, std::size_t bytes, void** dev) {
+    if (ring.empty()) ring.resize(64);
+    UploadSlot& u = ring[ring_next++ % ring.size()];
+    if (u.done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&u.done, cudaEventDisableTiming));
+    THINKV_CUDA_TRY(cudaEventSynchronize(u.done));  // its previous copy (long done, normally)
+    if (u.cap < bytes) {
+      const std::size_t cap = std::max<std::size_t>(4096, 2 * bytes);
+      if (u.host != nullptr) (void)cudaFreeHost(u.host);
+      if (u.dev != nullptr) (void)cudaFree(u.dev);  // waits for the kernels that read it
+      u.host = nullptr;
+      u.dev = nullptr;
+      u.cap = 0;
+      THINKV_CUDA_TRY(cudaMallocHost(&u.host, cap));
+      THINKV_RETURN_IF_ERROR(raw_alloc(&u.dev, cap, "upload buffers"));
+      u.cap = cap;
+    }
+    std::memcpy(u.host, src, bytes);
+    stats.host_to_device_bytes += static_cast<std::int64_t>(bytes);
+    THINKV_CUDA_TRY(cudaMemcpyAsync(u.dev, u.host, bytes, cudaMemcpyHostToDevice, stream));
+    THINKV_CUDA_TRY(cudaEventRecord(u.done, stream));
+    *dev = u.dev;
+    return Status::ok();
+  }
+
+  /// Pinned host bytes for a result copied back by synchronize().
+  Status result_bytes(std::size_t bytes, void** host) {
+    bytes = align256(bytes);
+    while (result_chunk < result_chunks.size() && result_used + bytes > result_chunks[result_chunk].second) {
+      ++result_chunk;
+      result_used = 0;
+    }
+    if (result_chunk == result_chunks.size()) {
+      const std::size_t cap = std::max<std::size_t>(1 << 16, bytes);
+      void* p = nullptr;
+      THINKV_CUDA_TRY(cudaMallocHost(&p, cap));
+      result_chunks.emplace_back(p, cap);
+      result_used = 0;
+    }
+    *host = static_cast<std::uint8_t*>(result_chunks[result_chunk].first) + result_used;
+    result_used += bytes;
+    return Status::ok();
+  }
+
   void release() {
+    release_batched();
     for (void* p : allocations) (void)cudaFree(p);
     allocations.clear();
     for (int p = 0; p < kNumPrecisions; ++p) {
@@ -306,6 +568,21 @@ Status CudaKvBackend::init(const StorageConfig& config) {
   m.saturations = typed<unsigned long long>(p);
   THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(unsigned int), "commit counters"));
   m.rejected = typed<unsigned int>(p);
+  // Batched calls: device staged counts, fault words and list, commit counters.
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, streams * 4, "staged counts"));
+  m.bstaged = typed<std::int32_t>(p);
+  THINKV_CUDA_TRY(cudaMemset(p, 0, streams * 4));
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, streams * 4, "fault words"));
+  m.fault_word = typed<unsigned int>(p);
+  THINKV_CUDA_TRY(cudaMemset(p, 0, streams * 4));
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, (1 + 2 * kFaultCap) * 4, "fault list"));
+  m.fault_block = typed<unsigned int>(p);
+  THINKV_CUDA_TRY(cudaMemset(p, 0, (1 + 2 * kFaultCap) * 4));
+  THINKV_RETURN_IF_ERROR(m.alloc(&p, sizeof(unsigned long long) + sizeof(unsigned int), "commit counters"));
+  THINKV_CUDA_TRY(cudaMemset(p, 0, sizeof(unsigned long long) + sizeof(unsigned int)));
+  m.bsat = typed<unsigned long long>(p);
+  m.brej = reinterpret_cast<unsigned int*>(typed<unsigned long long>(p) + 1);
+  m.lver.assign(streams, Impl::kStale);
   THINKV_CUDA_TRY(cudaDeviceSynchronize());
   m.stats.bytes_allocated = bytes;
   m.fixed_bytes = bytes;
@@ -323,6 +600,7 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
   }
   const std::uint32_t cap = Impl::next_capacity(m.cap[i], blocks, m.pools.count[i]);
   if (cap != m.cap[i]) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));  // batched work still reading or writing pages
     const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
     THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
@@ -341,6 +619,7 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
   }
   const std::uint32_t cap = Impl::next_capacity(m.num_records, records, limit);
   if (cap != m.num_records) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
     const auto d = static_cast<std::size_t>(m.config.head_dim);
     THINKV_RETURN_IF_ERROR(
         Impl::realloc_keep(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
@@ -351,7 +630,7 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
 }
 
 Status CudaKvBackend::stage(int stream, int row, const float* k, const float* v) {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const Impl& m = *impl_;
   const int d = m.config.head_dim;
   std::vector<std::uint16_t> kb(static_cast<std::size_t>(d)), vb(kb.size());
@@ -363,11 +642,13 @@ Status CudaKvBackend::stage(int stream, int row, const float* k, const float* v)
       cudaMemcpy(m.staging + m.staging_offset(stream, row, 0), kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(
       cudaMemcpy(m.staging + m.staging_offset(stream, row, 1), vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
+  const std::int32_t count = row + 1 == m.config.group_size ? 0 : row + 1;  // as stage_rows_kernel keeps it
+  THINKV_CUDA_TRY(cudaMemcpy(m.bstaged + stream, &count, 4, cudaMemcpyHostToDevice));
   return Status::ok();
 }
 
 Status CudaKvBackend::read_staged(int stream, int row, float* k, float* v) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const Impl& m = *impl_;
   const int d = m.config.head_dim;
   std::vector<std::uint16_t> kb(static_cast<std::size_t>(d)), vb(kb.size());
@@ -383,7 +664,7 @@ Status CudaKvBackend::read_staged(int stream, int row, float* k, float* v) const
 }
 
 Status CudaKvBackend::commit(const CommitPlan& plan) {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   Impl& m = *impl_;
   const int g = m.config.group_size;
   if (static_cast<int>(plan.slots.size()) != g) {
@@ -437,13 +718,18 @@ Status CudaKvBackend::commit(const CommitPlan& plan) {
 Status CudaKvBackend::reset_stream(int stream) {
   THINKV_BACKEND_READY();
   const Impl& m = *impl_;
-  THINKV_CUDA_TRY(
-      cudaMemset(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, 0, 2 * kNumPrecisions * sizeof(float)));
+  if (stream < 0 || stream >= m.config.num_streams) {
+    return {StatusCode::kOutOfRange, "reset_stream(" + std::to_string(stream) + "): no such stream"};
+  }
+  THINKV_CUDA_TRY(cudaMemsetAsync(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, 0,
+                                  2 * kNumPrecisions * sizeof(float), m.stream));
+  THINKV_CUDA_TRY(cudaMemsetAsync(m.bstaged + stream, 0, 4, m.stream));
+  THINKV_CUDA_TRY(cudaMemsetAsync(m.fault_word + stream, 0, 4, m.stream));
   return Status::ok();
 }
 
 Status CudaKvBackend::read_token(const TokenRef& token, float* k, float* v) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const SlotRef slot = token.slot;
   const Impl& m = *impl_;
   if (slot.block >= m.pools.total || slot.slot >= static_cast<std::uint32_t>(m.config.block_size)) {
@@ -490,7 +776,7 @@ Status CudaKvBackend::read_token(const TokenRef& token, float* k, float* v) cons
 }
 
 Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArgs& args) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   Impl& m = *impl_;
   THINKV_RETURN_IF_ERROR(check_attention_args(args, m.config.num_streams));
   THINKV_RETURN_IF_ERROR(check_attend_view(streams, args));
@@ -647,10 +933,508 @@ Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArg
   return Status::ok();
 }
 
-BackendStats CudaKvBackend::stats() const { return impl_ ? impl_->stats : BackendStats{}; }
+BackendStats CudaKvBackend::stats() const {
+  if (!impl_ || !impl_->ready) return impl_ ? impl_->stats : BackendStats{};
+  BackendStats s = impl_->stats;
+  unsigned long long sat = 0;
+  if (cudaStreamSynchronize(impl_->stream) == cudaSuccess &&
+      cudaMemcpy(&sat, impl_->bsat, sizeof(sat), cudaMemcpyDeviceToHost) == cudaSuccess) {
+    s.scale_saturations += static_cast<std::int64_t>(sat);
+  } else {
+    (void)cudaGetLastError();
+  }
+  return s;
+}
+
+// ---- batched calls --------------------------------------------------------------------------
+
+Status CudaKvBackend::set_stream(CUstream_st* stream) {
+  THINKV_BACKEND_READY();
+  if (stream == impl_->stream) return Status::ok();
+  THINKV_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  impl_->stream = stream;
+  return Status::ok();
+}
+
+CUstream_st* CudaKvBackend::stream() const noexcept { return impl_ ? impl_->stream : nullptr; }
+
+Status CudaKvBackend::stage_batch(std::span<const StageRow> rows, TensorRef k, TensorRef v) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  if (rows.empty()) return Status::ok();
+  if (k.data == nullptr || v.data == nullptr) return {StatusCode::kInvalidArgument, "stage_batch: null k or v"};
+  for (const StageRow& r : rows) {
+    if (r.stream < 0 || r.stream >= m.config.num_streams || r.row < 0 || r.row >= m.config.group_size || r.fault < 0 ||
+        r.fault >= m.config.num_streams || r.src < 0) {
+      return {StatusCode::kInternal, "stage_batch: row for stream " + std::to_string(r.stream) + ", staging row " +
+                                         std::to_string(r.row) + " is out of range"};
+    }
+  }
+  void* dev = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload(rows.data(), rows.size_bytes(), &dev));
+  const int d = m.config.head_dim;
+  const int threads = std::min(256, (d + 31) / 32 * 32);
+  stage_rows_kernel<<<static_cast<unsigned>(rows.size()), threads, 0, m.stream>>>(
+      static_cast<const StageRow*>(dev), k.data, v.data, k.type, v.type, d, m.config.group_size, m.staging, m.bstaged,
+      m.fault_word, m.fault_block, kFaultCap);
+  THINKV_CUDA_TRY(cudaGetLastError());
+  return Status::ok();
+}
+
+Status CudaKvBackend::commit_batch(std::span<const CommitPlan> plans) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  if (plans.empty()) return Status::ok();
+  const int g = m.config.group_size;
+  const std::size_t n = plans.size();
+  const std::size_t o_dest = align256(n * sizeof(kernels::QuantizeAppendJob));
+  m.pack.resize(o_dest + n * g * 4);
+  auto* jobs = reinterpret_cast<kernels::QuantizeAppendJob*>(m.pack.data());
+  auto* dest = reinterpret_cast<std::uint32_t*>(m.pack.data() + o_dest);
+  for (std::size_t j = 0; j < n; ++j) {
+    const CommitPlan& plan = plans[j];
+    if (static_cast<int>(plan.slots.size()) != g) {
+      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                         " slots, expected group_size " + std::to_string(g)};
+    }
+    kernels::QuantizeAppendJob job;
+    job.stream = plan.stream;
+    job.record = plan.record;
+    job.precision = plan.precision;
+    jobs[j] = job;
+    for (int i = 0; i < g; ++i) {
+      const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
+      if (!m.has_storage(sl.block)) {
+        return {StatusCode::kInternal, "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
+      }
+      const int pr = static_cast<int>(m.pools.precision_of(sl.block));
+      const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
+      dest[j * g + static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
+    }
+  }
+  void* dev = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
+  kernels::QuantizeAppendParams prm;
+  prm.cache = m.append_view();
+  prm.num_jobs = static_cast<int>(n);
+  prm.jobs = static_cast<const kernels::QuantizeAppendJob*>(dev);
+  prm.dest_slots = reinterpret_cast<const std::uint32_t*>(static_cast<const std::uint8_t*>(dev) + o_dest);
+  prm.scale_saturations = m.bsat;
+  prm.rejected_jobs = m.brej;
+  THINKV_CUDA_TRY(kernels::launch_quantize_append(prm, m.stream));
+  m.stats.groups_quantized += static_cast<std::int64_t>(n);
+  for (const CommitPlan& plan : plans) m.stats.page_bytes_written += m.layout.commit_bytes(plan.precision);
+  return Status::ok();
+}
+
+Status CudaKvBackend::attend_batch(const AttendView& view, const BatchAttendArgs& args) const {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  const int d = m.config.head_dim;
+  if (d != 8 && d != 64 && d != 128 && d != 256) {
+    return {StatusCode::kUnsupported,
+            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
+  }
+  if (args.batch < 1 || args.num_kv_heads < 1 || args.num_q_heads % args.num_kv_heads != 0 || args.q.data == nullptr ||
+      args.out.data == nullptr || args.kv_streams == nullptr ||
+      view.streams.size() != static_cast<std::size_t>(args.batch) * args.num_kv_heads) {
+    return {StatusCode::kInvalidArgument, "attend_batch: bad arguments"};
+  }
+  if (args.num_q_heads / args.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
+    return {StatusCode::kUnsupported, std::to_string(args.num_q_heads / args.num_kv_heads) +
+                                          " query heads per KV head: the CUDA attention kernel serves at most " +
+                                          std::to_string(kernels::kMaxQueryHeadsPerKv)};
+  }
+  // 1. The pools' metadata mirror (shared with the one-token attend): changed pages only.
+  flat_numbering(view, m.flat, m.cap);
+  const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
+  if (nb > m.meta_blocks) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+    m.free_meta();
+    const auto words = static_cast<std::size_t>(m.layout.evict_mask_words());
+    void* p = nullptr;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * 2, "block fill"));
+    m.fill = typed<std::uint16_t>(p);
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * words * 8, "eviction masks"));
+    m.mask = typed<std::uint64_t>(p);
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * static_cast<std::size_t>(m.config.block_size) * 4, "slot records"));
+    m.slot_record = typed<std::uint32_t>(p);
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (nb + 1) * 4, "block lists"));
+    m.indices = typed<std::uint32_t>(p);
+    m.meta_blocks = nb;
+  }
+  bool whole = !m.meta_synced;
+  for (int p = 0; p < kNumPrecisions; ++p) whole = whole || m.meta_cap[p] != m.cap[p];
+  if (!whole) whole = !flat_changes(view, m.flat, m.meta_rev, m.delta);
+  if (whole) {
+    flatten_attend_view(view, m.config.num_streams, m.flat, m.cap);
+    THINKV_CUDA_TRY(cudaMemcpyAsync(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2,
+                                    cudaMemcpyHostToDevice, m.stream));
+    THINKV_CUDA_TRY(cudaMemcpyAsync(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8,
+                                    cudaMemcpyHostToDevice, m.stream));
+    THINKV_CUDA_TRY(cudaMemcpyAsync(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4,
+                                    cudaMemcpyHostToDevice, m.stream));
+    // Pageable sources: wait before the host reuses them.
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(
+        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
+    m.stats.host_to_device_bytes += static_cast<std::int64_t>(
+        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
+    ++m.stats.metadata_full_uploads;
+  } else if (m.delta.size() > 0) {
+    const std::size_t n = m.delta.size();
+    const std::size_t o_fill = align256(n * 4);
+    const std::size_t o_mask = o_fill + align256(n * 2);
+    const std::size_t o_rec = o_mask + align256(m.delta.evict_mask.size() * 8);
+    const std::size_t bytes = o_rec + m.delta.slot_record.size() * 4;
+    m.pack.resize(bytes);
+    std::memcpy(m.pack.data(), m.delta.ids.data(), n * 4);
+    std::memcpy(m.pack.data() + o_fill, m.delta.fill.data(), n * 2);
+    std::memcpy(m.pack.data() + o_mask, m.delta.evict_mask.data(), m.delta.evict_mask.size() * 8);
+    std::memcpy(m.pack.data() + o_rec, m.delta.slot_record.data(), m.delta.slot_record.size() * 4);
+    void* dev = nullptr;
+    THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), bytes, &dev));
+    auto* dbase = static_cast<const std::uint8_t*>(dev);
+    scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, m.stream>>>(
+        reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
+        reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
+        m.layout.evict_mask_words(), m.config.block_size, m.fill, m.mask, m.slot_record);
+    THINKV_CUDA_TRY(cudaGetLastError());
+    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(m.delta.bytes());
+  }
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    m.meta_rev[p] = view.pools[p].revision;
+    m.meta_cap[p] = m.cap[p];
+  }
+  m.meta_synced = true;
+  // 2. Block lists: fixed-capacity device rows, copied when a list changed (list_version) or the
+  // numbering did (storage grew or shrank).
+  const auto S = static_cast<std::size_t>(m.config.num_streams);
+  bool renumbered = false;
+  for (int p = 0; p < kNumPrecisions; ++p) renumbered = renumbered || m.lcap[p] != m.cap[p];
+  std::size_t longest = 0;
+  long long max_positions = 0;
+  for (const StreamView& sv : view.streams) {
+    if (sv.stream < 0 || static_cast<std::size_t>(sv.stream) >= S) {
+      return {StatusCode::kOutOfRange, "attend_batch: stream " + std::to_string(sv.stream) + " does not exist"};
+    }
+    longest = std::max(longest, sv.blocks.size());
+    max_positions =
+        std::max<long long>(max_positions, static_cast<long long>(sv.blocks.size()) * m.config.block_size + sv.staged);
+  }
+  if (m.lptr == nullptr || longest > static_cast<std::size_t>(m.lstride)) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+    std::size_t stride = std::max<std::size_t>(16, static_cast<std::size_t>(m.lstride) * 2);
+    while (stride < longest) stride *= 2;
+    if (m.lidx != nullptr) (void)cudaFree(m.lidx);
+    m.lidx = nullptr;
+    void* p = nullptr;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, S * stride * 4, "block lists"));
+    m.lidx = typed<std::uint32_t>(p);
+    if (m.lptr == nullptr) {
+      THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (S + 1) * 4, "block list rows"));
+      m.lptr = typed<std::int32_t>(p);
+      THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, S * 4, "block list counts"));
+      m.lcount = typed<std::int32_t>(p);
+      THINKV_CUDA_TRY(cudaMemset(m.lcount, 0, S * 4));
+    }
+    m.lstride = static_cast<int>(stride);
+    fill_row_starts<<<static_cast<unsigned>((S + 256) / 256), 256, 0, m.stream>>>(m.lptr, static_cast<int>(S),
+                                                                                  m.lstride);
+    THINKV_CUDA_TRY(cudaGetLastError());
+    renumbered = true;
+  }
+  if (renumbered) {
+    std::fill(m.lver.begin(), m.lver.end(), Impl::kStale);
+    for (int p = 0; p < kNumPrecisions; ++p) m.lcap[p] = m.cap[p];
+  }
+  // Pack: [head: (stream, count, offset) per changed list][blocks][streams of this launch].
+  std::vector<std::int32_t>& head = m.flat.block_indptr;  // scratch reuse
+  std::vector<std::uint32_t>& blocks = m.flat.block_indices;
+  head.clear();
+  blocks.clear();
+  for (const StreamView& sv : view.streams) {
+    std::uint64_t& have = m.lver[static_cast<std::size_t>(sv.stream)];
+    if (have == sv.list_version) continue;
+    head.push_back(sv.stream);
+    head.push_back(static_cast<std::int32_t>(sv.blocks.size()));
+    head.push_back(static_cast<std::int32_t>(blocks.size()));
+    for (std::uint32_t b : sv.blocks) {
+      const int p = view.pool_of(b);
+      blocks.push_back(m.flat.pool_base[p] + (b - view.pools[p].base));
+    }
+    have = sv.list_version;
+  }
+  const std::size_t nlists = head.size() / 3;
+  const std::size_t nstreams = view.streams.size();
+  const std::size_t o_blocks = align256(head.size() * 4);
+  const std::size_t o_streams = o_blocks + align256(blocks.size() * 4);
+  m.pack.resize(o_streams + nstreams * 4);
+  std::memcpy(m.pack.data(), head.data(), head.size() * 4);
+  std::memcpy(m.pack.data() + o_blocks, blocks.data(), blocks.size() * 4);
+  std::memcpy(m.pack.data() + o_streams, args.kv_streams, nstreams * 4);
+  void* dev = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
+  const auto* dpack = static_cast<const std::uint8_t*>(dev);
+  if (nlists > 0) {
+    scatter_block_lists<<<static_cast<unsigned>(nlists), 128, 0, m.stream>>>(
+        reinterpret_cast<const std::int32_t*>(dpack), reinterpret_cast<const std::uint32_t*>(dpack + o_blocks),
+        m.lstride, m.lidx, m.lcount);
+    THINKV_CUDA_TRY(cudaGetLastError());
+  }
+  m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(head.size() * 4 + blocks.size() * 4 + nstreams * 4);
+  // 3. One attention launch: sequence b's KV head h is launch KV head b * Hkv + h.
+  kernels::DecodeAttentionParams prm;
+  prm.num_q_heads = args.batch * args.num_q_heads;
+  prm.num_kv_heads = args.batch * args.num_kv_heads;
+  prm.head_dim = d;
+  prm.group_size = m.config.group_size;
+  prm.block_size = m.config.block_size;
+  prm.softmax_scale = args.softmax_scale;
+  prm.max_positions = max_positions;
+  const std::size_t qn = static_cast<std::size_t>(prm.num_q_heads) * d;
+  const bool q32 = args.q.type == ElementType::kF32, o32 = args.out.type == ElementType::kF32;
+  const std::size_t q_bytes = q32 ? 0 : align256(qn * 4);
+  const std::size_t o_bytes = o32 ? 0 : align256(qn * 4);
+  const std::size_t sp_bytes = align256(static_cast<std::size_t>(prm.num_q_heads) * 4);
+  kernels::DecodeAttentionParams sizing = prm;
+  float marker = 0.0f;
+  sizing.sparsity = &marker;
+  const std::size_t ws_bytes = align256(kernels::paged_decode_attention_workspace_size(sizing));
+  const std::size_t need = q_bytes + o_bytes + sp_bytes + ws_bytes;
+  if (need > m.battn_bytes) {
+    if (m.battn != nullptr) (void)cudaFree(m.battn);  // waits for the launches that use it
+    m.battn = nullptr;
+    m.battn_bytes = 0;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.battn, need, "attention scratch"));
+    m.battn_bytes = need;
+  }
+  char* base = static_cast<char*>(m.battn);
+  float* dq = q32 ? static_cast<float*>(const_cast<void*>(args.q.data)) : reinterpret_cast<float*>(base);
+  float* dout = o32 ? static_cast<float*>(args.out.data) : reinterpret_cast<float*>(base + q_bytes);
+  float* dsp = reinterpret_cast<float*>(base + q_bytes + o_bytes);
+  if (!q32) {
+    convert_to_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(args.q.data, args.q.type, dq, qn);
+    THINKV_CUDA_TRY(cudaGetLastError());
+  }
+  prm.streams = reinterpret_cast<const std::int32_t*>(dpack + o_streams);
+  prm.q = dq;
+  prm.out = dout;
+  prm.sparsity = args.sparsity != nullptr ? dsp : nullptr;
+  prm.workspace = base + q_bytes + o_bytes + sp_bytes;
+  kernels::PagedKvView kv = m.attention_view();
+  kv.block_indptr = m.lptr;
+  kv.block_indices = m.lidx;
+  kv.block_count = m.lcount;
+  kv.staged_count = m.bstaged;
+  if (cudaError_t e = kernels::check_paged_decode_attention(kv, prm); e != cudaSuccess) {
+    return {StatusCode::kUnsupported, "the CUDA attention kernel refuses this batch (head_dim " + std::to_string(d) +
+                                          ", group_size " + std::to_string(prm.group_size) + ", block_size " +
+                                          std::to_string(prm.block_size) + ", " + std::to_string(prm.num_kv_heads) +
+                                          " KV heads): " + cudaGetErrorString(e)};
+  }
+  THINKV_CUDA_TRY(kernels::launch_paged_decode_attention(kv, prm, m.stream));
+  if (!o32) {
+    convert_from_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(dout, args.out.data, args.out.type,
+                                                                                    qn);
+    THINKV_CUDA_TRY(cudaGetLastError());
+  }
+  if (args.sparsity != nullptr) {
+    const std::size_t bytes = static_cast<std::size_t>(prm.num_q_heads) * 4;
+    void* pinned = nullptr;
+    THINKV_RETURN_IF_ERROR(m.result_bytes(bytes, &pinned));
+    THINKV_CUDA_TRY(cudaMemcpyAsync(pinned, dsp, bytes, cudaMemcpyDeviceToHost, m.stream));
+    m.stats.device_to_host_bytes += static_cast<std::int64_t>(bytes);
+    m.results.push_back({pinned, args.sparsity, bytes});
+  }
+  return Status::ok();
+}
+
+Status CudaKvBackend::poll_faults(std::vector<BackendFault>& out, bool wait) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  constexpr std::size_t kBytes = (1 + 2 * kFaultCap) * 4;
+  auto take = [&](Impl::FaultCopy& f) -> Status {
+    const unsigned count = f.host[0];
+    const unsigned n = std::min<unsigned>(count, kFaultCap);
+    for (unsigned i = 0; i < n; ++i) {
+      out.push_back({static_cast<std::int32_t>(f.host[1 + 2 * i]), static_cast<std::int32_t>(f.host[2 + 2 * i])});
+    }
+    if (count > static_cast<unsigned>(kFaultCap)) {  // the list overflowed: every raised word
+      std::vector<unsigned> words(static_cast<std::size_t>(m.config.num_streams));
+      THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+      THINKV_CUDA_TRY(cudaMemcpy(words.data(), m.fault_word, words.size() * 4, cudaMemcpyDeviceToHost));
+      for (std::size_t s = 0; s < words.size(); ++s) {
+        if ((words[s] & 1u) != 0)
+          out.push_back({static_cast<std::int32_t>(s), static_cast<std::int32_t>(words[s] >> 1)});
+      }
+    }
+    return Status::ok();
+  };
+  auto drain = [&](bool block) -> Status {
+    while (!m.fault_busy.empty()) {
+      Impl::FaultCopy f = m.fault_busy.front();
+      if (block) {
+        THINKV_CUDA_TRY(cudaEventSynchronize(f.done));
+      } else {
+        const cudaError_t q = cudaEventQuery(f.done);
+        if (q == cudaErrorNotReady) break;
+        THINKV_CUDA_TRY(q);
+      }
+      m.fault_busy.pop_front();
+      m.fault_free.push_back(f);
+      THINKV_RETURN_IF_ERROR(take(f));
+    }
+    return Status::ok();
+  };
+  THINKV_RETURN_IF_ERROR(drain(false));
+  // Enqueue the next copy (at most 4 in flight), then clear the device list.
+  if (m.fault_free.empty() && m.fault_busy.size() < 4) {
+    Impl::FaultCopy f;
+    THINKV_CUDA_TRY(cudaMallocHost(&f.host, kBytes));
+    THINKV_CUDA_TRY(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming));
+    m.fault_free.push_back(f);
+  }
+  if (!m.fault_free.empty()) {
+    Impl::FaultCopy f = m.fault_free.back();
+    m.fault_free.pop_back();
+    THINKV_CUDA_TRY(cudaMemcpyAsync(f.host, m.fault_block, kBytes, cudaMemcpyDeviceToHost, m.stream));
+    m.stats.device_to_host_bytes += static_cast<std::int64_t>(kBytes);
+    THINKV_CUDA_TRY(cudaMemsetAsync(m.fault_block, 0, 4, m.stream));
+    THINKV_CUDA_TRY(cudaEventRecord(f.done, m.stream));
+    m.fault_busy.push_back(f);
+  }
+  if (wait) THINKV_RETURN_IF_ERROR(drain(true));
+  return Status::ok();
+}
+
+Status CudaKvBackend::select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
+                                    int max_iterations, std::vector<int>& kept, int& max_k) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  const int d = m.config.head_dim;
+  max_k = 1;
+  int max_points = 1;
+  for (const KmeansJob& j : jobs) {
+    if (j.count > static_cast<std::uint32_t>(kernels::kKmeansMaxPoints) || j.keep > kernels::kKmeansMaxK ||
+        j.first + j.count > tokens.size()) {
+      return {StatusCode::kUnsupported, "select_kmeans: a segment of " + std::to_string(j.count) + " tokens keeping " +
+                                            std::to_string(j.keep) + " is beyond the K-means kernel (128, 64)"};
+    }
+    max_k = std::max(max_k, j.keep);
+    max_points = std::max(max_points, static_cast<int>(j.count));
+  }
+  kept.assign(jobs.size() * static_cast<std::size_t>(max_k), -1);
+  if (jobs.empty()) return Status::ok();
+  if (d != 8 && d != 64 && d != 128 && d != 256) {
+    return {StatusCode::kUnsupported, "select_kmeans: head_dim " + std::to_string(d)};
+  }
+  const std::size_t nj = jobs.size();
+  // Pack: [gather rows][num_points][k][seeds].
+  const std::size_t o_np = align256(tokens.size() * sizeof(GatherRow));
+  const std::size_t o_k = o_np + align256(nj * 4);
+  const std::size_t o_seed = o_k + align256(nj * 4);
+  m.pack.resize(o_seed + nj * 8);
+  auto* rows = reinterpret_cast<GatherRow*>(m.pack.data());
+  auto* np = reinterpret_cast<int*>(m.pack.data() + o_np);
+  auto* kk = reinterpret_cast<int*>(m.pack.data() + o_k);
+  auto* seeds = reinterpret_cast<std::uint64_t*>(m.pack.data() + o_seed);
+  for (std::size_t ji = 0; ji < nj; ++ji) {
+    const KmeansJob& j = jobs[ji];
+    np[ji] = static_cast<int>(j.count);
+    kk[ji] = j.keep;
+    seeds[ji] = j.seed;
+    for (std::uint32_t i = 0; i < j.count; ++i) {
+      const TokenRef& t = tokens[j.first + i];
+      if (!m.has_storage(t.slot.block) || t.stream < 0 || t.stream >= m.config.num_streams) {
+        return {StatusCode::kInternal,
+                "select_kmeans: token in block " + std::to_string(t.slot.block) + " has no device storage or owner"};
+      }
+      const Precision p = m.pools.precision_of(t.slot.block);
+      if (p != Precision::kBf16 && (t.record == kNoRecord || t.record >= m.num_records)) {
+        return {StatusCode::kInternal, "select_kmeans: token without a key-scale record"};
+      }
+      rows[j.first + i] = GatherRow{static_cast<std::uint32_t>(p),
+                                    m.pools.local_index(t.slot.block),
+                                    t.slot.slot,
+                                    t.record,
+                                    t.stream,
+                                    static_cast<std::uint32_t>(ji * max_points + i)};
+    }
+  }
+  void* dev = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
+  const auto* dp = static_cast<const std::uint8_t*>(dev);
+  const std::size_t points_bytes = align256(nj * static_cast<std::size_t>(max_points) * d * 4);
+  const std::size_t need = points_bytes + nj * static_cast<std::size_t>(max_k) * 4;
+  if (need > m.sel_bytes) {
+    if (m.sel != nullptr) (void)cudaFree(m.sel);
+    m.sel = nullptr;
+    m.sel_bytes = 0;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.sel, 2 * need, "K-means scratch"));
+    m.sel_bytes = 2 * need;
+  }
+  auto* points = static_cast<float*>(m.sel);
+  int* dkept = reinterpret_cast<int*>(static_cast<std::uint8_t*>(m.sel) + points_bytes);
+  GatherView gv{};
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    gv.pages[p] = m.pages[p];
+    gv.page_bytes[p] = static_cast<unsigned long long>(m.layout.page_bytes(static_cast<Precision>(p)));
+    gv.row_bytes[p] = m.layout.row_bytes(static_cast<Precision>(p));
+  }
+  gv.records = m.records;
+  gv.s2 = m.s2;
+  gv.d = d;
+  if (!tokens.empty()) {
+    gather_keys_kernel<<<static_cast<unsigned>(tokens.size()), std::min(256, (d + 31) / 32 * 32), 0, m.stream>>>(
+        gv, reinterpret_cast<const GatherRow*>(dp), points);
+    THINKV_CUDA_TRY(cudaGetLastError());
+  }
+  kernels::KmeansSelectParams kp;
+  kp.num_segments = static_cast<int>(nj);
+  kp.max_points = max_points;
+  kp.head_dim = d;
+  kp.max_k = max_k;
+  kp.max_iterations = max_iterations;
+  kp.points = points;
+  kp.num_points = reinterpret_cast<const int*>(dp + o_np);
+  kp.k = reinterpret_cast<const int*>(dp + o_k);
+  kp.seeds = reinterpret_cast<const std::uint64_t*>(dp + o_seed);
+  kp.kept = dkept;
+  if (cudaError_t e = kernels::launch_kmeans_select(kp, m.stream); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e == cudaErrorInvalidValue) {
+      return {StatusCode::kUnsupported,
+              std::string("select_kmeans: the K-means kernel refuses the launch: ") + cudaGetErrorString(e)};
+    }
+    return cuda_status(e, "launch_kmeans_select");
+  }
+  THINKV_CUDA_TRY(cudaMemcpyAsync(kept.data(), dkept, kept.size() * 4, cudaMemcpyDeviceToHost, m.stream));
+  m.stats.device_to_host_bytes += static_cast<std::int64_t>(kept.size() * 4);
+  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  return Status::ok();
+}
+
+Status CudaKvBackend::synchronize() {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  for (const Impl::HostResult& r : m.results) std::memcpy(r.dst, r.pinned, r.bytes);
+  m.results.clear();
+  m.result_chunk = 0;
+  m.result_used = 0;
+  unsigned rejected = 0;
+  THINKV_CUDA_TRY(cudaMemcpy(&rejected, m.brej, sizeof(rejected), cudaMemcpyDeviceToHost));
+  if (rejected != 0) {
+    THINKV_CUDA_TRY(cudaMemset(m.brej, 0, sizeof(rejected)));
+    return {StatusCode::kInternal, "quantize-append refused " + std::to_string(rejected) +
+                                       " batched commit job(s): the cache's plans and the device storage disagree"};
+  }
+  return Status::ok();
+}
 
 Status CudaKvBackend::copy_page(std::uint32_t block, std::vector<std::uint8_t>& out) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const Impl& m = *impl_;
   if (block >= m.pools.total) {
     return {StatusCode::kOutOfRange, "block " + std::to_string(block) + " does not exist"};
@@ -666,7 +1450,7 @@ Status CudaKvBackend::copy_page(std::uint32_t block, std::vector<std::uint8_t>& 
 }
 
 Status CudaKvBackend::copy_record(std::uint32_t record, std::vector<std::uint8_t>& out) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const Impl& m = *impl_;
   if (record >= m.num_records) {
     return {StatusCode::kOutOfRange, "record " + std::to_string(record) + " does not exist"};
@@ -678,7 +1462,7 @@ Status CudaKvBackend::copy_record(std::uint32_t record, std::vector<std::uint8_t
 }
 
 Status CudaKvBackend::stream_scale(int stream, int kv, Precision p, float& out) const {
-  THINKV_BACKEND_READY();
+  THINKV_ONE_TOKEN_CALL();
   const Impl& m = *impl_;
   if (stream < 0 || stream >= m.config.num_streams || kv < 0 || kv > 1) {
     return {StatusCode::kOutOfRange,

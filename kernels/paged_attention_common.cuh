@@ -90,7 +90,7 @@ __device__ inline ChunkRange chunk_range(const PagedKvView& view, int stream, lo
                                          long long align) {
   ChunkRange r;
   r.j_begin = view.block_indptr[stream];
-  r.nb = view.block_indptr[stream + 1] - r.j_begin;
+  r.nb = view.block_count != nullptr ? view.block_count[stream] : view.block_indptr[stream + 1] - r.j_begin;
   r.block_pos = r.nb * bs;
   const long long total = r.block_pos + view.staged_count[stream];
   long long chunk = (total + splits - 1) / splits;

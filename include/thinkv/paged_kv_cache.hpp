@@ -8,6 +8,7 @@
 /// Every mutating call is all-or-nothing: a wrong shape, NaN/Inf in K/V, an unknown stream, or a
 /// full pool returns an error and leaves the cache exactly as it was.
 
+#include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "thinkv/backend/batch.hpp"
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/kv_values.hpp"
@@ -154,6 +156,144 @@ class PagedKvCache {
   }
 
  public:
+  /// One token of a batched append (append_batch): row `src` of the batch's k and v goes to
+  /// `stream` as thought `thought` in segment `segment`; `fault` / `tag` as StageRow says.
+  struct BatchToken {
+    std::int32_t stream = kNoStream;
+    std::int32_t src = 0;
+    ThoughtType thought = ThoughtType::kReasoning;
+    std::uint32_t segment = 0;
+    std::int32_t fault = 0;
+    std::int32_t tag = 0;
+  };
+
+  /// Appends one token to each of tokens' streams (distinct) from tensors k and v in the
+  /// backend's memory ([rows, head_dim] of their element type), with one stage and one commit
+  /// call for the batch. `plans` are the commits of the tokens that complete their stream's
+  /// group, planned together with PlanClaims against the table as it is now, in the order they
+  /// were planned (at most one per stream, each for one of the tokens). K/V values are checked
+  /// by the backend (StageRow: a bad row is staged as zeros and raises its fault), not here.
+  /// Errors (nothing changes): kOutOfRange (stream), kInvalidArgument (a stream named twice, a
+  /// thought type change inside a group, a plan for no token of the batch or missing for a token
+  /// that completes a group), the backend's errors.
+  [[nodiscard]] Status append_batch(std::span<const BatchToken> tokens, TensorRef k, TensorRef v,
+                                    std::span<const CommitPlan> plans) requires batched_kv_backend<B> {
+    const int g = config().group_size;
+    std::size_t completing = 0;
+    // batch_index_[stream] = 1 + the stream's token in this batch (0: none), cleared on the way out.
+    batch_index_.resize(static_cast<std::size_t>(config().num_streams), 0);
+    struct Clear {
+      std::vector<std::uint32_t>& v;
+      std::span<const BatchToken> t;
+      ~Clear() {
+        for (const BatchToken& x : t) {
+          if (x.stream >= 0 && static_cast<std::size_t>(x.stream) < v.size()) v[static_cast<std::size_t>(x.stream)] = 0;
+        }
+      }
+    } clear{batch_index_, tokens};
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const BatchToken& t = tokens[i];
+      THINKV_RETURN_IF_ERROR(table_.check_stream(t.stream));
+      THINKV_RETURN_IF_ERROR(table_.check_stage(t.stream, t.thought));
+      std::uint32_t& mark = batch_index_[static_cast<std::size_t>(t.stream)];
+      if (mark != 0) {
+        return {StatusCode::kInvalidArgument,
+                "append_batch: stream " + std::to_string(t.stream) + " is named twice in one batch"};
+      }
+      mark = static_cast<std::uint32_t>(i) + 1;
+      if (table_.staged_count(t.stream) + 1 == g) ++completing;
+    }
+    for (const CommitPlan& plan : plans) {
+      const std::uint32_t i = plan.stream >= 0 && plan.stream < config().num_streams
+                                  ? batch_index_[static_cast<std::size_t>(plan.stream)]
+                                  : 0;
+      if (i == 0 || table_.staged_count(plan.stream) + 1 != g || tokens[i - 1].thought != plan.thought ||
+          static_cast<int>(plan.slots.size()) != g) {
+        return {StatusCode::kInvalidArgument, "append_batch: the commit plan of stream " + std::to_string(plan.stream) +
+                                                  " matches no token of the batch that completes a group"};
+      }
+    }
+    if (plans.size() != completing) {
+      return {StatusCode::kInvalidArgument, "append_batch: " + std::to_string(completing) +
+                                                " tokens complete a group but " + std::to_string(plans.size()) +
+                                                " commit plans were given"};
+    }
+    // Storage for every plan (the largest need per pool), then stage, then commit; undo the
+    // table's records and the storage if the backend fails.
+    std::uint32_t blocks[kNumPrecisions];
+    for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.allocated_blocks(p);
+    std::uint32_t records = table_.allocated_records();
+    for (const CommitPlan& plan : plans) {
+      const int p = static_cast<int>(plan.precision);
+      blocks[p] = std::max(blocks[p], table_.blocks_needed(plan));
+      records = std::max(records, table_.records_needed(plan));
+    }
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      if (blocks[i] <= backend_blocks_[i]) continue;
+      if (Status e = backend_.resize_pool(p, blocks[i]); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_blocks_[i] = blocks[i];
+    }
+    if (records > backend_records_) {
+      if (Status e = backend_.resize_records(records); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_records_ = records;
+    }
+    rows_.resize(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const BatchToken& t = tokens[i];
+      rows_[i] = StageRow{t.stream, table_.staged_count(t.stream), t.src, t.fault, t.tag};
+    }
+    if (Status e = backend_.stage_batch(rows_, k, v); !e.is_ok()) {
+      (void)follow_table();
+      return e;
+    }
+    for (const BatchToken& t : tokens) table_.push_staged(t.stream, t.thought, t.segment);
+    if (!plans.empty()) {
+      if (Status e = backend_.commit_batch(plans); !e.is_ok()) {
+        for (const BatchToken& t : tokens) table_.pop_staged(t.stream);
+        (void)follow_table();
+        return e;
+      }
+    }
+    for (const CommitPlan& plan : plans) {
+      table_.apply_commit(plan);
+      planned_bytes_ += layout().commit_bytes(plan.precision);
+    }
+    return Status::ok();
+  }
+
+  /// Decode attention of a batch (BatchAttendArgs): the backend sees every attended stream's
+  /// block list and the pools' metadata in one view.
+  [[nodiscard]] Status attend_batch(const BatchAttendArgs& args) const requires batched_kv_backend<B> {
+    if (args.batch < 1 || args.num_kv_heads < 1 || args.num_q_heads < args.num_kv_heads ||
+        args.num_q_heads % args.num_kv_heads != 0) {
+      return {StatusCode::kShapeMismatch, "attend_batch: batch " + std::to_string(args.batch) + ", " +
+                                              std::to_string(args.num_q_heads) + " query heads and " +
+                                              std::to_string(args.num_kv_heads) + " KV heads per sequence"};
+    }
+    if (args.kv_streams == nullptr || args.q.data == nullptr || args.out.data == nullptr) {
+      return {StatusCode::kInvalidArgument, "attend_batch: kv_streams, q and out must not be null"};
+    }
+    const auto n = static_cast<std::size_t>(args.batch) * static_cast<std::size_t>(args.num_kv_heads);
+    const std::span<const std::int32_t> streams(args.kv_streams, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      THINKV_RETURN_IF_ERROR(table_.check_stream(streams[i]));
+      if (table_.live_slots(streams[i]) + table_.staged_count(streams[i]) == 0) {
+        return {StatusCode::kInvalidArgument,
+                "attend_batch: stream " + std::to_string(streams[i]) + " holds no token to attend to"};
+      }
+    }
+    std::vector<StreamView> views;
+    views.reserve(n);
+    return backend_.attend_batch(table_.attend_view(streams, views), args);
+  }
+
   /// Bytes the commit plans of new tokens account for: g slots' K/V rows and value scales, plus
   /// the record's key scales when quantized. Every byte the cache stores is one of these.
   [[nodiscard]] std::int64_t planned_bytes() const noexcept { return planned_bytes_; }
@@ -309,6 +449,8 @@ class PagedKvCache {
   std::int64_t planned_bytes_ = 0;
   std::uint32_t backend_blocks_[kNumPrecisions] = {};  // pages the backend has storage for, per pool
   std::uint32_t backend_records_ = 0;
+  std::vector<StageRow> rows_;              // append_batch scratch
+  std::vector<std::uint32_t> batch_index_;  // append_batch: [num_streams] token of a stream + 1
 };
 
 }  // namespace thinkv

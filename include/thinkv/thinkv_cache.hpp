@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <numeric>
 #include <cstdint>
 #include <limits>
@@ -25,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "thinkv/backend/batch.hpp"
 #include "thinkv/backend/cpu_backend.hpp"
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/decode_cache.hpp"
@@ -225,6 +227,9 @@ class BasicThinKvCache {
   /// The precision map the policy lowered to (what the pools store each thought type as).
   [[nodiscard]] const PrecisionMap& precision_map() const noexcept { return map_; }
   [[nodiscard]] const PagedKvCache<B>& paged() const noexcept { return cache_; }
+  /// The backend (to set a CUDA backend's stream, for one).
+  [[nodiscard]] B& backend() noexcept { return cache_.backend(); }
+  [[nodiscard]] const B& backend() const noexcept { return cache_.backend(); }
   [[nodiscard]] const ThinKvStats& stats() const noexcept { return stats_; }
   [[nodiscard]] int stream_of(int seq, int layer, int kv_head) const noexcept {
     return (seq * config_.num_layers + layer) * config_.num_kv_heads + kv_head;
@@ -304,62 +309,16 @@ class BasicThinKvCache {
   /// sees nothing): sequence out of range, a token already open, max_tokens reached,
   /// kPoolExhausted naming the pool.
   [[nodiscard]] Status begin_token(int seq, const TokenHint& hint = {}) {
-    THINKV_RETURN_IF_ERROR(check_seq(seq));
-    SeqState& s = seq_(seq);
-    if (s.in_token) {
-      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) + ") at position " +
-                                                std::to_string(s.position) + " called twice without end_token"};
-    }
-    if (s.position >= config_.max_tokens) {
-      return {StatusCode::kOutOfRange,
-              "sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
-    }
-    const bool pinned = s.position < s.pinned;
-    const ThoughtType type = pinned ? ThoughtType::kReasoning : s.tracker.type_for(s.position);
-    // What this token's commits take from the shared pools: every stream of the sequence has the
-    // same staged count, so the token completes a group either in all of them or in none.
     PlanClaims need;
-    const int first = stream_of(seq, 0, 0);
-    if (cache_.table().staged_count(first) + 1 == config_.group_size) {
-      for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
-        if (!cache_.table().check_stage(st, type).is_ok()) continue;  // append will say why
-        CommitPlan plan;
-        if (Status e = cache_.table().plan_commit(st, type, plan); !e.is_ok()) {
-          if (e.code() != StatusCode::kPoolExhausted) continue;  // append will say why
-          return {e.code(), "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) +
-                                ": " + e.message()};
-        }
-        need.blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
-        if (plan.record != kNoRecord) ++need.records;
-      }
-    }
+    ThoughtType type{};
+    THINKV_RETURN_IF_ERROR(plan_begin(seq, need, type));
+    const SeqState& s = seq_(seq);
     // Together with every other open token's reservation it must fit the pools and the limit.
     THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
         need, reserved_ - s.reserved,
         "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) + " (its commits in all " +
             std::to_string(config_.streams_per_sequence()) + " streams of the sequence)"));
-    // Nothing can fail from here on.
-    reserved_ = reserved_ - s.reserved + need;
-    s.reserved = need;
-    s.type = type;
-    // Segments start every segment_len positions and at refresh steps; the pinned prefix is
-    // segmented the same way, and the first token after it starts a segment of its own.
-    const bool boundary = s.position % config_.segment_len == 0 || s.position == s.pinned ||
-                          (!pinned && s.tracker.is_refresh_step(s.position));
-    if (boundary) {
-      for (SegmentState& seg : s.segments) seg.closed = true;
-      SegmentState seg;
-      seg.id = s.next_segment++;
-      seg.type = s.type;
-      seg.start = s.position;
-      seg.pinned = pinned;
-      s.segments.push_back(seg);
-    }
-    ++s.segments.back().size;
-    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(s.appended.begin(), s.appended.end(), 0);
-    s.in_token = true;
-    if (!pinned) s.tracker.observe(s.position, hint);
+    apply_begin(seq, need, type, hint);
     return Status::ok();
   }
 
@@ -503,16 +462,212 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
-  /// Releases a sequence (all its streams) and resets its state.
+  /// Releases a sequence (all its streams) and resets its state (a fault included).
   [[nodiscard]] Status reset_sequence(int seq) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       THINKV_RETURN_IF_ERROR(cache_.reset_stream(st));
     }
     release_reservation(seq_(seq));
+    const std::int32_t generation = seq_(seq).generation + 1;
     reset_state(seq_(seq));
+    seq_(seq).generation = generation;
     return Status::ok();
   }
+
+  // ---- batched decode (backends modelling batched_kv_backend) ---------------------------------
+  //
+  // One step of a batch of sequences, one backend call per layer for the whole batch:
+  //     cache.begin_step(seqs);
+  //     for each layer: cache.append_batch(layer, seqs, k, v);   // k, v: [batch, Hkv, D]
+  //                     cache.attend_batch(layer, seqs, q, out); // q, out: [batch, Hq, D]
+  //     cache.end_step(seqs);
+  // Tensors are in the backend's memory (device pointers for CudaKvBackend, which enqueues every
+  // call on its stream). The decisions (types, segments, plans, evictions) are exactly those of
+  // begin_token / append / attend / end_token called for each sequence in batch order.
+  // K/V values are checked by the backend, not on the host: a sequence whose K or V holds a
+  // value that is not finite or exceeds 2^64 has that token stored as zeros (no other sequence
+  // and no metadata is affected) and is *faulted* once the host learns of it (poll_faults; the
+  // CPU backend at once, a device backend when the step's work has finished): from then on
+  // begin_step / begin_token naming it fail with kNonFinite, until reset_sequence frees it.
+
+  /// begin_token for every sequence of the batch, all or nothing: any check failing, or the
+  /// batch's commits not fitting the pools together, begins none (the error names the sequence
+  /// or the pool). Polls the backend's faults first (without waiting). `hints` is empty or one
+  /// per sequence.
+  [[nodiscard]] Status begin_step(std::span<const int> seqs,
+                                  std::span<const TokenHint> hints = {}) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(poll_faults(false));
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "begin_step"));
+    if (!hints.empty() && hints.size() != seqs.size()) {
+      return {StatusCode::kShapeMismatch, "begin_step: " + std::to_string(hints.size()) + " hints for " +
+                                              std::to_string(seqs.size()) + " sequences"};
+    }
+    needs_.resize(seqs.size());
+    types_.resize(seqs.size());
+    PlanClaims total, held;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      THINKV_RETURN_IF_ERROR(plan_begin(seqs[b], needs_[b], types_[b]));
+      total = total + needs_[b];
+      held = held + seq_(seqs[b]).reserved;
+    }
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+        total, reserved_ - held, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)"));
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      apply_begin(seqs[b], needs_[b], types_[b], hints.empty() ? TokenHint{} : hints[b]);
+    }
+    return Status::ok();
+  }
+
+  /// append() of one layer for every sequence of the batch: k and v are [batch, num_kv_heads,
+  /// head_dim] in the backend's memory, row b of the batch being seqs[b]. One stage and at most
+  /// one commit call for the batch. All or nothing on the host's checks (the error names the
+  /// sequence); K/V values are the backend's to check (see above).
+  [[nodiscard]] Status append_batch(int layer, std::span<const int> seqs, TensorRef k,
+                                    TensorRef v) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "append_batch"));
+    if (k.data == nullptr || v.data == nullptr) {
+      return {StatusCode::kInvalidArgument, "append_batch: k and v must not be null"};
+    }
+    for (int seq : seqs) {
+      THINKV_RETURN_IF_ERROR(check_token(seq, layer));
+      if (seq_(seq).appended[static_cast<std::size_t>(layer)] != 0) {
+        return {StatusCode::kInvalidArgument, "append_batch: layer " + std::to_string(layer) + " of sequence " +
+                                                  std::to_string(seq) + " was already appended at position " +
+                                                  std::to_string(seq_(seq).position) + " (each layer once per token)"};
+      }
+    }
+    const int hkv = config_.num_kv_heads;
+    tokens_.clear();
+    batch_plans_.clear();
+    seq_claims_.assign(seqs.size(), PlanClaims{});
+    PlanClaims claims, held;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const int seq = seqs[b];
+      const SeqState& s = seq_(seq);
+      held = held + s.reserved;
+      const PlanClaims before = claims;
+      for (int h = 0; h < hkv; ++h) {
+        const int st = stream_of(seq, layer, h);
+        THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
+        typename PagedKvCache<B>::BatchToken t;
+        t.stream = st;
+        t.src = static_cast<std::int32_t>(b) * hkv + h;
+        t.thought = s.type;
+        t.segment = s.segments.back().id;
+        t.fault = stream_of(seq, 0, 0);
+        t.tag = s.generation;
+        tokens_.push_back(t);
+        if (cache_.table().staged_count(st) + 1 == config_.group_size) {
+          CommitPlan& plan = batch_plans_.emplace_back();
+          if (Status e = cache_.table().plan_commit(st, s.type, plan, &claims); !e.is_ok()) {
+            return {e.code(), "append_batch layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+                                  ", KV head " + std::to_string(h) + ": " + e.message()};
+          }
+        }
+      }
+      seq_claims_[b] = claims - before;
+    }
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+        claims, reserved_ - held,
+        "append_batch layer " + std::to_string(layer) + " of " + std::to_string(seqs.size()) + " sequences"));
+    THINKV_RETURN_IF_ERROR(cache_.append_batch(tokens_, k, v, batch_plans_));
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      SeqState& s = seq_(seqs[b]);
+      const PlanClaims used = s.reserved - (s.reserved - seq_claims_[b]);  // min(reserved, claims), per term
+      s.reserved = s.reserved - used;
+      reserved_ = reserved_ - used;
+      s.appended[static_cast<std::size_t>(layer)] = 1;
+    }
+    return Status::ok();
+  }
+
+  /// attend() of one layer for every sequence of the batch in one backend call: q and out are
+  /// [batch, num_q_heads, head_dim] in the backend's memory. q is not checked on the host (a
+  /// non-finite q gives that sequence non-finite output rows, nothing else). The layers' sparsity
+  /// that wants_sparsity asks for is read back and recorded at end_step.
+  [[nodiscard]] Status attend_batch(int layer, std::span<const int> seqs, TensorRef q,
+                                    MutableTensorRef out) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "attend_batch"));
+    for (int seq : seqs) {
+      THINKV_RETURN_IF_ERROR(check_token(seq, layer));
+      if (seq_(seq).appended[static_cast<std::size_t>(layer)] == 0) {
+        return {StatusCode::kInvalidArgument, "attend_batch: layer " + std::to_string(layer) + " of sequence " +
+                                                  std::to_string(seq) + " at position " +
+                                                  std::to_string(seq_(seq).position) +
+                                                  " before its append (append the token's K/V first)"};
+      }
+    }
+    const int hkv = config_.num_kv_heads;
+    batch_streams_.resize(seqs.size() * static_cast<std::size_t>(hkv));
+    bool want = false;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      for (int h = 0; h < hkv; ++h) batch_streams_[b * hkv + h] = stream_of(seqs[b], layer, h);
+      want = want || wants_sparsity(seqs[b], layer);
+    }
+    BatchAttendArgs a;
+    a.batch = static_cast<int>(seqs.size());
+    a.num_q_heads = config_.num_q_heads;
+    a.num_kv_heads = hkv;
+    a.kv_streams = batch_streams_.data();
+    a.q = q;
+    a.out = out;
+    a.softmax_scale = config_.softmax_scale;
+    PendingSparsity* pending = nullptr;
+    if (want) {
+      pending = &pending_sparsity_.emplace_back();
+      pending->layer = layer;
+      pending->seqs.assign(seqs.begin(), seqs.end());
+      pending->wanted.resize(seqs.size());
+      for (std::size_t b = 0; b < seqs.size(); ++b) pending->wanted[b] = wants_sparsity(seqs[b], layer) ? 1 : 0;
+      pending->values.assign(seqs.size() * static_cast<std::size_t>(config_.num_q_heads), 0.0f);
+      a.sparsity = pending->values.data();
+    }
+    if (Status e = cache_.attend_batch(a); !e.is_ok()) {
+      if (pending != nullptr) pending_sparsity_.pop_back();
+      return e;
+    }
+    return Status::ok();
+  }
+
+  /// end_token for every sequence of the batch, in batch order, once every layer of each was
+  /// appended: waits for the sparsity the step's refreshes need (only on refresh steps), then
+  /// classifies, relabels and evicts. Checks every sequence before ending any; a later error
+  /// (a selector's) names its sequence, the ones before it having ended.
+  [[nodiscard]] Status end_step(std::span<const int> seqs) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "end_step"));
+    for (int seq : seqs) {
+      const SeqState& s = seq_(seq);
+      if (!s.in_token) {
+        return {StatusCode::kInvalidArgument, "end_step: sequence " + std::to_string(seq) + " has no open token"};
+      }
+      for (int l = 0; l < config_.num_layers; ++l) {
+        if (s.appended[static_cast<std::size_t>(l)] == 0) {
+          return {StatusCode::kInvalidArgument, "end_step: layer " + std::to_string(l) + " of sequence " +
+                                                    std::to_string(seq) + " was never appended"};
+        }
+      }
+    }
+    THINKV_RETURN_IF_ERROR(settle_sparsity());
+    for (int seq : seqs) THINKV_RETURN_IF_ERROR(end_token(seq));
+    return poll_faults(false);
+  }
+
+  /// Takes the faults the backend raised (batched appends) and marks their sequences faulted;
+  /// with `wait`, after waiting for all enqueued work (every fault so far then known).
+  [[nodiscard]] Status poll_faults(bool wait) requires batched_kv_backend<B> {
+    faults_.clear();
+    THINKV_RETURN_IF_ERROR(cache_.backend().poll_faults(faults_, wait));
+    for (const BackendFault& f : faults_) {
+      const int seq = f.fault / config_.streams_per_sequence();
+      if (seq < 0 || seq >= config_.num_sequences) continue;
+      SeqState& s = seq_(seq);
+      if (f.tag == s.generation) s.faulted = true;  // a fault of a sequence since reset is stale
+    }
+    return Status::ok();
+  }
+  /// True when a batched append of the sequence stored a bad K/V value (see above).
+  [[nodiscard]] bool faulted(int seq) const { return check_seq(seq).is_ok() && seq_(seq).faulted; }
 
   /// Live tokens of every stream of a sequence (all equal: every stream sees the same plan).
   [[nodiscard]] std::int64_t live_tokens(int seq) const {
@@ -545,6 +700,15 @@ class BasicThinKvCache {
     std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
     std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
     PlanClaims reserved;              ///< what the open token still holds of the pools
+    bool faulted = false;             ///< a batched append stored a bad K/V value
+    std::int32_t generation = 0;      ///< reset_sequence calls (tags the backend's faults)
+  };
+  /// A batched attention's sparsity, read back at end_step.
+  struct PendingSparsity {
+    int layer = 0;
+    std::vector<int> seqs;
+    std::vector<std::uint8_t> wanted;
+    std::vector<float> values;  // [batch, num_q_heads], written by the backend
   };
 
   void release_reservation(SeqState& s) {
@@ -594,6 +758,105 @@ class BasicThinKvCache {
   [[nodiscard]] const SeqState& seq_(int seq) const { return seqs_[static_cast<std::size_t>(seq)]; }
   SeqState& seq_(int seq) { return seqs_[static_cast<std::size_t>(seq)]; }
 
+  /// begin_token's checks and what the token's commits take from the pools (nothing changes).
+  [[nodiscard]] Status plan_begin(int seq, PlanClaims& need, ThoughtType& type) const {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    const SeqState& s = seq_(seq);
+    if (s.faulted) return fault_status(seq);
+    if (s.in_token) {
+      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) + ") at position " +
+                                                std::to_string(s.position) + " called twice without end_token"};
+    }
+    if (s.position >= config_.max_tokens) {
+      return {StatusCode::kOutOfRange,
+              "sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
+    }
+    const bool pinned = s.position < s.pinned;
+    type = pinned ? ThoughtType::kReasoning : s.tracker.current();  // type_for's answer (apply_begin counts it)
+    // What this token's commits take from the shared pools: every stream of the sequence has the
+    // same staged count, so the token completes a group either in all of them or in none.
+    need = PlanClaims{};
+    const int first = stream_of(seq, 0, 0);
+    if (cache_.table().staged_count(first) + 1 == config_.group_size) {
+      for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+        if (!cache_.table().check_stage(st, type).is_ok()) continue;  // append will say why
+        CommitPlan plan;
+        if (Status e = cache_.table().plan_commit(st, type, plan); !e.is_ok()) {
+          if (e.code() != StatusCode::kPoolExhausted) continue;  // append will say why
+          return {e.code(), "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) +
+                                ": " + e.message()};
+        }
+        need.blocks[static_cast<int>(plan.precision)] += plan.new_blocks.size();
+        if (plan.record != kNoRecord) ++need.records;
+      }
+    }
+    return Status::ok();
+  }
+  /// begin_token's changes once its checks and the pools' check passed (cannot fail).
+  void apply_begin(int seq, const PlanClaims& need, ThoughtType type, const TokenHint& hint) {
+    SeqState& s = seq_(seq);
+    const bool pinned = s.position < s.pinned;
+    if (!pinned) (void)s.tracker.type_for(s.position);  // counts the token's type (plan_begin read it)
+    reserved_ = reserved_ - s.reserved + need;
+    s.reserved = need;
+    s.type = type;
+    // Segments start every segment_len positions and at refresh steps; the pinned prefix is
+    // segmented the same way, and the first token after it starts a segment of its own.
+    const bool boundary = s.position % config_.segment_len == 0 || s.position == s.pinned ||
+                          (!pinned && s.tracker.is_refresh_step(s.position));
+    if (boundary) {
+      for (SegmentState& seg : s.segments) seg.closed = true;
+      SegmentState seg;
+      seg.id = s.next_segment++;
+      seg.type = s.type;
+      seg.start = s.position;
+      seg.pinned = pinned;
+      s.segments.push_back(seg);
+    }
+    ++s.segments.back().size;
+    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.appended.begin(), s.appended.end(), 0);
+    s.in_token = true;
+    if (!pinned) s.tracker.observe(s.position, hint);
+  }
+  [[nodiscard]] Status fault_status(int seq) const {
+    const SeqState& s = seq_(seq);
+    return {StatusCode::kNonFinite, "sequence " + std::to_string(seq) +
+                                        " appended a K/V value that is not finite or exceeds 2^64 (found by " +
+                                        "the backend, at a position below " + std::to_string(s.position) +
+                                        "); that token was stored as zeros. Free the sequence with reset_sequence(" +
+                                        std::to_string(seq) + ")"};
+  }
+  /// A batch's sequences: each in range, none named twice.
+  [[nodiscard]] Status check_batch(std::span<const int> seqs, const char* call) const {
+    if (seqs.empty()) return {StatusCode::kInvalidArgument, std::string(call) + ": the batch names no sequence"};
+    batch_mark_.assign(static_cast<std::size_t>(config_.num_sequences), 0);
+    for (int seq : seqs) {
+      THINKV_RETURN_IF_ERROR(check_seq(seq));
+      if (batch_mark_[static_cast<std::size_t>(seq)]++ != 0) {
+        return {StatusCode::kInvalidArgument,
+                std::string(call) + ": sequence " + std::to_string(seq) + " is named twice in one batch"};
+      }
+    }
+    return Status::ok();
+  }
+  /// Writes the sparsity of finished batched attentions into their sequences' layer_sparsity.
+  Status settle_sparsity() {
+    if (pending_sparsity_.empty()) return Status::ok();
+    THINKV_RETURN_IF_ERROR(cache_.backend().synchronize());
+    const int hq = config_.num_q_heads;
+    for (const PendingSparsity& p : pending_sparsity_) {
+      for (std::size_t b = 0; b < p.seqs.size(); ++b) {
+        if (!p.wanted[b]) continue;
+        float sum = 0.0f;
+        for (int h = 0; h < hq; ++h) sum += p.values[b * static_cast<std::size_t>(hq) + static_cast<std::size_t>(h)];
+        seq_(p.seqs[b]).layer_sparsity[static_cast<std::size_t>(p.layer)] = sum / static_cast<float>(hq);
+      }
+    }
+    pending_sparsity_.clear();
+    return Status::ok();
+  }
+
   /// Plans TBE once per sequence (every stream has the same segment sizes) and applies it to
   /// every stream, choosing each stream's kept tokens by K-means on that stream's keys.
   Status run_tbe(int seq, bool new_transition) {
@@ -623,7 +886,13 @@ class BasicThinKvCache {
     // evicts them, which cannot: a selector that answers wrongly leaves the cache as it was.
     std::vector<std::pair<int, std::vector<SlotRef>>> victims_of;
     std::int64_t selections = 0;
-    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+    bool selected = false;
+    if constexpr (std::same_as<typename P::selector_type, KmeansSelector> && kmeans_selecting_backend<B>) {
+      // K-means on the backend (a device backend selects over its device keys: no key is read
+      // back), every (stream, segment) of the plan in one call; host selection if it declines.
+      THINKV_RETURN_IF_ERROR(select_on_backend(seq, targets, victims_of, selections, selected));
+    }
+    for (int st = stream_of(seq, 0, 0); !selected && st < stream_of(seq + 1, 0, 0); ++st) {
       for (const auto& [segment, size] : targets) {
         slots.clear();
         positions.clear();
@@ -677,6 +946,78 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
+  /// run_tbe's phase 1 through the backend's select_kmeans: the victims of every stream of the
+  /// sequence. `selected` false (nothing chosen) when the backend declines the jobs.
+  Status select_on_backend(int seq, const std::vector<std::pair<std::uint32_t, std::int32_t>>& targets,
+                           std::vector<std::pair<int, std::vector<SlotRef>>>& victims_of, std::int64_t& selections,
+                           bool& selected) requires kmeans_selecting_backend<B> {
+    const BlockTable& table = cache_.table();
+    std::vector<TokenRef> tokens;
+    std::vector<SlotRef> slots;
+    std::vector<KmeansJob> jobs;
+    std::vector<std::pair<int, std::uint32_t>> job_of;  // (stream, segment)
+    std::vector<SlotRef> live;
+    std::vector<std::uint32_t> seg_of;
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+      live = table.live_slot_list(st);  // once per stream, every target read from it
+      seg_of.resize(live.size());
+      for (std::size_t i = 0; i < live.size(); ++i) seg_of[i] = table.slot_segment(live[i]);
+      for (const auto& [segment, size] : targets) {
+        KmeansJob j;
+        j.first = static_cast<std::uint32_t>(tokens.size());
+        for (std::size_t i = 0; i < live.size(); ++i) {
+          if (seg_of[i] == segment) {
+            tokens.push_back(table.token_ref(live[i]));
+            slots.push_back(live[i]);
+          }
+        }
+        j.count = static_cast<std::uint32_t>(tokens.size()) - j.first;
+        if (static_cast<std::int32_t>(j.count) <= size) {
+          tokens.resize(j.first);
+          slots.resize(j.first);
+          continue;
+        }
+        j.keep = size;
+        std::uint64_t mix = policy_.selector.options.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
+        j.seed = splitmix64(mix);  // KmeansSelector::select's seed
+        jobs.push_back(j);
+        job_of.emplace_back(st, segment);
+      }
+    }
+    if (jobs.empty()) {
+      selected = true;
+      return Status::ok();
+    }
+    std::vector<int> kept;
+    int max_k = 0;
+    if (Status e = cache_.backend().select_kmeans(tokens, jobs, policy_.selector.options.max_iterations, kept, max_k);
+        !e.is_ok()) {
+      if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
+      return e;
+    }
+    std::vector<std::pair<int, std::vector<SlotRef>>> chosen;
+    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
+      const KmeansJob& j = jobs[ji];
+      const auto row = kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k));
+      const std::vector<int> k(row, row + j.keep);
+      THINKV_RETURN_IF_ERROR(
+          check_selection(k, static_cast<int>(j.count), j.keep, job_of[ji].first, job_of[ji].second));
+      std::vector<SlotRef>& victims = chosen.emplace_back(job_of[ji].first, std::vector<SlotRef>{}).second;
+      std::size_t ki = 0;
+      for (std::uint32_t i = 0; i < j.count; ++i) {
+        if (ki < k.size() && k[ki] == static_cast<int>(i)) {
+          ++ki;
+        } else {
+          victims.push_back(slots[j.first + i]);
+        }
+      }
+    }
+    victims_of = std::move(chosen);
+    selections += static_cast<std::int64_t>(jobs.size());
+    selected = true;
+    return Status::ok();
+  }
+
   /// A selector's answer must be `keep` distinct indices into the segment, ascending.
   Status check_selection(const std::vector<int>& kept, int count, int keep, int stream, std::uint32_t segment) const {
     auto bad = [&](const std::string& why) {
@@ -704,6 +1045,15 @@ class BasicThinKvCache {
   std::vector<std::int32_t> streams_;
   std::vector<float> sparsity_;
   std::vector<CommitPlan> plans_;  // one layer's commit plans, per KV head (scratch)
+  // Batched calls' scratch.
+  mutable std::vector<std::uint8_t> batch_mark_;
+  std::vector<PlanClaims> needs_, seq_claims_;
+  std::vector<ThoughtType> types_;
+  std::vector<typename PagedKvCache<B>::BatchToken> tokens_;
+  std::vector<CommitPlan> batch_plans_;
+  std::vector<std::int32_t> batch_streams_;
+  std::deque<PendingSparsity> pending_sparsity_;  // stable addresses: the backend writes values
+  std::vector<BackendFault> faults_;
 };
 /// The paper's ablation, ready-made: each over the CPU backend unless told otherwise.
 template <kv_backend B = CpuKvBackend>

@@ -24,11 +24,14 @@
 #include <string_view>
 #include <vector>
 
+#include "thinkv/backend/batch.hpp"
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/formats.hpp"
+#include "thinkv/kv_values.hpp"
 #include "thinkv/paged/storage_view.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/reference/attention.hpp"
+#include "thinkv/tbe/kmeans.hpp"
 
 namespace thinkv {
 
@@ -49,6 +52,8 @@ class BasicCpuKvBackend {
     layout_ = CacheLayout::from(config);
     pools_ = PoolMap::from(config);
     stats_ = {};
+    faulted_.assign(static_cast<std::size_t>(config.num_streams), 0);
+    faults_.clear();
     for (Precision p : kAllPrecisions) {
       const int i = static_cast<int>(p);
       chunks_[i] = std::vector<Vec<std::uint8_t>>{};
@@ -182,6 +187,98 @@ class BasicCpuKvBackend {
   [[nodiscard]] Status reset_stream(int stream) {
     for (int kv = 0; kv < 2; ++kv) {
       for (Precision p : kAllPrecisions) s2_ref(stream, kv, p) = 0.0f;
+    }
+    if (static_cast<std::size_t>(stream) < faulted_.size()) faulted_[static_cast<std::size_t>(stream)] = 0;
+    return Status::ok();
+  }
+
+  // ---- batched calls (thinkv/backend/batch.hpp), host tensors, synchronous -------------------
+
+  /// Stages each row from host tensors k and v ([rows, head_dim] of their element type): a row
+  /// holding a value that is not finite or exceeds kMaxKvMagnitude is staged as zeros and
+  /// raises its fault (reported by the next poll_faults).
+  [[nodiscard]] Status stage_batch(std::span<const StageRow> rows, TensorRef k, TensorRef v) {
+    const int d = config_.head_dim;
+    if (k.data == nullptr || v.data == nullptr) return {StatusCode::kInvalidArgument, "stage_batch: null k or v"};
+    faulted_.resize(static_cast<std::size_t>(config_.num_streams), 0);
+    std::vector<float> kf(static_cast<std::size_t>(d)), vf(kf.size());
+    for (const StageRow& r : rows) {
+      bool bad = false;
+      for (int c = 0; c < d; ++c) {
+        const std::size_t i = static_cast<std::size_t>(r.src) * d + c;
+        kf[static_cast<std::size_t>(c)] = load_element(k.data, k.type, i);
+        vf[static_cast<std::size_t>(c)] = load_element(v.data, v.type, i);
+        bad = bad || !(std::fabs(kf[static_cast<std::size_t>(c)]) <= kMaxKvMagnitude) ||
+              !(std::fabs(vf[static_cast<std::size_t>(c)]) <= kMaxKvMagnitude);
+      }
+      if (bad) {
+        std::fill(kf.begin(), kf.end(), 0.0f);
+        std::fill(vf.begin(), vf.end(), 0.0f);
+        if (r.fault >= 0 && r.fault < config_.num_streams && faulted_[static_cast<std::size_t>(r.fault)] == 0) {
+          faulted_[static_cast<std::size_t>(r.fault)] = 1;
+          faults_.push_back({r.fault, r.tag});
+        }
+      }
+      THINKV_RETURN_IF_ERROR(stage(r.stream, r.row, kf.data(), vf.data()));
+    }
+    return Status::ok();
+  }
+  /// Commits each plan in order.
+  [[nodiscard]] Status commit_batch(std::span<const CommitPlan> plans) {
+    for (const CommitPlan& p : plans) THINKV_RETURN_IF_ERROR(commit(p));
+    return Status::ok();
+  }
+  /// Attends each sequence of the batch in turn (host q and out of their element type).
+  [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& a) const {
+    if (a.batch < 0 || a.num_kv_heads < 1 || a.q.data == nullptr || a.out.data == nullptr ||
+        view.streams.size() != static_cast<std::size_t>(a.batch) * a.num_kv_heads) {
+      return {StatusCode::kInvalidArgument, "attend_batch: bad arguments"};
+    }
+    const std::size_t rows = static_cast<std::size_t>(a.num_q_heads) * config_.head_dim;
+    std::vector<float> q(rows), out(rows);
+    for (int b = 0; b < a.batch; ++b) {
+      for (std::size_t i = 0; i < rows; ++i) q[i] = load_element(a.q.data, a.q.type, b * rows + i);
+      AttendView one = view;
+      one.streams =
+          view.streams.subspan(static_cast<std::size_t>(b) * a.num_kv_heads, static_cast<std::size_t>(a.num_kv_heads));
+      DecodeAttentionArgs args;
+      args.num_q_heads = a.num_q_heads;
+      args.num_kv_heads = a.num_kv_heads;
+      args.kv_streams = a.kv_streams + static_cast<std::ptrdiff_t>(b) * a.num_kv_heads;
+      args.q = q.data();
+      args.out = out.data();
+      args.softmax_scale = a.softmax_scale;
+      args.sparsity = a.sparsity != nullptr ? a.sparsity + static_cast<std::ptrdiff_t>(b) * a.num_q_heads : nullptr;
+      THINKV_RETURN_IF_ERROR(attend(one, args));
+      for (std::size_t i = 0; i < rows; ++i) store_element(a.out.data, a.out.type, b * rows + i, out[i]);
+    }
+    return Status::ok();
+  }
+  /// The faults raised since the last poll (all of them: the calls are synchronous).
+  [[nodiscard]] Status poll_faults(std::vector<BackendFault>& out, bool /*wait*/) {
+    out.insert(out.end(), faults_.begin(), faults_.end());
+    faults_.clear();
+    return Status::ok();
+  }
+  [[nodiscard]] Status synchronize() { return Status::ok(); }
+  /// TBE's K-means selections on the host (batch.hpp, kmeans_selecting_backend).
+  [[nodiscard]] Status select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
+                                     int max_iterations, std::vector<int>& kept, int& max_k) const {
+    max_k = 1;
+    for (const KmeansJob& j : jobs) max_k = std::max(max_k, j.keep);
+    kept.assign(jobs.size() * static_cast<std::size_t>(max_k), -1);
+    const int d = config_.head_dim;
+    std::vector<float> keys, v(static_cast<std::size_t>(d));
+    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
+      const KmeansJob& j = jobs[ji];
+      keys.resize(static_cast<std::size_t>(j.count) * d);
+      for (std::uint32_t i = 0; i < j.count; ++i) {
+        THINKV_RETURN_IF_ERROR(
+            read_token(tokens[j.first + i], keys.data() + static_cast<std::size_t>(i) * d, v.data()));
+      }
+      const std::vector<int> k =
+          kmeans_select(keys.data(), static_cast<int>(j.count), d, j.keep, KmeansOptions{max_iterations, j.seed});
+      std::copy(k.begin(), k.end(), kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k)));
     }
     return Status::ok();
   }
@@ -429,10 +526,12 @@ class BasicCpuKvBackend {
   Vec<std::uint16_t> staging_;                // [streams, 2, g, head_dim] BF16
   Vec<float> s2_;                             // [streams, 2, precisions]
   mutable std::vector<std::uint8_t> poison_;  // what page() shows of a block without storage
+  std::vector<std::uint8_t> faulted_;         // [streams] fault raised (stage_batch), until reset_stream
+  std::vector<BackendFault> faults_;          // raised, not yet polled
 };
 
 /// The CPU backend with the standard allocator.
 using CpuKvBackend = BasicCpuKvBackend<>;
-static_assert(kv_backend<CpuKvBackend>);
+static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend>);
 
 }  // namespace thinkv

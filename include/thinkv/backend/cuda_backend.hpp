@@ -10,17 +10,29 @@
 /// defined in kernels/cuda_backend.cu, so a program using it links `thinkv::kernels` (CMake
 /// component `kernels`; a CPU-only build has the header but not the definitions).
 ///
-/// Version 1, correctness first. Its interface is the CPU backend's: K, V, q, out and sparsity are
-/// HOST pointers, and every call is synchronous (it copies in, launches, copies out and waits).
+/// Two ways in:
+///  - the batched calls (thinkv/backend/batch.hpp), which BasicThinKvCache's begin_step /
+///    append_batch / attend_batch / end_step drive: K, V, q and out are DEVICE pointers (FP32,
+///    FP16 or BF16), every call is enqueued on the backend's stream (set_stream: the caller's
+///    cudaStream_t) and returns without waiting. What a call needs from the host (stage rows,
+///    commit jobs, changed metadata, changed block lists, the attended streams) goes in one
+///    pinned upload per call; staged counts are kept on the device; each stream's block list is
+///    a fixed-capacity device row copied only when the list changed (StreamView::list_version).
+///    The host waits only in synchronize() (end_step calls it on refresh steps, for the
+///    sparsity), in poll_faults(wait = true), in stats(), and when storage grows or shrinks.
+///    K/V values are checked on the device: a row holding NaN, Inf or a value beyond 2^64 is
+///    staged as zeros and raises a fault for its sequence, copied back asynchronously and
+///    reported by poll_faults (see BasicThinKvCache's batched API).
+///  - the one-token calls of kv_backend (stage, commit, attend, read_token), with HOST pointers,
+///    each synchronous (it copies in, launches, copies out and waits): a drop-in for decoders
+///    that run on the CPU and a reference for the device kernels.
 /// The pools' block metadata (fill, eviction masks, slot records) is mirrored on the device and
 /// kept up to date by changes: an attend sends the pages changed since the previous one
 /// (PoolView's change log, one packed upload and one scatter launch), and the whole metadata,
 /// about (2 + 8 ceil(B / 64) + 4 B) bytes per block with storage, only on the first attend, after
 /// the storage grew or shrank, or when the log no longer reaches back
 /// (BackendStats::metadata_bytes_uploaded, metadata_full_uploads). The attended streams' block
-/// lists are sent on every attend. That makes it a faithful drop-in for decoders that run on the
-/// CPU and a reference for the device kernels, not yet the fast path: a device-pointer, batched
-/// API on the caller's stream is the next step.
+/// lists are sent on every one-token attend.
 ///
 /// Shapes: everything StorageConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
 /// at most 8 query heads per KV head (the attention kernel's limits) and says so otherwise.
@@ -29,14 +41,18 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
+#include "thinkv/backend/batch.hpp"
 #include "thinkv/backend/kv_backend.hpp"
 #include "thinkv/paged/storage_view.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/reference/attention.hpp"
 #include "thinkv/status.hpp"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st* (cuda_runtime_api.h); no CUDA header here
 
 namespace thinkv {
 
@@ -74,7 +90,33 @@ class CudaKvBackend {
   /// Decode attention on the GPU (launch_paged_decode_attention): host q in, host out (and
   /// sparsity, when asked) back.
   [[nodiscard]] Status attend(const AttendView& view, const DecodeAttentionArgs& args) const;
+  /// Counters; waits for the enqueued work first (the saturation counter lives on the device).
   [[nodiscard]] BackendStats stats() const;
+
+  // ---- batched calls (device tensors, enqueued on stream()) ----------------------------------
+  /// The stream the batched calls are enqueued on (nullptr: the legacy default stream). Waits for
+  /// the work enqueued on the previous stream first.
+  [[nodiscard]] Status set_stream(CUstream_st* stream);
+  [[nodiscard]] CUstream_st* stream() const noexcept;
+  /// Stages rows from device tensors k and v ([rows, head_dim]); checks every value on the device.
+  [[nodiscard]] Status stage_batch(std::span<const StageRow> rows, TensorRef k, TensorRef v);
+  /// One quantize-append launch for the plans' groups.
+  [[nodiscard]] Status commit_batch(std::span<const CommitPlan> plans);
+  /// One decode-attention launch for the whole batch (device q and out; host sparsity, in place
+  /// after synchronize()).
+  [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& args) const;
+  /// Faults whose copy has reached the host; with `wait`, every fault raised so far.
+  [[nodiscard]] Status poll_faults(std::vector<BackendFault>& faults, bool wait);
+  /// TBE's K-means selections on the device (kmeans_selecting_backend): the segments' keys are
+  /// dequantized into device memory as read_token would, launch_kmeans_select picks the kept
+  /// tokens (bit for bit kmeans_select's answer), and only the kept indices come back (one copy;
+  /// the call waits for it). kUnsupported for a segment of more than 128 tokens, a keep above
+  /// 64 or a head_dim the kernel does not serve (the cache then selects on the host).
+  [[nodiscard]] Status select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
+                                     int max_iterations, std::vector<int>& kept, int& max_k);
+  /// Waits for the stream, then puts the host results (sparsity) in place. Reports a commit job
+  /// the kernel refused (kInternal) here.
+  [[nodiscard]] Status synchronize();
 
   /// For tests and debugging: a block's page bytes, a record's key-scale codes, a stream scale.
   [[nodiscard]] Status copy_page(std::uint32_t block, std::vector<std::uint8_t>& out) const;
@@ -85,6 +127,7 @@ class CudaKvBackend {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-static_assert(kv_backend<CudaKvBackend>);
+static_assert(kv_backend<CudaKvBackend> && batched_kv_backend<CudaKvBackend> &&
+              kmeans_selecting_backend<CudaKvBackend>);
 
 }  // namespace thinkv

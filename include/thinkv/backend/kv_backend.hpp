@@ -48,6 +48,11 @@ struct BackendStats {
   /// the CPU backend, which reads the table's metadata in place.
   std::int64_t metadata_bytes_uploaded = 0;
   std::int64_t metadata_full_uploads = 0;
+  /// A device backend's batched calls (batch.hpp): every byte they copied host to device
+  /// (stage rows, commit jobs, metadata, block lists, attended streams, K-means jobs) and device
+  /// to host (sparsity, faults, kept indices). The tensors are the caller's, already on the device.
+  std::int64_t host_to_device_bytes = 0;
+  std::int64_t device_to_host_bytes = 0;
 };
 
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's

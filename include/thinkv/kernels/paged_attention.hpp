@@ -40,8 +40,12 @@ struct PagedKvView {
   const std::uint32_t* slot_record = nullptr;    // [N * B] key-scale record of each slot (~0u: none)
   const std::int32_t* block_indptr = nullptr;    // [S + 1] CSR row pointers into block_indices
   const std::uint32_t* block_indices = nullptr;  // [block_indptr[S]] each stream's blocks, in order
-  const std::uint16_t* staging = nullptr;        // [S, 2 (K, V), g, D] staged tokens, BF16 bits
-  const std::int32_t* staged_count = nullptr;    // [S] staged tokens of each stream (0..g-1)
+  /// Optional [S]: stream s's blocks are block_indices[block_indptr[s] .. + block_count[s]) instead
+  /// of .. block_indptr[s + 1] (fixed-capacity rows a device mirror updates in place; then
+  /// block_indptr needs only S entries).
+  const std::int32_t* block_count = nullptr;
+  const std::uint16_t* staging = nullptr;      // [S, 2 (K, V), g, D] staged tokens, BF16 bits
+  const std::int32_t* staged_count = nullptr;  // [S] staged tokens of each stream (0..g-1)
 };
 
 /// Decode attention of one (sequence, layer): KV head h attends the cache stream streams[h] and

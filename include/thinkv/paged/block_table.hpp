@@ -255,7 +255,7 @@ class BlockTable {
   /// A stream's block list, staged count and live slots.
   [[nodiscard]] StreamView stream_view(int stream) const {
     const StreamState& s = stream_(stream);
-    return {stream, s.blocks, s.staged, s.live};
+    return {stream, s.blocks, s.staged, s.live, s.list_version};
   }
   /// An attention's view of the streams `streams` (each one's StreamView into `out`, reused).
   [[nodiscard]] AttendView attend_view(std::span<const std::int32_t> streams, std::vector<StreamView>& out) const {
@@ -493,6 +493,7 @@ class BlockTable {
       s.blocks.push_back(b);
       ++stats_.blocks_allocated;
     }
+    if (!plan.new_blocks.empty()) s.list_version = ++list_clock_;
     if (plan.record != kNoRecord) {
       if (free_records_.back() == plan.record) {
         free_records_.pop_back();
@@ -584,6 +585,7 @@ class BlockTable {
         s.holes_by_thought[static_cast<int>(block_thought(b))] -= holes;
         release_block(b);
         s.blocks.erase(s.blocks.begin() + static_cast<std::ptrdiff_t>(k));
+        s.list_version = ++list_clock_;
       } else {
         ++k;
       }
@@ -613,6 +615,7 @@ class BlockTable {
     StreamState fresh;
     fresh.staged_segment.assign(static_cast<std::size_t>(config_.group_size), 0);
     fresh.staged_position.assign(static_cast<std::size_t>(config_.group_size), -1);
+    fresh.list_version = s.blocks.empty() ? s.list_version : ++list_clock_;
     s = std::move(fresh);
     release_empty_chunks();
   }
@@ -636,6 +639,7 @@ class BlockTable {
     std::vector<std::uint32_t> staged_segment;
     std::vector<std::int32_t> staged_position;
     std::int32_t next_position = 0;
+    std::uint64_t list_version = 0;  // StreamView::list_version
   };
   /// One precision's pool: the allocated part of its id range and its blocks' metadata.
   struct PoolState {
@@ -854,7 +858,8 @@ class BlockTable {
   }
 
   CacheConfig config_;
-  std::uint64_t op_ = 0;  // mutating calls so far (touch)
+  std::uint64_t op_ = 0;          // mutating calls so far (touch)
+  std::uint64_t list_clock_ = 0;  // StreamView::list_version of the last list change
   CacheLayout layout_;
   PoolMap pools_;
   BlockTableStats stats_;

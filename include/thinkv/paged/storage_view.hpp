@@ -111,6 +111,9 @@ struct StreamView {
   std::span<const std::uint32_t> blocks;  ///< global block ids
   std::int32_t staged = 0;                ///< staged tokens (rows 0 .. staged - 1)
   std::int64_t live = 0;                  ///< live slots in its blocks (not counting staged)
+  /// Changes whenever `blocks` changes (a value no other list of the table has had): a mirror
+  /// that holds a stream's list at this version need not copy it again. 0: never listed a block.
+  std::uint64_t list_version = 0;
 };
 
 /// What one attention call reads: streams[h] is args.kv_streams[h]'s view; pools[p] every pool's

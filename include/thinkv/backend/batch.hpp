@@ -1,0 +1,152 @@
+#pragma once
+/// \file batch.hpp
+/// The batched half of the KV-backend interface: one call per layer for a whole batch of
+/// sequences, tensors in the backend's memory (host memory for CpuKvBackend, device memory for
+/// CudaKvBackend) in FP32, FP16 or BF16. BasicThinKvCache's begin_step / append_batch /
+/// attend_batch / end_step drive it (docs/design.md, "Batched decode").
+///
+/// A backend that models `batched_kv_backend` may run the calls asynchronously (the CUDA backend
+/// enqueues them on its stream and returns): results the host reads (sparsity, faults) are in
+/// place after synchronize(). Errors a backend can only see while executing (a non-finite K/V
+/// value on the device) are reported as faults, per sequence, by poll_faults.
+
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "thinkv/backend/kv_backend.hpp"
+
+namespace thinkv {
+
+/// Element type of a batched call's tensors.
+enum class ElementType : std::uint8_t { kF32 = 0, kF16 = 1, kBf16 = 2 };
+
+[[nodiscard]] constexpr int element_bytes(ElementType t) noexcept { return t == ElementType::kF32 ? 4 : 2; }
+[[nodiscard]] constexpr std::string_view to_string(ElementType t) noexcept {
+  switch (t) {
+    case ElementType::kF32: return "f32";
+    case ElementType::kF16: return "f16";
+    case ElementType::kBf16: return "bf16";
+  }
+  return "?";
+}
+
+/// A read-only tensor of a batched call: rows of head_dim contiguous elements of `type`, in the
+/// backend's memory.
+struct TensorRef {
+  const void* data = nullptr;
+  ElementType type = ElementType::kF32;
+};
+/// A tensor a batched call writes.
+struct MutableTensorRef {
+  void* data = nullptr;
+  ElementType type = ElementType::kF32;
+};
+
+/// One row of a batched stage: input row `src` of k and v (head_dim elements each) goes into
+/// staging row `row` of `stream`. A value that is not finite or exceeds kMaxKvMagnitude stages
+/// the row as zeros and raises fault `fault` (with `tag`, the cache passes the position) once,
+/// until reset_stream(fault).
+struct StageRow {
+  std::int32_t stream = kNoStream;
+  std::int32_t row = 0;
+  std::int32_t src = 0;
+  std::int32_t fault = 0;  ///< a stream id: the cache names the sequence's first stream
+  std::int32_t tag = 0;
+};
+
+/// A fault a backend raised: StageRow::fault and StageRow::tag of the first bad row.
+struct BackendFault {
+  std::int32_t fault = 0;
+  std::int32_t tag = 0;
+  friend bool operator==(const BackendFault&, const BackendFault&) = default;
+};
+
+/// One attention launch for a batch: sequence b's KV head h attends stream
+/// kv_streams[b * num_kv_heads + h] and serves query rows b * num_q_heads + h * G .. + G - 1
+/// (G = num_q_heads / num_kv_heads), q and out being [batch, num_q_heads, head_dim].
+struct BatchAttendArgs {
+  int batch = 0;
+  int num_q_heads = 0;                       ///< per sequence
+  int num_kv_heads = 0;                      ///< per sequence
+  const std::int32_t* kv_streams = nullptr;  ///< HOST [batch * num_kv_heads]
+  TensorRef q;                               ///< [batch, num_q_heads, head_dim]
+  MutableTensorRef out;                      ///< [batch, num_q_heads, head_dim]
+  float softmax_scale = 0.0f;                ///< 0 means 1/sqrt(head_dim)
+  /// HOST [batch * num_q_heads] or null: each query row's sparsity, in place after
+  /// synchronize() (the memory must stay valid until then).
+  float* sparsity = nullptr;
+};
+
+/// A backend that serves batched calls.
+template <class B>
+concept batched_kv_backend = kv_backend<B> &&
+    requires(B& b, const B& cb, std::span<const StageRow> rows, TensorRef t, std::span<const CommitPlan> plans,
+             const AttendView& view, const BatchAttendArgs& args, std::vector<BackendFault>& faults, bool wait) {
+  /// Stages rows.size() tokens (the rows' streams distinct) from k and v. Already-staged
+  /// rows of other streams are untouched.
+  { b.stage_batch(rows, t, t) } -> std::same_as<Status>;
+  /// Commits full staging groups of distinct streams (plans in the order they were made).
+  { b.commit_batch(plans) } -> std::same_as<Status>;
+  /// Decode attention of a batch; view.streams[i] is args.kv_streams[i]'s view.
+  { cb.attend_batch(view, args) } -> std::same_as<Status>;
+  /// Appends the faults raised since the last poll whose results have reached the host
+  /// (with `wait`, after waiting for all work enqueued so far).
+  { b.poll_faults(faults, wait) } -> std::same_as<Status>;
+  /// Waits until every host result of earlier calls (sparsity) is in place.
+  { b.synchronize() } -> std::same_as<Status>;
+};
+
+/// One K-means selection of TBE (thinkv/tbe/kmeans.hpp): keep `keep` of the `count` tokens
+/// tokens[first .. first + count) (one stream's segment, in slot order), with kmeans_select's
+/// options {max_iterations, seed}.
+struct KmeansJob {
+  std::uint32_t first = 0;
+  std::uint32_t count = 0;
+  std::int32_t keep = 0;
+  std::uint64_t seed = 0;
+};
+
+/// A backend that runs TBE's K-means selections itself, over the keys it stores (a device backend:
+/// no key leaves the device). kept receives jobs.size() rows of `max_k` = the largest keep: each
+/// row the job's kept indices (ascending, into its tokens) then -1; the answers are exactly
+/// kmeans_select's on the dequantized keys. kUnsupported when a job is beyond what the backend
+/// serves (the cache then selects on the host).
+template <class B>
+concept kmeans_selecting_backend = requires(B& b, std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
+                                            int max_iterations, std::vector<int>& kept, int& max_k) {
+  { b.select_kmeans(tokens, jobs, max_iterations, kept, max_k) } -> std::same_as<Status>;
+};
+
+/// Host conversion of one element of a batched tensor to FP32.
+[[nodiscard]] float load_element(const void* data, ElementType type, std::size_t i) noexcept;
+/// Host conversion of an FP32 value into a batched tensor (round to nearest even).
+void store_element(void* data, ElementType type, std::size_t i, float x) noexcept;
+
+}  // namespace thinkv
+
+#include "thinkv/formats/bf16.hpp"
+#include "thinkv/formats/fp16.hpp"
+
+namespace thinkv {
+
+inline float load_element(const void* data, ElementType type, std::size_t i) noexcept {
+  switch (type) {
+    case ElementType::kF32: return static_cast<const float*>(data)[i];
+    case ElementType::kF16: return decode_fp16(static_cast<const std::uint16_t*>(data)[i]);
+    case ElementType::kBf16: return decode_bf16(static_cast<const std::uint16_t*>(data)[i]);
+  }
+  return 0.0f;
+}
+
+inline void store_element(void* data, ElementType type, std::size_t i, float x) noexcept {
+  switch (type) {
+    case ElementType::kF32: static_cast<float*>(data)[i] = x; return;
+    case ElementType::kF16: static_cast<std::uint16_t*>(data)[i] = encode_fp16(x); return;
+    case ElementType::kBf16: static_cast<std::uint16_t*>(data)[i] = encode_bf16(x); return;
+  }
+}
+
+}  // namespace thinkv

@@ -1,0 +1,147 @@
+// GPU test: the batched decode API over CudaKvBackend (device tensors, the caller's stream)
+// against ThinKvCache over the CPU backend driven one sequence at a time
+// (tests/unit/batched_driver.hpp): continuous batching with joins, finishes and a shuffled batch
+// order, every element type of K/V and q/out, the same decisions (segments, types, live slots and
+// their positions, counters) exactly, and attention outputs within the decode-attention kernel's
+// stated tolerance (plus one rounding of the output type). A NaN or Inf in one sequence's K/V,
+// found on the device, faults that sequence alone. Fresh random inputs per run (tt::base_seed;
+// THINKV_TEST_SEED pins it).
+
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "../unit/batched_driver.hpp"
+#include "../unit/test_util.hpp"
+#include "thinkv/backend/cuda_backend.hpp"
+#include "thinkv/thinkv_cache.hpp"
+
+using namespace thinkv;
+
+namespace {
+
+// (1e-5 + 16 sqrt(n) 2^-24) max|ref| + 1e-6: tests/kernels/test_paged_attention.cpp says why;
+// plus one rounding to the output type (both sides are rounded; they may land one step apart).
+double tolerance(ElementType out, double max_ref, std::int64_t n) {
+  const double ulp = out == ElementType::kF32 ? 0.0 : out == ElementType::kF16 ? 0x1p-10 : 0x1p-7;
+  return (1e-5 + 16.0 * std::sqrt(static_cast<double>(n)) * 0x1p-24 + ulp) * max_ref + 1e-6;
+}
+
+ThinKvConfig config() {
+  ThinKvConfig c;
+  c.num_sequences = 6;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 8;
+  c.head_dim = 64;
+  c.group_size = 16;
+  c.block_size = 16;
+  c.max_tokens = 800;
+  c.segment_len = 64;
+  c.token_budget = 160;
+  return c;
+}
+
+ThinKvPolicy policy() {
+  ThinKvPolicy p;
+  p.retention = RetentionSchedule({32, 16, 8, 4});
+  p.precision = kR4E4T2;
+  p.classifier = ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  return p;
+}
+
+bt::HostKmeansPolicy host_policy() {
+  const ThinKvPolicy p = policy();
+  bt::HostKmeansPolicy h;
+  h.precision = p.precision;
+  h.retention = p.retention;
+  h.classifier = p.classifier;
+  return h;
+}
+
+bt::TensorMemory device_memory() {
+  return {[](std::size_t n) {
+            void* p = nullptr;
+            REQUIRE(cudaMalloc(&p, n) == cudaSuccess);
+            REQUIRE(cudaMemset(p, 0xA5, n) == cudaSuccess);  // poison
+            return p;
+          },
+          [](void* p) { (void)cudaFree(p); },
+          // The caller's tensors are written and read on the default stream: the cache's stream
+          // is a blocking one here (cudaStreamCreate), which orders with it.
+          [](void* d, const void* s, std::size_t n) {
+            REQUIRE(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice) == cudaSuccess);
+          },
+          [](void* d, const void* s, std::size_t n) {
+            REQUIRE(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+          }};
+}
+
+}  // namespace
+
+TEST_CASE("Batched decode on the GPU takes the CPU reference's decisions, every element type", "[cuda_batched]") {
+  TT_SEEDED_RNG();
+  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const ElementType types[] = {ElementType::kF32, ElementType::kF16, ElementType::kBf16};
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  for (ElementType kv : types) {
+    for (ElementType qo : types) {
+      INFO("kv " << to_string(kv) << ", q/out " << to_string(qo));
+      ThinKvCache<CudaKvBackend> gpu(config(), policy());
+      BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+      REQUIRE(gpu.backend().stream() == nullptr);
+      REQUIRE(gpu.backend().set_stream(stream).is_ok());
+      REQUIRE(gpu.backend().stream() == stream);
+      bt::RunOptions o;
+      const bool full = kv == ElementType::kF32 && qo == ElementType::kF32;
+      o.steps = small ? 150 : full ? 700 : 200;
+      o.kv_type = kv;
+      o.q_type = qo;
+      o.out_type = qo;
+      o.finish = 0.004;
+      o.tolerance = [qo](double max_ref, std::int64_t n) { return tolerance(qo, max_ref, n); };
+      const bt::TensorMemory mem = device_memory();
+      bt::RunReport r;
+      const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+      INFO(err);
+      REQUIRE(err.empty());
+      INFO("worst err / max|out| " << r.worst_rel_err << ", tokens " << r.tokens << ", largest batch " << r.max_batch);
+      CHECK(r.max_batch >= 4);
+      if (full && !small) {
+        CHECK(gpu.stats().tokens_evicted > 0);
+        CHECK(gpu.stats().refreshes > 0);
+      }
+      // The device mirror was copied whole only when storage changed, not per step.
+      const BackendStats st = gpu.paged().backend().stats();
+      CHECK(st.metadata_full_uploads < r.steps / 4);
+      CHECK(gpu.paged().moved_bytes() == 0);
+      CHECK(st.groups_quantized == cpu.paged().backend().stats().groups_quantized);
+      CHECK(st.scale_saturations == cpu.paged().backend().stats().scale_saturations);
+    }
+  }
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
+TEST_CASE("Batched decode on the GPU: a NaN or Inf in one sequence's K/V faults that sequence alone",
+          "[cuda_batched][bad_input]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<CudaKvBackend> gpu(config(), policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+  bt::RunOptions o;
+  o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 150 : 400;
+  o.poison = 0.05;
+  o.wait_faults = true;
+  o.kv_type = ElementType::kF16;
+  o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
+  const bt::TensorMemory mem = device_memory();
+  bt::RunReport r;
+  const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  CHECK(r.faults > 2);
+}

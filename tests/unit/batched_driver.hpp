@@ -1,0 +1,282 @@
+#pragma once
+/// \file batched_driver.hpp
+/// Drives a batched cache (begin_step / append_batch / attend_batch / end_step over tensors in
+/// its backend's memory) and a reference cache (ThinKvCache over the CPU backend, one
+/// begin_token / append / attend / end_token per sequence, in batch order) through the same
+/// random continuous-batching run: sequences join, finish and are reset at any step, the batch
+/// order is shuffled every step, thought types shift (the query scale steers sparsity), and a
+/// K/V value may be made non-finite. After every step it compares the decisions (segments with
+/// types, sizes and levels; each stream's live slots and their positions; counters) exactly and
+/// the attention outputs within `tolerance` (0: bit for bit, after both are rounded to the
+/// output's element type). Used by tests/unit/test_batched_decode.cpp (CPU backend) and
+/// tests/kernels/test_cuda_batched.cpp (CUDA backend, device tensors).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "thinkv/thinkv_cache.hpp"
+
+namespace bt {
+
+using namespace thinkv;
+
+/// K-means selection on the host through the policy's selector (a type other than KmeansSelector,
+/// so the cache never hands the selection to the backend's select_kmeans): the reference path.
+struct HostKmeans : KmeansSelector {};
+struct HostKmeansPolicy : CachePolicy<ThoughtClassifier, PrecisionMap, RetentionSchedule, HostKmeans> {};
+
+/// Where a batched cache's tensors live: `put` copies host bytes in, `get` copies them out.
+struct TensorMemory {
+  std::function<void*(std::size_t)> alloc;
+  std::function<void(void*)> free;
+  std::function<void(void*, const void*, std::size_t)> put;
+  std::function<void(void*, const void*, std::size_t)> get;
+};
+
+inline TensorMemory host_memory() {
+  return {[](std::size_t n) { return static_cast<void*>(new std::uint8_t[n]); },
+          [](void* p) { delete[] static_cast<std::uint8_t*>(p); },
+          [](void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); },
+          [](void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); }};
+}
+
+/// One buffer in a TensorMemory.
+struct Buffer {
+  const TensorMemory* mem = nullptr;
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  Buffer(const TensorMemory& m, std::size_t n) : mem(&m), p(m.alloc(n)), bytes(n) {}
+  ~Buffer() { mem->free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+/// Encodes floats as `type` (what the batched cache reads) and returns the values it encodes
+/// (what the reference is given).
+inline std::vector<float> encode(const std::vector<float>& x, ElementType type, std::vector<std::uint8_t>& bytes) {
+  bytes.assign(x.size() * static_cast<std::size_t>(element_bytes(type)), 0);
+  std::vector<float> back(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    store_element(bytes.data(), type, i, x[i]);
+    back[i] = load_element(bytes.data(), type, i);
+  }
+  return back;
+}
+
+struct RunOptions {
+  int steps = 300;
+  ElementType kv_type = ElementType::kF32;
+  ElementType q_type = ElementType::kF32;
+  ElementType out_type = ElementType::kF32;
+  double join = 0.3;         ///< chance an idle sequence joins at a step
+  double finish = 0.01;      ///< chance a running sequence finishes (is reset) at a step
+  double poison = 0.0;       ///< chance per step that one sequence's K or V gets a NaN or Inf
+  bool wait_faults = false;  ///< poll_faults(true) after a poisoned step (device backends)
+  /// Largest |batched - reference| allowed per output value, given the reference row's largest
+  /// |value| and the sequence's live tokens; null: bit for bit.
+  std::function<double(double max_ref, std::int64_t tokens)> tolerance;
+};
+
+struct RunReport {
+  std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0;
+  double worst_rel_err = 0;
+};
+
+/// Runs the scenario; returns an empty string or the first mismatch, with `report` filled.
+template <class Batched, class Reference>
+std::string run_batched(Batched& bc, Reference& rc, const TensorMemory& mem, std::mt19937_64& rng, const RunOptions& o,
+                        RunReport& report) {
+  const ThinKvConfig& c = bc.config();
+  const int S = c.num_sequences, L = c.num_layers, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim;
+  std::vector<std::uint8_t> running(static_cast<std::size_t>(S), 0);
+  std::normal_distribution<float> normal;
+  std::vector<float> sharp(static_cast<std::size_t>(S), 1.0f);
+  const std::size_t kv_rows = static_cast<std::size_t>(S) * hkv, q_rows = static_cast<std::size_t>(S) * hq;
+  Buffer kbuf(mem, kv_rows * d * 4), vbuf(mem, kv_rows * d * 4), qbuf(mem, q_rows * d * 4), obuf(mem, q_rows * d * 4);
+  std::vector<std::uint8_t> kb, vb, qb, ob(q_rows * d * 4);
+  auto fail = [&](const std::string& what) { return "step " + std::to_string(report.steps) + ": " + what; };
+  for (int t = 0; t < o.steps; ++t, ++report.steps) {
+    // Joins and finishes.
+    for (int s = 0; s < S; ++s) {
+      auto& r = running[static_cast<std::size_t>(s)];
+      if (r != 0 && std::uniform_real_distribution<double>(0, 1)(rng) < o.finish) {
+        if (!bc.reset_sequence(s).is_ok() || !rc.reset_sequence(s).is_ok()) return fail("reset failed");
+        r = 0;
+        ++report.finishes;
+      } else if (r == 0 && std::uniform_real_distribution<double>(0, 1)(rng) < o.join) {
+        r = 1;
+      }
+      if (r != 0 && bc.position(s) >= c.max_tokens) {
+        if (!bc.reset_sequence(s).is_ok() || !rc.reset_sequence(s).is_ok()) return fail("reset failed");
+        r = 0;
+      }
+      if (t % 64 == 0) sharp[static_cast<std::size_t>(s)] = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    }
+    std::vector<int> batch;
+    for (int s = 0; s < S; ++s) {
+      if (running[static_cast<std::size_t>(s)] != 0) batch.push_back(s);
+    }
+    if (batch.empty()) continue;
+    std::shuffle(batch.begin(), batch.end(), rng);
+    const std::size_t n = batch.size();
+    report.max_batch = std::max<std::int64_t>(report.max_batch, static_cast<std::int64_t>(n));
+    if (Status e = bc.begin_step(batch); !e.is_ok()) return fail("begin_step: " + e.to_string());
+    for (int s : batch) {
+      if (Status e = rc.begin_token(s); !e.is_ok()) return fail("reference begin_token: " + e.to_string());
+    }
+    // A poisoned row this step: (batch index, head, K or V, channel).
+    int poison_b = -1, poison_h = 0, poison_kv = 0, poison_c = 0, poison_layer = 0;
+    if (std::uniform_real_distribution<double>(0, 1)(rng) < o.poison) {
+      poison_b = static_cast<int>(rng() % n);
+      poison_h = static_cast<int>(rng() % static_cast<unsigned>(hkv));
+      poison_kv = static_cast<int>(rng() % 2);
+      poison_c = static_cast<int>(rng() % static_cast<unsigned>(d));
+      poison_layer = static_cast<int>(rng() % static_cast<unsigned>(L));
+    }
+    std::vector<float> k(n * hkv * d), v(k.size()), q(n * hq * d), ref_out(q.size());
+    for (int l = 0; l < L; ++l) {
+      for (auto& x : k) x = normal(rng);
+      for (auto& x : v) x = normal(rng);
+      for (std::size_t b = 0; b < n; ++b) {
+        for (std::size_t i = 0; i < static_cast<std::size_t>(hq) * d; ++i) {
+          q[b * hq * d + i] = normal(rng) * sharp[static_cast<std::size_t>(batch[b])];
+        }
+      }
+      std::vector<float> kr = encode(k, o.kv_type, kb), vr = encode(v, o.kv_type, vb), qr = encode(q, o.q_type, qb);
+      if (l == poison_layer && poison_b >= 0) {
+        const std::size_t i = (static_cast<std::size_t>(poison_b) * hkv + poison_h) * d + poison_c;
+        const float bad =
+            (rng() % 2) != 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+        std::vector<std::uint8_t>& bytes = poison_kv == 0 ? kb : vb;
+        store_element(bytes.data(), o.kv_type, i, bad);
+        // The backend stores that token (all of the sequence's heads' row) as zeros.
+        const std::size_t row0 = (static_cast<std::size_t>(poison_b) * hkv + poison_h) * d;
+        std::fill_n(kr.begin() + static_cast<std::ptrdiff_t>(row0), d, 0.0f);
+        std::fill_n(vr.begin() + static_cast<std::ptrdiff_t>(row0), d, 0.0f);
+      }
+      mem.put(kbuf.p, kb.data(), kb.size());
+      mem.put(vbuf.p, vb.data(), vb.size());
+      mem.put(qbuf.p, qb.data(), qb.size());
+      if (Status e = bc.append_batch(l, batch, {kbuf.p, o.kv_type}, {vbuf.p, o.kv_type}); !e.is_ok()) {
+        return fail("append_batch: " + e.to_string());
+      }
+      if (Status e = bc.attend_batch(l, batch, {qbuf.p, o.q_type}, {obuf.p, o.out_type}); !e.is_ok()) {
+        return fail("attend_batch: " + e.to_string());
+      }
+      for (std::size_t b = 0; b < n; ++b) {
+        const auto kvs = std::span<const float>(kr).subspan(b * hkv * d, static_cast<std::size_t>(hkv) * d);
+        const auto vvs = std::span<const float>(vr).subspan(b * hkv * d, static_cast<std::size_t>(hkv) * d);
+        if (Status e = rc.append(batch[b], l, kvs, vvs); !e.is_ok()) return fail("reference append: " + e.to_string());
+        if (Status e =
+                rc.attend(batch[b], l, std::span<const float>(qr).subspan(b * hq * d, static_cast<std::size_t>(hq) * d),
+                          std::span<float>(ref_out).subspan(b * hq * d, static_cast<std::size_t>(hq) * d));
+            !e.is_ok()) {
+          return fail("reference attend: " + e.to_string());
+        }
+      }
+      mem.get(ob.data(), obuf.p, n * hq * d * static_cast<std::size_t>(element_bytes(o.out_type)));
+      for (std::size_t b = 0; b < n; ++b) {
+        for (int h = 0; h < hq; ++h) {
+          const std::size_t row = (b * hq + h) * d;
+          double max_ref = 0, max_err = 0;
+          for (int i = 0; i < d; ++i) {
+            std::uint8_t tmp[4];
+            store_element(tmp, o.out_type, 0, ref_out[row + i]);
+            const double want = load_element(tmp, o.out_type, 0);
+            const double got = load_element(ob.data(), o.out_type, row + i);
+            max_ref = std::max(max_ref, std::fabs(want));
+            max_err = std::max(max_err, std::isnan(got) ? INFINITY : std::fabs(got - want));
+          }
+          const double tol = o.tolerance ? o.tolerance(max_ref, bc.live_tokens(batch[b])) : 0.0;
+          if (!(max_err <= tol)) {
+            return fail("layer " + std::to_string(l) + " sequence " + std::to_string(batch[b]) + " query head " +
+                        std::to_string(h) + ": output differs by " + std::to_string(max_err) + " (tolerance " +
+                        std::to_string(tol) + ", max |out| " + std::to_string(max_ref) + ")");
+          }
+          report.worst_rel_err = std::max(report.worst_rel_err, max_err / std::max(max_ref, 1e-30));
+        }
+      }
+    }
+    if (Status e = bc.end_step(batch); !e.is_ok()) return fail("end_step: " + e.to_string());
+    for (int s : batch) {
+      if (Status e = rc.end_token(s); !e.is_ok()) return fail("reference end_token: " + e.to_string());
+    }
+    report.tokens += static_cast<std::int64_t>(n);
+    if (poison_b >= 0) {
+      const int s = batch[static_cast<std::size_t>(poison_b)];
+      if (o.wait_faults) {
+        if (Status e = bc.poll_faults(true); !e.is_ok()) return fail("poll_faults: " + e.to_string());
+      }
+      if (!bc.faulted(s)) return fail("sequence " + std::to_string(s) + " got a non-finite K/V but is not faulted");
+      // A batch naming it is refused whole, naming it; nothing begins.
+      const std::vector<std::int32_t> before = [&] {
+        std::vector<std::int32_t> p;
+        for (int x : batch) p.push_back(bc.position(x));
+        return p;
+      }();
+      const Status e = bc.begin_step(batch);
+      if (e.code() != StatusCode::kNonFinite ||
+          e.message().find("sequence " + std::to_string(s)) == std::string::npos) {
+        return fail("begin_step with a faulted sequence: " + e.to_string());
+      }
+      for (std::size_t b = 0; b < n; ++b) {
+        if (bc.position(batch[b]) != before[b]) return fail("a refused begin_step moved a sequence");
+      }
+      ++report.faults;
+      if (!bc.reset_sequence(s).is_ok() || !rc.reset_sequence(s).is_ok()) return fail("reset failed");
+      if (bc.faulted(s)) return fail("reset_sequence left the fault");
+      running[static_cast<std::size_t>(s)] = 0;
+    }
+    for (int s = 0; s < S; ++s) {
+      if (bc.faulted(s)) return fail("sequence " + std::to_string(s) + " faulted without a bad value");
+    }
+    // Decisions: segments, live slots (block, slot, position) of every stream, counters.
+    for (int s : batch) {
+      const auto& sa = bc.segments(s);
+      const auto& sb = rc.segments(s);
+      if (sa.size() != sb.size()) return fail("sequence " + std::to_string(s) + ": segment counts differ");
+      for (std::size_t i = 0; i < sa.size(); ++i) {
+        if (sa[i].id != sb[i].id || sa[i].type != sb[i].type || sa[i].size != sb[i].size ||
+            sa[i].level != sb[i].level || sa[i].start != sb[i].start) {
+          return fail("sequence " + std::to_string(s) + ": segment " + std::to_string(i) + " differs");
+        }
+      }
+      if (bc.tracker(s).current() != rc.tracker(s).current()) {
+        return fail("sequence " + std::to_string(s) + ": thought types differ");
+      }
+      for (int l = 0; l < L; ++l) {
+        for (int h = 0; h < hkv; ++h) {
+          const int st = bc.stream_of(s, l, h);
+          const auto& ta = bc.paged().table();
+          const auto& tb = rc.paged().table();
+          const auto la = ta.live_slot_list(st);
+          const auto lb = tb.live_slot_list(st);
+          if (la != lb) return fail("stream " + std::to_string(st) + ": live slots differ");
+          for (const SlotRef r : la) {
+            if (ta.slot_position(r) != tb.slot_position(r))
+              return fail("stream " + std::to_string(st) + ": positions differ");
+          }
+          if (ta.staged_count(st) != tb.staged_count(st))
+            return fail("stream " + std::to_string(st) + ": staged differ");
+        }
+      }
+    }
+    const ThinKvStats& xa = bc.stats();
+    const ThinKvStats& xb = rc.stats();
+    if (xa.steps != xb.steps || xa.tokens_evicted != xb.tokens_evicted || xa.eviction_calls != xb.eviction_calls ||
+        xa.refreshes != xb.refreshes || xa.selections != xb.selections ||
+        xa.transition_events != xb.transition_events) {
+      return fail("counters differ");
+    }
+    if (!(bc.memory() == rc.memory())) return fail("memory differs");
+  }
+  return {};
+}
+
+}  // namespace bt
