@@ -802,12 +802,12 @@ class BlockTable {
     ps.slot_segment.resize(ns, 0);
     ps.slot_position.resize(ns, -1);
     ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
-    if (blocks != ps.grown) {  // pages come or go: the log restarts (mirrors copy the pool)
-      ++ps.revision;
-      ps.log_first = ps.revision;
-      ps.changed.clear();
-    }
+    // New pages are logged as changed (a mirror learns their initial metadata); pages that go
+    // need nothing (no stream lists them; their log entries are skipped, and a page that comes
+    // back is logged again). A mirror follows growth and release by changes, not whole copies.
+    const std::uint32_t before = ps.grown;
     ps.grown = blocks;
+    for (std::uint32_t local = before; local < blocks; ++local) touch(ps, local);
   }
   /// Releases the storage of the chunks at the top of each pool that hold no block.
   void release_empty_chunks() {

@@ -139,7 +139,7 @@ inline bool flat_changes(const AttendView& view, const FlatBlockTable& numbering
   for (int p = 0; p < kNumPrecisions; ++p) {
     const PoolView& pv = view.pools[p];
     for (std::uint32_t local : pages[p]) {
-      if (local >= pv.blocks || local >= numbering.pool_count[p]) continue;  // gone since (a full copy follows)
+      if (local >= pv.blocks || local >= numbering.pool_count[p]) continue;  // lost its storage since
       const std::uint32_t flat = numbering.pool_base[p] + local;
       if (out.seen[flat] == out.pass) continue;
       out.seen[flat] = out.pass;

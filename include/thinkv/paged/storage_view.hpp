@@ -82,8 +82,9 @@ struct TokenRef {
 /// every change of a page's fill, eviction mask, slot records or owner raises `revision` by one
 /// and appends the page index to `changed`, so changed[i] is the page of revision
 /// log_first + i + 1. A mirror synced at revision r with log_first <= r <= revision is brought
-/// up to date by copying pages changed[r - log_first ..] (a page may repeat); one synced before
-/// log_first (the log was trimmed, or the pool's storage was resized, which restarts the log)
+/// up to date by copying pages changed[r - log_first ..] (a page may repeat; a page at or past
+/// `blocks` has lost its storage since and is skipped). Pages that get storage are logged as
+/// changed. One synced before log_first (the log was trimmed when it outgrew twice the pool)
 /// copies the whole pool.
 struct PoolView {
   std::uint32_t base = 0;                      ///< global id of page 0
