@@ -425,6 +425,15 @@ class BasicThinKvCache {
   /// Ends the current token: on refresh steps classifies it and relabels the staging groups;
   /// in eviction modes plans and applies TBE.
   [[nodiscard]] Status end_token(int seq) {
+    bool new_transition = false;
+    THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
+    if constexpr (kEvicts) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
+    return Status::ok();
+  }
+
+ private:
+  /// end_token but TBE: the checks, the refresh and relabel, the position.
+  [[nodiscard]] Status end_token_core(int seq, bool& new_transition) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     SeqState& s = seq_(seq);
     if (!s.in_token) {
@@ -437,7 +446,7 @@ class BasicThinKvCache {
                                                   " was never appended (append every layer once per token)"};
       }
     }
-    bool new_transition = false;
+    new_transition = false;
     if (refresh_due(s)) {
       ThoughtType t{};
       THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
@@ -458,10 +467,10 @@ class BasicThinKvCache {
     s.in_token = false;
     release_reservation(s);  // nothing left once every layer committed; kept for safety
     ++stats_.steps;
-    if constexpr (kEvicts) THINKV_RETURN_IF_ERROR(run_tbe(seq, new_transition));
     return Status::ok();
   }
 
+ public:
   /// Releases a sequence (all its streams) and resets its state (a fault included).
   [[nodiscard]] Status reset_sequence(int seq) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
@@ -632,8 +641,9 @@ class BasicThinKvCache {
 
   /// end_token for every sequence of the batch, in batch order, once every layer of each was
   /// appended: waits for the sparsity the step's refreshes need (only on refresh steps), then
-  /// classifies, relabels and evicts. Checks every sequence before ending any; a later error
-  /// (a selector's) names its sequence, the ones before it having ended.
+  /// classifies, relabels and evicts; with K-means on the backend, one select_kmeans call for
+  /// every evicting sequence of the step. Checks every sequence before ending any; a later
+  /// error (a selector's) names its sequence, the ones before it having ended.
   [[nodiscard]] Status end_step(std::span<const int> seqs) requires batched_kv_backend<B> {
     THINKV_RETURN_IF_ERROR(check_batch(seqs, "end_step"));
     for (int seq : seqs) {
@@ -649,7 +659,26 @@ class BasicThinKvCache {
       }
     }
     THINKV_RETURN_IF_ERROR(settle_sparsity());
-    for (int seq : seqs) THINKV_RETURN_IF_ERROR(end_token(seq));
+    if constexpr (kEvicts && kBackendKmeans) {
+      // Every evicting sequence's K-means in one backend call; evictions applied in batch order.
+      std::vector<TbeWork> works;
+      works.reserve(seqs.size());
+      for (int seq : seqs) {
+        bool new_transition = false;
+        THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
+        TbeWork w;
+        if (plan_tbe(seq, new_transition, w)) works.push_back(std::move(w));
+      }
+      std::vector<TbeWork*> ptrs;
+      for (TbeWork& w : works) ptrs.push_back(&w);
+      if (!ptrs.empty()) THINKV_RETURN_IF_ERROR(select_on_backend(ptrs));
+      for (TbeWork& w : works) {
+        if (!w.selected) THINKV_RETURN_IF_ERROR(select_host(w));
+        THINKV_RETURN_IF_ERROR(apply_tbe(w));
+      }
+    } else {
+      for (int seq : seqs) THINKV_RETURN_IF_ERROR(end_token(seq));
+    }
     return poll_faults(false);
   }
 
@@ -860,40 +889,62 @@ class BasicThinKvCache {
   /// Plans TBE once per sequence (every stream has the same segment sizes) and applies it to
   /// every stream, choosing each stream's kept tokens by K-means on that stream's keys.
   Status run_tbe(int seq, bool new_transition) {
+    TbeWork w;
+    if (!plan_tbe(seq, new_transition, w)) return Status::ok();
+    if constexpr (kBackendKmeans) {
+      TbeWork* one = &w;
+      THINKV_RETURN_IF_ERROR(select_on_backend(std::span<TbeWork* const>(&one, 1)));
+    }
+    if (!w.selected) THINKV_RETURN_IF_ERROR(select_host(w));
+    return apply_tbe(w);
+  }
+
+  /// One sequence's TBE between its plan and its evictions.
+  struct TbeWork {
+    int seq = 0;
+    EvictionPlan plan;
+    std::vector<std::pair<std::uint32_t, std::int32_t>> targets;  // final size per segment
+    std::vector<std::pair<int, std::vector<SlotRef>>> victims;    // per (stream, segment)
+    std::int64_t selections = 0;
+    bool selected = false;
+  };
+  /// K-means runs on the backend: the set's selector is K-means and the backend selects.
+  static constexpr bool kBackendKmeans =
+      std::same_as<typename P::selector_type, KmeansSelector> && kmeans_selecting_backend<B>;
+
+  /// Plans TBE for a sequence (counting transitions and unreachable budgets); false when nothing
+  /// shrinks.
+  bool plan_tbe(int seq, bool new_transition, TbeWork& w) {
     SeqState& s = seq_(seq);
     if (new_transition) ++stats_.transition_events;
     std::int64_t pinned_live = 0;
     for (const SegmentState& seg : s.segments) pinned_live += seg.pinned ? seg.size : 0;
-    const EvictionPlan plan = plan_eviction(s.segments, policy_.retention, new_transition, config_.token_budget,
-                                            live_tokens(seq) - pinned_live);
-    if (plan.budget_unreachable) ++stats_.budget_unreachable;
-    if (plan.empty()) return Status::ok();
-    // Final size per segment (the last step for it wins).
-    std::vector<std::pair<std::uint32_t, std::int32_t>> targets;
-    for (const SegmentStep& st : plan.steps) {
-      auto it = std::find_if(targets.begin(), targets.end(), [&](auto& t) { return t.first == st.segment; });
-      if (it == targets.end())
-        targets.emplace_back(st.segment, st.to_size);
+    w.seq = seq;
+    w.plan = plan_eviction(s.segments, policy_.retention, new_transition, config_.token_budget,
+                           live_tokens(seq) - pinned_live);
+    if (w.plan.budget_unreachable) ++stats_.budget_unreachable;
+    if (w.plan.empty()) return false;
+    for (const SegmentStep& st : w.plan.steps) {
+      auto it = std::find_if(w.targets.begin(), w.targets.end(), [&](auto& t) { return t.first == st.segment; });
+      if (it == w.targets.end())
+        w.targets.emplace_back(st.segment, st.to_size);
       else
         it->second = st.to_size;
     }
+    return true;
+  }
+
+  /// Phase 1 on the host: every stream's victims through the set's selector (reads and
+  /// selections, which may fail; nothing changes here).
+  Status select_host(TbeWork& w) {
+    const int seq = w.seq;
     const int d = config_.head_dim;
     const bool reads_keys = policy_.selector.reads_keys();
     std::vector<float> keys, vbuf(static_cast<std::size_t>(d));
     std::vector<std::int32_t> positions;
     std::vector<SlotRef> slots;
-    // Phase 1 chooses every stream's victims (reads and selections, which may fail); phase 2
-    // evicts them, which cannot: a selector that answers wrongly leaves the cache as it was.
-    std::vector<std::pair<int, std::vector<SlotRef>>> victims_of;
-    std::int64_t selections = 0;
-    bool selected = false;
-    if constexpr (std::same_as<typename P::selector_type, KmeansSelector> && kmeans_selecting_backend<B>) {
-      // K-means on the backend (a device backend selects over its device keys: no key is read
-      // back), every (stream, segment) of the plan in one call; host selection if it declines.
-      THINKV_RETURN_IF_ERROR(select_on_backend(seq, targets, victims_of, selections, selected));
-    }
-    for (int st = stream_of(seq, 0, 0); !selected && st < stream_of(seq + 1, 0, 0); ++st) {
-      for (const auto& [segment, size] : targets) {
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+      for (const auto& [segment, size] : w.targets) {
         slots.clear();
         positions.clear();
         for (SlotRef r : cache_.table().live_slot_list(st)) {
@@ -911,9 +962,9 @@ class BasicThinKvCache {
         }
         SegmentTokens tokens{keys, positions, d, st, segment};
         const std::vector<int> kept = policy_.selector.select(tokens, size);
-        ++selections;
+        ++w.selections;
         THINKV_RETURN_IF_ERROR(check_selection(kept, tokens.count(), size, st, segment));
-        std::vector<SlotRef>& victims = victims_of.emplace_back(st, std::vector<SlotRef>{}).second;
+        std::vector<SlotRef>& victims = w.victims.emplace_back(st, std::vector<SlotRef>{}).second;
         std::size_t ki = 0;
         for (std::size_t j = 0; j < slots.size(); ++j) {
           if (ki < kept.size() && kept[ki] == static_cast<int>(j)) {
@@ -924,18 +975,25 @@ class BasicThinKvCache {
         }
       }
     }
-    for (const auto& [st, victims] : victims_of) {
+    w.selected = true;
+    return Status::ok();
+  }
+
+  /// Phase 2: evicts the chosen victims (cannot fail on a consistent table) and records the new
+  /// levels and sizes.
+  Status apply_tbe(TbeWork& w) {
+    SeqState& s = seq_(w.seq);
+    for (const auto& [st, victims] : w.victims) {
       THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
       stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
       s.tokens_evicted += static_cast<std::int64_t>(victims.size());
     }
-    stats_.selections += selections;
+    stats_.selections += w.selections;
     ++stats_.eviction_calls;
     ++s.eviction_calls;
-    stats_.segment_steps += static_cast<std::int64_t>(plan.steps.size());
-    stats_.case1_steps += plan.case1_steps;
-    // Record the new levels and sizes.
-    for (const SegmentStep& stp : plan.steps) {
+    stats_.segment_steps += static_cast<std::int64_t>(w.plan.steps.size());
+    stats_.case1_steps += w.plan.case1_steps;
+    for (const SegmentStep& stp : w.plan.steps) {
       for (SegmentState& seg : s.segments) {
         if (seg.id == stp.segment) {
           seg.level = stp.to_level;
@@ -946,63 +1004,72 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
-  /// run_tbe's phase 1 through the backend's select_kmeans: the victims of every stream of the
-  /// sequence. `selected` false (nothing chosen) when the backend declines the jobs.
-  Status select_on_backend(int seq, const std::vector<std::pair<std::uint32_t, std::int32_t>>& targets,
-                           std::vector<std::pair<int, std::vector<SlotRef>>>& victims_of, std::int64_t& selections,
-                           bool& selected) requires kmeans_selecting_backend<B> {
+  /// Phase 1 through the backend's select_kmeans for several sequences at once (end_step: one
+  /// call for every evicting sequence of the batch). Works the backend declines stay unselected
+  /// (the host selects them).
+  Status select_on_backend(std::span<TbeWork* const> works) requires kmeans_selecting_backend<B> {
     const BlockTable& table = cache_.table();
     std::vector<TokenRef> tokens;
     std::vector<SlotRef> slots;
     std::vector<KmeansJob> jobs;
-    std::vector<std::pair<int, std::uint32_t>> job_of;  // (stream, segment)
+    struct JobOf {
+      TbeWork* work;
+      int stream;
+      std::uint32_t segment;
+    };
+    std::vector<JobOf> job_of;
     std::vector<SlotRef> live;
     std::vector<std::uint32_t> seg_of;
-    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
-      live = table.live_slot_list(st);  // once per stream, every target read from it
-      seg_of.resize(live.size());
-      for (std::size_t i = 0; i < live.size(); ++i) seg_of[i] = table.slot_segment(live[i]);
-      for (const auto& [segment, size] : targets) {
-        KmeansJob j;
-        j.first = static_cast<std::uint32_t>(tokens.size());
-        for (std::size_t i = 0; i < live.size(); ++i) {
-          if (seg_of[i] == segment) {
-            tokens.push_back(table.token_ref(live[i]));
-            slots.push_back(live[i]);
+    for (TbeWork* w : works) {
+      for (int st = stream_of(w->seq, 0, 0); st < stream_of(w->seq + 1, 0, 0); ++st) {
+        live = table.live_slot_list(st);  // once per stream, every target read from it
+        seg_of.resize(live.size());
+        for (std::size_t i = 0; i < live.size(); ++i) seg_of[i] = table.slot_segment(live[i]);
+        for (const auto& [segment, size] : w->targets) {
+          KmeansJob j;
+          j.first = static_cast<std::uint32_t>(tokens.size());
+          for (std::size_t i = 0; i < live.size(); ++i) {
+            if (seg_of[i] == segment) {
+              tokens.push_back(table.token_ref(live[i]));
+              slots.push_back(live[i]);
+            }
           }
+          j.count = static_cast<std::uint32_t>(tokens.size()) - j.first;
+          if (static_cast<std::int32_t>(j.count) <= size) {
+            tokens.resize(j.first);
+            slots.resize(j.first);
+            continue;
+          }
+          j.keep = size;
+          std::uint64_t mix = policy_.selector.options.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
+          j.seed = splitmix64(mix);  // KmeansSelector::select's seed
+          jobs.push_back(j);
+          job_of.push_back({w, st, segment});
         }
-        j.count = static_cast<std::uint32_t>(tokens.size()) - j.first;
-        if (static_cast<std::int32_t>(j.count) <= size) {
-          tokens.resize(j.first);
-          slots.resize(j.first);
-          continue;
-        }
-        j.keep = size;
-        std::uint64_t mix = policy_.selector.options.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
-        j.seed = splitmix64(mix);  // KmeansSelector::select's seed
-        jobs.push_back(j);
-        job_of.emplace_back(st, segment);
       }
-    }
-    if (jobs.empty()) {
-      selected = true;
-      return Status::ok();
     }
     std::vector<int> kept;
     int max_k = 0;
-    if (Status e = cache_.backend().select_kmeans(tokens, jobs, policy_.selector.options.max_iterations, kept, max_k);
-        !e.is_ok()) {
-      if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
-      return e;
+    if (!jobs.empty()) {
+      if (Status e = cache_.backend().select_kmeans(tokens, jobs, policy_.selector.options.max_iterations, kept, max_k);
+          !e.is_ok()) {
+        if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
+        return e;
+      }
     }
-    std::vector<std::pair<int, std::vector<SlotRef>>> chosen;
+    for (TbeWork* w : works) {
+      w->victims.clear();
+      w->selections = 0;
+    }
     for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
       const KmeansJob& j = jobs[ji];
       const auto row = kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k));
       const std::vector<int> k(row, row + j.keep);
       THINKV_RETURN_IF_ERROR(
-          check_selection(k, static_cast<int>(j.count), j.keep, job_of[ji].first, job_of[ji].second));
-      std::vector<SlotRef>& victims = chosen.emplace_back(job_of[ji].first, std::vector<SlotRef>{}).second;
+          check_selection(k, static_cast<int>(j.count), j.keep, job_of[ji].stream, job_of[ji].segment));
+      TbeWork& w = *job_of[ji].work;
+      std::vector<SlotRef>& victims = w.victims.emplace_back(job_of[ji].stream, std::vector<SlotRef>{}).second;
+      ++w.selections;
       std::size_t ki = 0;
       for (std::uint32_t i = 0; i < j.count; ++i) {
         if (ki < k.size() && k[ki] == static_cast<int>(i)) {
@@ -1012,9 +1079,7 @@ class BasicThinKvCache {
         }
       }
     }
-    victims_of = std::move(chosen);
-    selections += static_cast<std::int64_t>(jobs.size());
-    selected = true;
+    for (TbeWork* w : works) w->selected = true;
     return Status::ok();
   }
 

@@ -247,6 +247,11 @@ std::string run_batched(Batched& bc, Reference& rc, const TensorMemory& mem, std
           return fail("sequence " + std::to_string(s) + ": segment " + std::to_string(i) + " differs");
         }
       }
+      const CacheReport ra = bc.report(s), rb = rc.report(s);
+      if (ra.tokens_evicted != rb.tokens_evicted || ra.eviction_calls != rb.eviction_calls ||
+          ra.live_tokens != rb.live_tokens || ra.held_bytes != rb.held_bytes) {
+        return fail("sequence " + std::to_string(s) + ": its report differs");
+      }
       if (bc.tracker(s).current() != rc.tracker(s).current()) {
         return fail("sequence " + std::to_string(s) + ": thought types differ");
       }

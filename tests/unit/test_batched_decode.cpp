@@ -80,6 +80,22 @@ TEST_CASE("Batched decode takes the per-sequence API's decisions and output bits
   }
 }
 
+TEST_CASE("Batched decode in lockstep: every sequence evicts at the same steps, one K-means call", "[batched]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<> batched(small_config(), small_policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+  bt::RunOptions o;
+  o.steps = 500;
+  o.join = 1.0;  // all five join at step 0 and never finish
+  o.finish = 0.0;
+  bt::RunReport r;
+  const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  CHECK(r.max_batch == 5);
+  CHECK(batched.stats().eviction_calls >= 5 * 3);
+}
+
 TEST_CASE("Batched decode: a NaN or Inf in one sequence's K/V faults that sequence alone", "[batched][bad_input]") {
   TT_SEEDED_RNG();
   ThinKvCache<> batched(small_config(), small_policy());
