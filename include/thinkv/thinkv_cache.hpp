@@ -945,14 +945,9 @@ class BasicThinKvCache {
     std::vector<SlotRef> slots;
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       for (const auto& [segment, size] : w.targets) {
-        slots.clear();
+        cache_.table().live_segment_slots(st, segment, slots);
         positions.clear();
-        for (SlotRef r : cache_.table().live_slot_list(st)) {
-          if (cache_.table().slot_segment(r) == segment) {
-            slots.push_back(r);
-            positions.push_back(cache_.table().slot_position(r));
-          }
-        }
+        for (SlotRef r : slots) positions.push_back(cache_.table().slot_position(r));
         if (static_cast<std::int32_t>(slots.size()) <= size) continue;
         keys.resize(reads_keys ? slots.size() * static_cast<std::size_t>(d) : 0);
         if (reads_keys) {
@@ -1018,21 +1013,16 @@ class BasicThinKvCache {
       std::uint32_t segment;
     };
     std::vector<JobOf> job_of;
-    std::vector<SlotRef> live;
-    std::vector<std::uint32_t> seg_of;
+    std::vector<SlotRef> seg_slots;
     for (TbeWork* w : works) {
       for (int st = stream_of(w->seq, 0, 0); st < stream_of(w->seq + 1, 0, 0); ++st) {
-        live = table.live_slot_list(st);  // once per stream, every target read from it
-        seg_of.resize(live.size());
-        for (std::size_t i = 0; i < live.size(); ++i) seg_of[i] = table.slot_segment(live[i]);
         for (const auto& [segment, size] : w->targets) {
           KmeansJob j;
           j.first = static_cast<std::uint32_t>(tokens.size());
-          for (std::size_t i = 0; i < live.size(); ++i) {
-            if (seg_of[i] == segment) {
-              tokens.push_back(table.token_ref(live[i]));
-              slots.push_back(live[i]);
-            }
+          table.live_segment_slots(st, segment, seg_slots);
+          for (SlotRef r : seg_slots) {
+            tokens.push_back(table.token_ref(r));
+            slots.push_back(r);
           }
           j.count = static_cast<std::uint32_t>(tokens.size()) - j.first;
           if (static_cast<std::int32_t>(j.count) <= size) {

@@ -803,3 +803,41 @@ TEST_CASE("The change log: a mirror too far behind is told to copy the pool", "[
   REQUIRE(later.changes_since(later.revision - 3, pages));
   CHECK(pages.size() == 3);
 }
+
+TEST_CASE("live_segment_slots lists exactly a segment's live slots, in live_slot_list order", "[block_table]") {
+  TT_SEEDED_RNG();
+  CacheConfig c = table_config(8, 16, {0, 200, 200, 200}, kR4E4T2, 3);
+  BlockTable t(c);
+  CtModel m(c);
+  std::uint32_t next_seg = 0;
+  std::vector<SlotRef> got;
+  for (int op = 0; op < 600; ++op) {
+    CAPTURE(op);
+    const int s = uniform_int(rng, 0, 2);
+    if (chance(rng, 0.6)) {
+      const auto th = static_cast<ThoughtType>(uniform_int(rng, 0, 2));
+      if (m.fit(s, th) != StatusCode::kOk) continue;
+      if (chance(rng, 0.3)) ++next_seg;  // later groups go to newer segments, reusing older holes
+      push_group(t, m, s, th, next_seg);
+    } else {
+      auto live = t.live_slot_list(s);
+      if (live.empty()) continue;
+      std::shuffle(live.begin(), live.end(), rng);
+      live.resize(static_cast<std::size_t>(uniform_int(rng, 1, static_cast<int>(live.size()))));
+      REQUIRE(t.evict(s, live).is_ok());
+      m.evict(s, live);
+    }
+    for (int st = 0; st < 3; ++st) {
+      const std::vector<SlotRef> all = t.live_slot_list(st);
+      for (std::uint32_t seg = 0; seg <= next_seg; ++seg) {
+        std::vector<SlotRef> want;
+        for (SlotRef r : all) {
+          if (t.slot_segment(r) == seg) want.push_back(r);
+        }
+        t.live_segment_slots(st, seg, got);
+        REQUIRE(got == want);
+      }
+    }
+  }
+  CHECK(t.stats().slots_reused > 0);
+}

@@ -314,6 +314,23 @@ class BlockTable {
   [[nodiscard]] std::size_t free_records() const { return free_records_.size() + (record_cap_ - records_grown_); }
 
   /// Live slots of a stream in attention order (block list order, then slot order).
+  /// The live slots of a stream that hold tokens of thought segment `segment`, in
+  /// live_slot_list's order, into `out` (cleared). Visits only the blocks whose range of segment
+  /// ids written so far holds `segment` (a block's tokens come from its first segment and from the
+  /// later segments that reused its holes), not every live slot.
+  void live_segment_slots(int stream, std::uint32_t segment, std::vector<SlotRef>& out) const {
+    out.clear();
+    for (std::uint32_t b : blocks(stream)) {
+      const Loc l = loc(b);
+      if (!l.ok || segment < l.pool->seg_lo[l.local] || segment > l.pool->seg_hi[l.local]) continue;
+      const int n = block_fill(b);
+      for (int i = 0; i < n; ++i) {
+        const SlotRef r{b, static_cast<std::uint32_t>(i)};
+        if (l.pool->slot_segment[slot_index(l, r.slot)] == segment && !is_evicted(r)) out.push_back(r);
+      }
+    }
+  }
+
   [[nodiscard]] std::vector<SlotRef> live_slot_list(int stream) const {
     std::vector<SlotRef> out;
     out.reserve(static_cast<std::size_t>(stream_(stream).live));
@@ -488,6 +505,8 @@ class BlockTable {
       ps.thought[local] = plan.thought;
       ps.fill[local] = 0;
       ps.live[local] = 0;
+      ps.seg_lo[local] = 0xFFFFFFFFu;
+      ps.seg_hi[local] = 0;
       touch(ps, local);
       ++ps.chunk_held[local / chunk_[p]];
       s.blocks.push_back(b);
@@ -520,6 +539,8 @@ class BlockTable {
       q.slot_record[si] = plan.record;
       touch(q, local);
       q.slot_segment[si] = s.staged_segment[i];
+      q.seg_lo[local] = std::min(q.seg_lo[local], s.staged_segment[i]);
+      q.seg_hi[local] = std::max(q.seg_hi[local], s.staged_segment[i]);
       q.slot_position[si] = s.staged_position[i];
       ++q.live[local];
       ++s.live;
@@ -650,10 +671,11 @@ class BlockTable {
     std::vector<std::uint16_t> fill;
     std::vector<std::uint16_t> live;
     std::vector<std::int32_t> owner;
-    std::vector<std::uint64_t> mask;          // [grown, evict_mask_words]
-    std::vector<std::uint32_t> slot_record;   // [grown, block_size]
-    std::vector<std::uint32_t> slot_segment;  // [grown, block_size]
-    std::vector<std::int32_t> slot_position;  // [grown, block_size]
+    std::vector<std::uint64_t> mask;            // [grown, evict_mask_words]
+    std::vector<std::uint32_t> slot_record;     // [grown, block_size]
+    std::vector<std::uint32_t> slot_segment;    // [grown, block_size]
+    std::vector<std::uint32_t> seg_lo, seg_hi;  // [grown] segment ids written into the block, min / max
+    std::vector<std::int32_t> slot_position;    // [grown, block_size]
     // change log (PoolView): pages whose fill, mask, slot records or owner changed
     std::uint64_t revision = 0;
     std::uint64_t log_first = 0;
@@ -800,6 +822,8 @@ class BlockTable {
     ps.mask.resize(nb * static_cast<std::size_t>(layout_.evict_mask_words()), 0);
     ps.slot_record.resize(ns, kNoRecord);
     ps.slot_segment.resize(ns, 0);
+    ps.seg_lo.resize(nb, 0xFFFFFFFFu);
+    ps.seg_hi.resize(nb, 0);
     ps.slot_position.resize(ns, -1);
     ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
     // New pages are logged as changed (a mirror learns their initial metadata); pages that go
@@ -828,6 +852,8 @@ class BlockTable {
       ps.mask.shrink_to_fit();
       ps.slot_record.shrink_to_fit();
       ps.slot_segment.shrink_to_fit();
+      ps.seg_lo.shrink_to_fit();
+      ps.seg_hi.shrink_to_fit();
       ps.slot_position.shrink_to_fit();
     }
   }
