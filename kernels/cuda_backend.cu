@@ -434,6 +434,12 @@ struct CudaKvBackend::Impl {
           return cuda_status(e, "cudaMemset");
         }
       }
+      // The copy and the poison ran on the legacy default stream: finish them before any kernel
+      // on a non-blocking stream of the caller's touches the new buffer.
+      if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+        (void)cudaFree(fresh);
+        return cuda_status(e, "cudaDeviceSynchronize (growing device storage)");
+      }
     }
     if (*buf != nullptr) (void)cudaFree(*buf);
     *buf = static_cast<std::uint8_t*>(fresh);
@@ -1136,7 +1142,7 @@ Status CudaKvBackend::attend_batch(const AttendView& view, const BatchAttendArgs
       m.lptr = typed<std::int32_t>(p);
       THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, S * 4, "block list counts"));
       m.lcount = typed<std::int32_t>(p);
-      THINKV_CUDA_TRY(cudaMemset(m.lcount, 0, S * 4));
+      THINKV_CUDA_TRY(cudaMemsetAsync(m.lcount, 0, S * 4, m.stream));
     }
     m.lstride = static_cast<int>(stride);
     fill_row_starts<<<static_cast<unsigned>((S + 256) / 256), 256, 0, m.stream>>>(m.lptr, static_cast<int>(S),
