@@ -18,6 +18,7 @@
 #include "thinkv/formats.hpp"
 #include "thinkv/kernels/kmeans_kernels.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
+#include "thinkv/kernels/prefill_attention.hpp"
 #include "thinkv/kernels/quantize_append.hpp"
 #include "thinkv/paged/flat_block_table.hpp"
 
@@ -80,7 +81,7 @@ __device__ inline float load_elem(const void* p, ElementType t, std::size_t i) {
 /// Batched stage: one CTA per row. Converts the row's K and V to BF16 (round to nearest even, as
 /// encode_bf16), or stages zeros and raises the row's fault when a value is not finite or exceeds
 /// 2^64; keeps the device staged count (0 once the row completes a group: its commit follows in
-/// stream order).
+/// stream order). A stream's rows are adjacent and in row order: its last row writes the count.
 __global__ void stage_rows_kernel(const StageRow* rows, const void* k, const void* v, ElementType kt, ElementType vt,
                                   int d, int g, std::uint16_t* staging, std::int32_t* staged, unsigned int* fault_word,
                                   unsigned int* fault_block, int fault_cap) {
@@ -101,7 +102,9 @@ __global__ void stage_rows_kernel(const StageRow* rows, const void* k, const voi
     sv[c] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
   }
   if (threadIdx.x == 0) {
-    staged[r.stream] = r.row + 1 == g ? 0 : r.row + 1;
+    if (blockIdx.x + 1 == gridDim.x || rows[blockIdx.x + 1].stream != r.stream) {
+      staged[r.stream] = r.row + 1 == g ? 0 : r.row + 1;
+    }
     if (bad && atomicOr(&fault_word[r.fault], 1u) == 0u) {
       const unsigned pos = atomicAdd(&fault_block[0], 1u);
       if (pos < static_cast<unsigned>(fault_cap)) {
@@ -1030,6 +1033,33 @@ Status CudaKvBackend::commit_batch(std::span<const CommitPlan> plans) {
   THINKV_CUDA_TRY(kernels::launch_quantize_append(prm, m.stream));
   m.stats.groups_quantized += static_cast<std::int64_t>(n);
   for (const CommitPlan& plan : plans) m.stats.page_bytes_written += m.layout.commit_bytes(plan.precision);
+  return Status::ok();
+}
+
+Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
+  THINKV_BACKEND_READY();
+  THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+  if (a.head_dim > kernels::kPrefillMaxHeadDim || (a.num_q_heads + 3) / 4 > 65535) {
+    return {StatusCode::kUnsupported,
+            "attend_prompt: head_dim " + std::to_string(a.head_dim) + " with " + std::to_string(a.num_q_heads) +
+                " query heads: the prefill kernel serves head_dim <= " + std::to_string(kernels::kPrefillMaxHeadDim) +
+                " and up to 262,140 heads"};
+  }
+  kernels::PrefillAttentionParams p;
+  p.tokens = a.tokens;
+  p.num_q_heads = a.num_q_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.head_dim = a.head_dim;
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.out = a.out.data;
+  p.q_type = a.q.type;
+  p.k_type = a.k.type;
+  p.v_type = a.v.type;
+  p.out_type = a.out.type;
+  p.softmax_scale = a.softmax_scale;
+  THINKV_CUDA_TRY(kernels::launch_prefill_attention(p, impl_->stream));
   return Status::ok();
 }
 

@@ -167,15 +167,17 @@ class PagedKvCache {
     std::int32_t tag = 0;
   };
 
-  /// Appends one token to each of tokens' streams (distinct) from tensors k and v in the
-  /// backend's memory ([rows, head_dim] of their element type), with one stage and one commit
-  /// call for the batch. `plans` are the commits of the tokens that complete their stream's
+  /// Appends tokens to tokens' streams from tensors k and v in the backend's memory ([rows,
+  /// head_dim] of their element type), with one stage and one commit call for the batch. A
+  /// stream takes one token (a decode step) or several consecutive ones (a prompt), as many as
+  /// its staging group has room for: its tokens are adjacent in `tokens`, in position order,
+  /// of one thought type. `plans` are the commits of the streams whose tokens complete their
   /// group, planned together with PlanClaims against the table as it is now, in the order they
-  /// were planned (at most one per stream, each for one of the tokens). K/V values are checked
-  /// by the backend (StageRow: a bad row is staged as zeros and raises its fault), not here.
-  /// Errors (nothing changes): kOutOfRange (stream), kInvalidArgument (a stream named twice, a
-  /// thought type change inside a group, a plan for no token of the batch or missing for a token
-  /// that completes a group), the backend's errors.
+  /// were planned (at most one per stream). K/V values are checked by the backend (StageRow: a
+  /// bad row is staged as zeros and raises its fault), not here.
+  /// Errors (nothing changes): kOutOfRange (stream), kInvalidArgument (a stream's tokens not
+  /// adjacent or more than its group has room for, a thought type change inside a group, a plan
+  /// for no stream of the batch that completes a group or missing for one), the backend's errors.
   [[nodiscard]] Status append_batch(std::span<const BatchToken> tokens, TensorRef k, TensorRef v,
                                     std::span<const CommitPlan> plans) requires batched_kv_backend<B> {
     const int g = config().group_size;
@@ -191,24 +193,44 @@ class PagedKvCache {
         }
       }
     } clear{batch_index_, tokens};
+    // A stream's tokens: tokens[mark - 1 .. i] (adjacent); taken(i) = how many of them so far.
+    auto taken = [&](std::size_t i) {
+      return static_cast<int>(i + 1 - batch_index_[static_cast<std::size_t>(tokens[i].stream)] + 1);
+    };
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       const BatchToken& t = tokens[i];
       THINKV_RETURN_IF_ERROR(table_.check_stream(t.stream));
       THINKV_RETURN_IF_ERROR(table_.check_stage(t.stream, t.thought));
       std::uint32_t& mark = batch_index_[static_cast<std::size_t>(t.stream)];
       if (mark != 0) {
-        return {StatusCode::kInvalidArgument,
-                "append_batch: stream " + std::to_string(t.stream) + " is named twice in one batch"};
+        if (tokens[i - 1].stream != t.stream) {
+          return {StatusCode::kInvalidArgument, "append_batch: stream " + std::to_string(t.stream) +
+                                                    " is named twice in one batch, not in adjacent tokens"};
+        }
+        if (tokens[i - 1].thought != t.thought) {
+          return {StatusCode::kInvalidArgument, "append_batch: the tokens of stream " + std::to_string(t.stream) +
+                                                    " change thought type inside one group"};
+        }
+      } else {
+        mark = static_cast<std::uint32_t>(i) + 1;
       }
-      mark = static_cast<std::uint32_t>(i) + 1;
-      if (table_.staged_count(t.stream) + 1 == g) ++completing;
+      const int filled = table_.staged_count(t.stream) + taken(i);
+      if (filled > g) {
+        return {StatusCode::kInvalidArgument, "append_batch: stream " + std::to_string(t.stream) + " takes " +
+                                                  std::to_string(taken(i)) + " tokens with " +
+                                                  std::to_string(table_.staged_count(t.stream)) +
+                                                  " staged: more than its group of " + std::to_string(g) + " holds"};
+      }
+      if (filled == g) ++completing;
     }
     for (const CommitPlan& plan : plans) {
-      const std::uint32_t i = plan.stream >= 0 && plan.stream < config().num_streams
-                                  ? batch_index_[static_cast<std::size_t>(plan.stream)]
-                                  : 0;
-      if (i == 0 || table_.staged_count(plan.stream) + 1 != g || tokens[i - 1].thought != plan.thought ||
-          static_cast<int>(plan.slots.size()) != g) {
+      const std::uint32_t first = plan.stream >= 0 && plan.stream < config().num_streams
+                                      ? batch_index_[static_cast<std::size_t>(plan.stream)]
+                                      : 0;
+      std::size_t last = first;  // 1 + the stream's last token
+      while (first != 0 && last < tokens.size() && tokens[last].stream == plan.stream) ++last;
+      if (first == 0 || table_.staged_count(plan.stream) + static_cast<int>(last - first + 1) != g ||
+          tokens[last - 1].thought != plan.thought || static_cast<int>(plan.slots.size()) != g) {
         return {StatusCode::kInvalidArgument, "append_batch: the commit plan of stream " + std::to_string(plan.stream) +
                                                   " matches no token of the batch that completes a group"};
       }
@@ -247,7 +269,7 @@ class PagedKvCache {
     rows_.resize(tokens.size());
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       const BatchToken& t = tokens[i];
-      rows_[i] = StageRow{t.stream, table_.staged_count(t.stream), t.src, t.fault, t.tag};
+      rows_[i] = StageRow{t.stream, table_.staged_count(t.stream) + taken(i) - 1, t.src, t.fault, t.tag};
     }
     if (Status e = backend_.stage_batch(rows_, k, v); !e.is_ok()) {
       (void)follow_table();

@@ -698,6 +698,178 @@ class BasicThinKvCache {
   /// True when a batched append of the sequence stored a bad K/V value (see above).
   [[nodiscard]] bool faulted(int seq) const { return check_seq(seq).is_ok() && seq_(seq).faulted; }
 
+  // ---- prefill (backends modelling batched_kv_backend and prompt_attending_backend) --------
+  //
+  // A sequence's prompt, every layer in one call:
+  //     cache.begin_prompt(seq, tokens);
+  //     for each layer: cache.prefill(layer, seq, q, k, v, out); // q, out: [tokens, Hq, D]
+  //                                                               // k, v:   [tokens, Hkv, D]
+  //     cache.end_prompt(seq);
+  // then batched decode steps (or the one-token calls). The prompt is the sequence's first
+  // tokens: its positions join the pinned prefix (stored as R, never evicted, not classified),
+  // and the cache then holds exactly what begin_token / append / end_token of each prompt token
+  // would have stored. Its attention is causal over the prompt's own K/V as given (the input
+  // precision, not the cache's), as a runtime's prefill computes it; decode tokens later attend
+  // to the prompt as the cache stores it.
+
+  /// Opens a prompt of `tokens` positions for a sequence at position 0 (a fresh or reset one),
+  /// reserving what every layer's commits will take from the pools, so that no prefill of it can
+  /// fail on a full pool. Pins the prompt: pinned_prefix(seq) becomes max(pinned_prefix(seq),
+  /// tokens). Errors (nothing changes): sequence out of range or faulted, a token or prompt open,
+  /// position > 0 (a prompt after decoding has begun: append it token by token), tokens outside
+  /// 1..max_tokens, kPoolExhausted naming the pool.
+  [[nodiscard]] Status begin_prompt(int seq, int tokens) requires batched_kv_backend<B> && prompt_attending_backend<B> {
+    THINKV_RETURN_IF_ERROR(poll_faults(false));
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (s.faulted) return fault_status(seq);
+    if (s.in_token || s.prompt > 0) {
+      return {StatusCode::kInvalidArgument,
+              "begin_prompt(" + std::to_string(seq) + "): the sequence has an open " +
+                  (s.in_token ? "token (end_token / end_step it first)" : "prompt (end_prompt it first)")};
+    }
+    if (s.position != 0) {
+      return {StatusCode::kInvalidArgument,
+              "begin_prompt(" + std::to_string(seq) + ") at position " + std::to_string(s.position) +
+                  ": a prompt starts a sequence (position 0); append later tokens with begin_step / begin_token"};
+    }
+    if (tokens < 1 || tokens > config_.max_tokens) {
+      return {StatusCode::kOutOfRange, "begin_prompt(" + std::to_string(seq) + "): tokens " + std::to_string(tokens) +
+                                           " is out of range; allowed: 1..max_tokens (" +
+                                           std::to_string(config_.max_tokens) + ")"};
+    }
+    // Every stream of the sequence is empty: the prompt's full groups fill fresh R blocks in
+    // order (plan_commit's third case), one key-scale record per group when R is quantized.
+    const Precision p = map_.precision_of(ThoughtType::kReasoning);
+    const std::int64_t groups = tokens / config_.group_size;
+    const std::int64_t blocks = (groups * config_.group_size + config_.block_size - 1) / config_.block_size;
+    PlanClaims need;
+    const auto streams = static_cast<std::size_t>(config_.streams_per_sequence());
+    need.blocks[static_cast<int>(p)] = static_cast<std::size_t>(blocks) * streams;
+    need.records = has_group_scale(p) ? static_cast<std::size_t>(groups) * streams : 0;
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+        need, reserved_ - s.reserved,
+        "begin_prompt(" + std::to_string(seq) + ") of " + std::to_string(tokens) + " tokens"));
+    reserved_ = reserved_ - s.reserved + need;
+    s.reserved = need;
+    s.pinned = std::max(s.pinned, tokens);
+    s.type = ThoughtType::kReasoning;
+    s.prompt = tokens;
+    s.prompt_segment = s.next_segment;
+    for (std::int32_t pos = 0; pos < tokens; ++pos) {  // apply_begin's segments, position by position
+      if (pos % config_.segment_len == 0) {
+        for (SegmentState& seg : s.segments) seg.closed = true;
+        SegmentState seg;
+        seg.id = s.next_segment++;
+        seg.type = ThoughtType::kReasoning;
+        seg.start = pos;
+        seg.pinned = true;
+        s.segments.push_back(seg);
+      }
+      ++s.segments.back().size;
+    }
+    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.appended.begin(), s.appended.end(), 0);
+    return Status::ok();
+  }
+
+  /// One layer of the open prompt: appends its K/V (k, v: [tokens, num_kv_heads, head_dim] in the
+  /// backend's memory), one stage and at most one commit call per group of group_size tokens,
+  /// then its causal attention (q, out: [tokens, num_q_heads, head_dim]) in one backend call.
+  /// K/V values are checked by the backend as in append_batch (a bad value faults the sequence).
+  /// Errors before anything is enqueued: no open prompt, layer out of range or already done, null
+  /// tensors. A backend error after the first group leaves the layer part-appended: free the
+  /// sequence with reset_sequence.
+  [[nodiscard]] Status prefill(int layer, int seq, TensorRef q, TensorRef k, TensorRef v,
+                               MutableTensorRef out) requires batched_kv_backend<B> && prompt_attending_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (s.prompt == 0) {
+      return {StatusCode::kInvalidArgument,
+              "prefill: sequence " + std::to_string(seq) + " has no open prompt (call begin_prompt first)"};
+    }
+    if (layer < 0 || layer >= config_.num_layers) {
+      return {StatusCode::kOutOfRange, "prefill: layer " + std::to_string(layer) + " is out of range; allowed: 0.." +
+                                           std::to_string(config_.num_layers - 1)};
+    }
+    if (s.appended[static_cast<std::size_t>(layer)] != 0) {
+      return {StatusCode::kInvalidArgument, "prefill: layer " + std::to_string(layer) + " of sequence " +
+                                                std::to_string(seq) + " was already filled (each layer once)"};
+    }
+    if (q.data == nullptr || k.data == nullptr || v.data == nullptr || out.data == nullptr) {
+      return {StatusCode::kInvalidArgument, "prefill: q, k, v and out must not be null"};
+    }
+    PromptAttendArgs a;
+    a.tokens = s.prompt;
+    a.num_q_heads = config_.num_q_heads;
+    a.num_kv_heads = config_.num_kv_heads;
+    a.head_dim = config_.head_dim;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = out;
+    a.softmax_scale = config_.softmax_scale;
+    THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+    const int hkv = config_.num_kv_heads, g = config_.group_size;
+    for (int first = 0; first < s.prompt; first += g) {
+      const int last = std::min(s.prompt, first + g);
+      tokens_.clear();
+      batch_plans_.clear();
+      PlanClaims claims;
+      for (int h = 0; h < hkv; ++h) {
+        const int st = stream_of(seq, layer, h);
+        for (int t = first; t < last; ++t) {
+          typename PagedKvCache<B>::BatchToken bt;
+          bt.stream = st;
+          bt.src = t * hkv + h;
+          bt.thought = ThoughtType::kReasoning;
+          bt.segment = s.prompt_segment + static_cast<std::uint32_t>(t / config_.segment_len);
+          bt.fault = stream_of(seq, 0, 0);
+          bt.tag = s.generation;
+          tokens_.push_back(bt);
+        }
+        if (last - first == g) {
+          CommitPlan& plan = batch_plans_.emplace_back();
+          if (Status e = cache_.table().plan_commit(st, ThoughtType::kReasoning, plan, &claims); !e.is_ok()) {
+            return {e.code(), "prefill layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+                                  ", KV head " + std::to_string(h) + ": " + e.message()};
+          }
+        }
+      }
+      THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+          claims, reserved_ - s.reserved,
+          "prefill layer " + std::to_string(layer) + " of sequence " + std::to_string(seq)));
+      THINKV_RETURN_IF_ERROR(cache_.append_batch(tokens_, k, v, batch_plans_));
+      const PlanClaims used = s.reserved - (s.reserved - claims);  // min(reserved, claims), per term
+      s.reserved = s.reserved - used;
+      reserved_ = reserved_ - used;
+    }
+    THINKV_RETURN_IF_ERROR(cache_.backend().attend_prompt(a));
+    s.appended[static_cast<std::size_t>(layer)] = 1;
+    return Status::ok();
+  }
+
+  /// Closes the open prompt once every layer was filled: the sequence is at position `tokens`,
+  /// ready to decode. Errors (nothing changes): no open prompt, a layer not filled.
+  [[nodiscard]] Status end_prompt(int seq) requires batched_kv_backend<B> && prompt_attending_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    SeqState& s = seq_(seq);
+    if (s.prompt == 0) {
+      return {StatusCode::kInvalidArgument, "end_prompt: sequence " + std::to_string(seq) + " has no open prompt"};
+    }
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (s.appended[static_cast<std::size_t>(l)] == 0) {
+        return {StatusCode::kInvalidArgument, "end_prompt: layer " + std::to_string(l) + " of sequence " +
+                                                  std::to_string(seq) + " was never filled (prefill every layer once)"};
+      }
+    }
+    s.position = s.prompt;
+    stats_.steps += s.prompt;
+    s.prompt = 0;
+    release_reservation(s);
+    return poll_faults(false);
+  }
+
   /// Live tokens of every stream of a sequence (all equal: every stream sees the same plan).
   [[nodiscard]] std::int64_t live_tokens(int seq) const {
     const int st = stream_of(seq, 0, 0);
@@ -725,12 +897,14 @@ class BasicThinKvCache {
     std::uint32_t next_segment = 0;
     ThoughtType type = ThoughtType::kReasoning;
     bool in_token = false;
-    std::int32_t pinned = 0;          ///< pinned prefix (positions never evicted)
-    std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
-    std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
-    PlanClaims reserved;              ///< what the open token still holds of the pools
-    bool faulted = false;             ///< a batched append stored a bad K/V value
-    std::int32_t generation = 0;      ///< reset_sequence calls (tags the backend's faults)
+    std::int32_t pinned = 0;           ///< pinned prefix (positions never evicted)
+    std::int64_t eviction_calls = 0;   ///< this sequence's applied plans
+    std::int64_t tokens_evicted = 0;   ///< this sequence's evicted slots, all its streams
+    PlanClaims reserved;               ///< what the open token still holds of the pools
+    bool faulted = false;              ///< a batched append stored a bad K/V value
+    std::int32_t prompt = 0;           ///< tokens of the open prompt (begin_prompt), 0: none
+    std::uint32_t prompt_segment = 0;  ///< id of the open prompt's first segment
+    std::int32_t generation = 0;       ///< reset_sequence calls (tags the backend's faults)
   };
   /// A batched attention's sparsity, read back at end_step.
   struct PendingSparsity {
@@ -795,6 +969,12 @@ class BasicThinKvCache {
     if (s.in_token) {
       return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) + ") at position " +
                                                 std::to_string(s.position) + " called twice without end_token"};
+    }
+    if (s.prompt > 0) {
+      return {StatusCode::kInvalidArgument, "begin_token(" + std::to_string(seq) +
+                                                "): the sequence has an open "
+                                                "prompt of " +
+                                                std::to_string(s.prompt) + " tokens (end_prompt it first)"};
     }
     if (s.position >= config_.max_tokens) {
       return {StatusCode::kOutOfRange,

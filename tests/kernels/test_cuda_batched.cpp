@@ -148,3 +148,35 @@ TEST_CASE("Batched decode on the GPU: a NaN or Inf in one sequence's K/V faults 
   REQUIRE(err.empty());
   CHECK(r.faults > 2);
 }
+
+TEST_CASE("Prefill on the GPU stores what the CPU reference stores token by token, attends causally",
+          "[cuda_batched][prefill]") {
+  TT_SEEDED_RNG();
+  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const ElementType types[] = {ElementType::kF32, ElementType::kF16, ElementType::kBf16};
+  for (ElementType t : types) {
+    INFO("element type " << to_string(t));
+    ThinKvCache<CudaKvBackend> gpu(config(), policy());
+    BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+    REQUIRE(gpu.backend().set_stream(stream).is_ok());
+    bt::RunOptions o;
+    o.steps = small ? 100 : 300;
+    o.kv_type = o.q_type = o.out_type = t;
+    o.finish = 0.01;
+    o.prompt = 0.7;
+    o.max_prompt = 300;
+    o.tolerance = [t](double max_ref, std::int64_t n) { return tolerance(t, max_ref, n); };
+    const bt::TensorMemory mem = device_memory(stream);
+    bt::RunReport r;
+    const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+    INFO(err);
+    REQUIRE(err.empty());
+    INFO("worst prefill err / max|out| " << r.worst_prompt_err << ", prompts " << r.prompts);
+    CHECK(r.prompts >= 3);
+    const BackendStats st = gpu.paged().backend().stats();
+    CHECK(st.groups_quantized == cpu.paged().backend().stats().groups_quantized);
+  }
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}

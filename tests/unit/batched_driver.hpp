@@ -78,15 +78,123 @@ struct RunOptions {
   double finish = 0.01;      ///< chance a running sequence finishes (is reset) at a step
   double poison = 0.0;       ///< chance per step that one sequence's K or V gets a NaN or Inf
   bool wait_faults = false;  ///< poll_faults(true) after a poisoned step (device backends)
+  double prompt = 0.0;       ///< chance a joining sequence (at position 0) first prefills a prompt
+  int max_prompt = 0;        ///< longest prompt (lengths uniform in 1..max_prompt)
   /// Largest |batched - reference| allowed per output value, given the reference row's largest
   /// |value| and the sequence's live tokens; null: bit for bit.
   std::function<double(double max_ref, std::int64_t tokens)> tolerance;
 };
 
 struct RunReport {
-  std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0;
+  std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0, prompts = 0, prompt_tokens = 0;
   double worst_rel_err = 0;
+  double worst_prompt_err = 0;  ///< largest prefill error against the float64 reference, / max |out|
 };
+
+/// Prefills a prompt of random K/V/q in the batched cache (begin_prompt / prefill / end_prompt) and
+/// feeds the same tokens to the reference one by one after pin_prefix (its outputs unused: the
+/// prefill attends the prompt's own K/V). Checks every prefill output against causal attention in
+/// float64 over the encoded inputs: |error| <= 2^-(mantissa bits of out) * max|out| + 5e-5 * max|v|
+/// (FP32 arithmetic with up to `tokens` terms, and one rounding of the output type).
+template <class Batched, class Reference>
+std::string run_prompt(Batched& bc, Reference& rc, const TensorMemory& mem, std::mt19937_64& rng, const RunOptions& o,
+                       int seq, int tokens, RunReport& report) {
+  const ThinKvConfig& c = bc.config();
+  const int L = c.num_layers, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim, G = hq / hkv;
+  const auto T = static_cast<std::size_t>(tokens);
+  auto fail = [&](const std::string& what) {
+    return "prompt of sequence " + std::to_string(seq) + " (" + std::to_string(tokens) + " tokens): " + what;
+  };
+  if (Status e = bc.begin_prompt(seq, tokens); !e.is_ok()) return fail("begin_prompt: " + e.to_string());
+  if (Status e = rc.pin_prefix(seq, tokens); !e.is_ok()) return fail("reference pin_prefix: " + e.to_string());
+  std::normal_distribution<float> normal;
+  const float sharp = std::vector<float>{0.5f, 1.5f, 4.0f}[rng() % 3];
+  Buffer kbuf(mem, T * hkv * d * 4), vbuf(mem, T * hkv * d * 4), qbuf(mem, T * hq * d * 4), obuf(mem, T * hq * d * 4);
+  std::vector<std::uint8_t> kb, vb, qb, ob(T * hq * d * 4);
+  std::vector<std::vector<float>> ks(static_cast<std::size_t>(L)), vs(ks.size());
+  const double out_eps = o.out_type == ElementType::kF32 ? 0x1p-23 : o.out_type == ElementType::kF16 ? 0x1p-10 : 0x1p-7;
+  for (int l = 0; l < L; ++l) {
+    std::vector<float> k(T * hkv * d), v(k.size()), q(T * hq * d);
+    for (auto& x : k) x = normal(rng);
+    for (auto& x : v) x = normal(rng);
+    for (auto& x : q) x = normal(rng) * sharp;
+    ks[static_cast<std::size_t>(l)] = encode(k, o.kv_type, kb);
+    vs[static_cast<std::size_t>(l)] = encode(v, o.kv_type, vb);
+    const std::vector<float> qr = encode(q, o.q_type, qb);
+    mem.put(kbuf.p, kb.data(), kb.size());
+    mem.put(vbuf.p, vb.data(), vb.size());
+    mem.put(qbuf.p, qb.data(), qb.size());
+    std::vector<std::uint8_t> poison(ob.size(), 0xFF);  // NaN in every element type
+    mem.put(obuf.p, poison.data(), poison.size());
+    if (Status e =
+            bc.prefill(l, seq, {qbuf.p, o.q_type}, {kbuf.p, o.kv_type}, {vbuf.p, o.kv_type}, {obuf.p, o.out_type});
+        !e.is_ok()) {
+      return fail("prefill layer " + std::to_string(l) + ": " + e.to_string());
+    }
+    mem.get(ob.data(), obuf.p, T * hq * d * static_cast<std::size_t>(element_bytes(o.out_type)));
+    const std::vector<float>& kr = ks[static_cast<std::size_t>(l)];
+    const std::vector<float>& vr = vs[static_cast<std::size_t>(l)];
+    const double scale = c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
+    std::vector<double> sc(T), acc(static_cast<std::size_t>(d));
+    for (std::size_t t = 0; t < T; ++t) {
+      for (int h = 0; h < hq; ++h) {
+        const int kvh = h / G;
+        const float* qh = &qr[(t * hq + h) * d];
+        double m = -INFINITY, lsum = 0, vmax = 0;
+        for (std::size_t j = 0; j <= t; ++j) {
+          double dot = 0;
+          for (int x = 0; x < d; ++x) dot += static_cast<double>(qh[x]) * kr[(j * hkv + kvh) * d + x];
+          sc[j] = dot * scale;
+          m = std::max(m, sc[j]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::size_t j = 0; j <= t; ++j) {
+          const double e = std::exp(sc[j] - m);
+          lsum += e;
+          for (int x = 0; x < d; ++x) {
+            const double vx = vr[(j * hkv + kvh) * d + x];
+            acc[static_cast<std::size_t>(x)] += e * vx;
+            vmax = std::max(vmax, std::fabs(vx));
+          }
+        }
+        double max_ref = 0, max_err = 0;
+        for (int x = 0; x < d; ++x) {
+          const double want = acc[static_cast<std::size_t>(x)] / lsum;
+          const double got = load_element(ob.data(), o.out_type, (t * hq + h) * d + x);
+          max_ref = std::max(max_ref, std::fabs(want));
+          max_err = std::max(max_err, std::isnan(got) ? INFINITY : std::fabs(got - want));
+        }
+        const double tol = out_eps * max_ref + 5e-5 * vmax;
+        if (!(max_err <= tol)) {
+          return fail("layer " + std::to_string(l) + " token " + std::to_string(t) + " query head " +
+                      std::to_string(h) + ": prefill output differs from float64 by " + std::to_string(max_err) +
+                      " (tolerance " + std::to_string(tol) + ")");
+        }
+        report.worst_prompt_err = std::max(report.worst_prompt_err, max_err / std::max(max_ref, 1e-30));
+      }
+    }
+  }
+  if (Status e = bc.end_prompt(seq); !e.is_ok()) return fail("end_prompt: " + e.to_string());
+  // The reference stores the same tokens one at a time.
+  std::vector<float> out(static_cast<std::size_t>(hq) * d), q1(out.size());
+  for (std::size_t t = 0; t < T; ++t) {
+    if (Status e = rc.begin_token(seq); !e.is_ok()) return fail("reference begin_token: " + e.to_string());
+    for (int l = 0; l < L; ++l) {
+      const auto off = static_cast<std::ptrdiff_t>(t * hkv * d);
+      const auto n = static_cast<std::size_t>(hkv) * d;
+      if (Status e = rc.append(seq, l, std::span<const float>(ks[static_cast<std::size_t>(l)]).subspan(off, n),
+                               std::span<const float>(vs[static_cast<std::size_t>(l)]).subspan(off, n));
+          !e.is_ok()) {
+        return fail("reference append: " + e.to_string());
+      }
+      if (Status e = rc.attend(seq, l, q1, out); !e.is_ok()) return fail("reference attend: " + e.to_string());
+    }
+    if (Status e = rc.end_token(seq); !e.is_ok()) return fail("reference end_token: " + e.to_string());
+  }
+  ++report.prompts;
+  report.prompt_tokens += tokens;
+  return {};
+}
 
 /// Runs the scenario; returns an empty string or the first mismatch, with `report` filled.
 template <class Batched, class Reference>
@@ -111,6 +219,12 @@ std::string run_batched(Batched& bc, Reference& rc, const TensorMemory& mem, std
         ++report.finishes;
       } else if (r == 0 && std::uniform_real_distribution<double>(0, 1)(rng) < o.join) {
         r = 1;
+        if (bc.position(s) == 0 && std::uniform_real_distribution<double>(0, 1)(rng) < o.prompt) {
+          const int len = 1 + static_cast<int>(rng() % static_cast<unsigned>(std::max(1, o.max_prompt)));
+          if (std::string e = run_prompt(bc, rc, mem, rng, o, s, std::min(len, c.max_tokens - 1), report); !e.empty()) {
+            return fail(e);
+          }
+        }
       }
       if (r != 0 && bc.position(s) >= c.max_tokens) {
         if (!bc.reset_sequence(s).is_ok() || !rc.reset_sequence(s).is_ok()) return fail("reset failed");
@@ -260,15 +374,22 @@ std::string run_batched(Batched& bc, Reference& rc, const TensorMemory& mem, std
           const int st = bc.stream_of(s, l, h);
           const auto& ta = bc.paged().table();
           const auto& tb = rc.paged().table();
+          // The positions held, in the stream's slot order (what attention sums over). Block
+          // ids may differ: a prefill takes a layer's blocks for the whole prompt at once.
           const auto la = ta.live_slot_list(st);
           const auto lb = tb.live_slot_list(st);
-          if (la != lb) return fail("stream " + std::to_string(st) + ": live slots differ");
-          for (const SlotRef r : la) {
-            if (ta.slot_position(r) != tb.slot_position(r))
-              return fail("stream " + std::to_string(st) + ": positions differ");
+          if (la.size() != lb.size()) return fail("stream " + std::to_string(st) + ": live slot counts differ");
+          for (std::size_t i = 0; i < la.size(); ++i) {
+            if (ta.slot_position(la[i]) != tb.slot_position(lb[i]) || la[i].slot != lb[i].slot ||
+                ta.slot_segment(la[i]) != tb.slot_segment(lb[i]))
+              return fail("stream " + std::to_string(st) + ": live slot " + std::to_string(i) + " differs");
           }
           if (ta.staged_count(st) != tb.staged_count(st))
             return fail("stream " + std::to_string(st) + ": staged differ");
+          for (int i = 0; i < ta.staged_count(st); ++i) {
+            if (ta.staged_segment(st, i) != tb.staged_segment(st, i))
+              return fail("stream " + std::to_string(st) + ": staged segments differ");
+          }
         }
       }
     }

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <vector>
 
 #include "thinkv/thinkv_cache.hpp"
@@ -145,4 +146,86 @@ TEST_CASE("Batched decode refuses bad batches naming the sequence, changing noth
   CHECK(cache.position(2) == 1);
   CHECK(cache.position(0) == 1);
   CHECK(cache.live_tokens(0) == 1);
+}
+
+TEST_CASE("Prefill stores what token-by-token appends store, and attends causally in FP32", "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  const ElementType types[] = {ElementType::kF32, ElementType::kBf16};
+  for (ElementType t : types) {
+    INFO("element type " << to_string(t));
+    ThinKvCache<> batched(small_config(), small_policy());
+    BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+    bt::RunOptions o;
+    o.steps = 300;
+    o.kv_type = o.q_type = o.out_type = t;
+    o.finish = 0.01;
+    o.prompt = 0.7;
+    o.max_prompt = 200;  // past segment_len (64) and the budget (160); lengths not multiples of g
+    bt::RunReport r;
+    const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
+    INFO(err);
+    REQUIRE(err.empty());
+    CHECK(r.prompts >= 3);
+    CHECK(r.prompt_tokens > 150);
+    CHECK(batched.stats().tokens_evicted > 0);  // decoding after a prompt still evicts (its thoughts)
+    INFO("worst prefill error / max|out| " << r.worst_prompt_err);
+  }
+}
+
+TEST_CASE("Prefill refuses bad calls naming the problem, changing nothing", "[batched][prefill][bad_input]") {
+  ThinKvConfig c = small_config();
+  ThinKvCache<> cache(c, small_policy());
+  const int T = 40, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim;
+  std::vector<float> k(static_cast<std::size_t>(T) * hkv * d, 0.5f), q(static_cast<std::size_t>(T) * hq * d, 0.25f),
+      out(q.size());
+  const TensorRef kr{k.data(), ElementType::kF32}, qr{q.data(), ElementType::kF32};
+  const MutableTensorRef outr{out.data(), ElementType::kF32};
+  CHECK(cache.prefill(0, 1, qr, kr, kr, outr).message().find("no open prompt") != std::string::npos);
+  CHECK(cache.begin_prompt(1, 0).code() == StatusCode::kOutOfRange);
+  CHECK(cache.begin_prompt(1, c.max_tokens + 1).code() == StatusCode::kOutOfRange);
+  CHECK(cache.begin_prompt(7, T).code() == StatusCode::kOutOfRange);
+  REQUIRE(cache.begin_prompt(1, T).is_ok());
+  CHECK(cache.begin_prompt(1, T).message().find("open prompt") != std::string::npos);
+  CHECK(cache.begin_token(1).message().find("open prompt") != std::string::npos);
+  CHECK(cache.prefill(2, 1, qr, kr, kr, outr).code() == StatusCode::kOutOfRange);
+  CHECK(cache.prefill(0, 1, qr, {nullptr, ElementType::kF32}, kr, outr).code() == StatusCode::kInvalidArgument);
+  REQUIRE(cache.prefill(0, 1, qr, kr, kr, outr).is_ok());
+  CHECK(cache.prefill(0, 1, qr, kr, kr, outr).message().find("already filled") != std::string::npos);
+  CHECK(cache.end_prompt(1).message().find("layer 1 of sequence 1 was never filled") != std::string::npos);
+  REQUIRE(cache.prefill(1, 1, qr, kr, kr, outr).is_ok());
+  REQUIRE(cache.end_prompt(1).is_ok());
+  CHECK(cache.position(1) == T);
+  CHECK(cache.live_tokens(1) == T);
+  CHECK(cache.pinned_prefix(1) == T);
+  CHECK(cache.end_prompt(1).message().find("no open prompt") != std::string::npos);
+  CHECK(cache.begin_prompt(1, T).message().find("position 40") != std::string::npos);
+  // Equal keys and values: every causal output row is the value itself.
+  for (float x : out) REQUIRE(x == 0.5f);
+  // A NaN in a prompt's V faults the sequence alone once the prompt ends.
+  REQUIRE(cache.begin_prompt(3, T).is_ok());
+  std::vector<float> bad = k;
+  bad[static_cast<std::size_t>(17) * hkv * d + 3] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(cache.prefill(0, 3, qr, kr, {bad.data(), ElementType::kF32}, outr).is_ok());
+  REQUIRE(cache.prefill(1, 3, qr, kr, kr, outr).is_ok());
+  REQUIRE(cache.end_prompt(3).is_ok());
+  CHECK(cache.faulted(3));
+  CHECK_FALSE(cache.faulted(1));
+  CHECK(cache.begin_step(std::vector<int>{1, 3}).code() == StatusCode::kNonFinite);
+  REQUIRE(cache.reset_sequence(3).is_ok());
+  CHECK_FALSE(cache.faulted(3));
+}
+
+TEST_CASE("Prefill of a prompt the pools cannot hold is refused whole", "[batched][prefill][bad_input]") {
+  ThinKvConfig c = small_config();
+  c.pool_blocks = 12;  // per precision pool: 12 blocks of 16 slots
+  ThinKvCache<> cache(c, small_policy());
+  const std::int64_t before = cache.allocated_bytes();
+  // 2 layers x 2 heads = 4 streams; 64 tokens need 4 blocks each = 16 > 12.
+  const Status e = cache.begin_prompt(0, 64);
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK(e.message().find("begin_prompt(0) of 64 tokens") != std::string::npos);
+  CHECK(cache.position(0) == 0);
+  CHECK(cache.segments(0).empty());
+  CHECK(cache.allocated_bytes() == before);
+  CHECK(cache.begin_prompt(0, 48).is_ok());  // 3 blocks each = 12
 }

@@ -13,6 +13,7 @@
 #include <concepts>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -85,8 +86,8 @@ template <class B>
 concept batched_kv_backend = kv_backend<B> &&
     requires(B& b, const B& cb, std::span<const StageRow> rows, TensorRef t, std::span<const CommitPlan> plans,
              const AttendView& view, const BatchAttendArgs& args, std::vector<BackendFault>& faults, bool wait) {
-  /// Stages rows.size() tokens (the rows' streams distinct) from k and v. Already-staged
-  /// rows of other streams are untouched.
+  /// Stages rows.size() tokens from k and v: one row per stream, or several rows of a stream
+  /// adjacent and in row order (a prompt). Already-staged rows are untouched.
   { b.stage_batch(rows, t, t) } -> std::same_as<Status>;
   /// Commits full staging groups of distinct streams (plans in the order they were made).
   { b.commit_batch(plans) } -> std::same_as<Status>;
@@ -98,6 +99,50 @@ concept batched_kv_backend = kv_backend<B> &&
   /// Waits until every host result of earlier calls (sparsity) is in place.
   { b.synchronize() } -> std::same_as<Status>;
 };
+
+/// Causal self-attention of a prompt (BasicThinKvCache::prefill), one call per layer: query row
+/// (t, h) of q attends the prompt's own keys and values 0..t of KV head h / G (G = num_q_heads /
+/// num_kv_heads), as given in k and v, not as the cache stores them (the prompt attends to itself
+/// at its input precision, as a runtime's prefill does), in FP32:
+///   s_j = (sum_c q[c] * k_j[c]) * scale,  p_j = exp(s_j - max s),  out = sum_j p_j v_j / sum_j p_j.
+/// q and out are [tokens, num_q_heads, head_dim], k and v [tokens, num_kv_heads, head_dim], in the
+/// backend's memory.
+struct PromptAttendArgs {
+  int tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  TensorRef q;
+  TensorRef k;
+  TensorRef v;
+  MutableTensorRef out;
+  float softmax_scale = 0.0f;  ///< 0 means 1/sqrt(head_dim)
+};
+
+/// A backend that runs a prompt's causal attention (prefill).
+template <class B>
+concept prompt_attending_backend = requires(const B& b, const PromptAttendArgs& a) {
+  { b.attend_prompt(a) } -> std::same_as<Status>;
+};
+
+/// Checks a prompt attention's shape: tokens >= 1, head counts (GQA), head_dim >= 1, non-null
+/// tensors, a finite non-negative scale. kInvalidArgument naming the bad value.
+[[nodiscard]] inline Status check_prompt_attend(const PromptAttendArgs& a) {
+  auto bad = [](std::string m) { return Status(StatusCode::kInvalidArgument, "attend_prompt: " + std::move(m)); };
+  if (a.tokens < 1) return bad("tokens " + std::to_string(a.tokens) + " must be >= 1");
+  if (a.num_kv_heads < 1 || a.num_q_heads < 1 || a.num_q_heads % a.num_kv_heads != 0) {
+    return bad("num_q_heads " + std::to_string(a.num_q_heads) + " must be a positive multiple of num_kv_heads " +
+               std::to_string(a.num_kv_heads));
+  }
+  if (a.head_dim < 1) return bad("head_dim " + std::to_string(a.head_dim) + " must be >= 1");
+  if (a.q.data == nullptr || a.k.data == nullptr || a.v.data == nullptr || a.out.data == nullptr) {
+    return bad("q, k, v and out must not be null");
+  }
+  if (!(a.softmax_scale >= 0.0f) || a.softmax_scale > 3.0e38f) {
+    return bad("softmax_scale " + std::to_string(a.softmax_scale) + " must be finite and >= 0");
+  }
+  return Status::ok();
+}
 
 /// One K-means selection of TBE (thinkv/tbe/kmeans.hpp): keep `keep` of the `count` tokens
 /// tokens[first .. first + count) (one stream's segment, in slot order), with kmeans_select's

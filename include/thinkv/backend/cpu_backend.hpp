@@ -254,6 +254,31 @@ class BasicCpuKvBackend {
     }
     return Status::ok();
   }
+  /// A prompt's causal self-attention (PromptAttendArgs) over host tensors, by
+  /// reference::attend_tokens on each query row's prefix of the prompt.
+  [[nodiscard]] Status attend_prompt(const PromptAttendArgs& a) const {
+    THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+    const int d = a.head_dim, hkv = a.num_kv_heads, hq = a.num_q_heads, group = hq / hkv, n = a.tokens;
+    const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const auto nd = static_cast<std::size_t>(n) * d;
+    std::vector<float> k(nd), v(nd), q(static_cast<std::size_t>(group) * d), out(q.size());
+    for (int h = 0; h < hkv; ++h) {
+      for (int t = 0; t < n; ++t) {
+        for (int c = 0; c < d; ++c) {
+          const std::size_t i = (static_cast<std::size_t>(t) * hkv + h) * d + c;
+          k[static_cast<std::size_t>(t) * d + c] = load_element(a.k.data, a.k.type, i);
+          v[static_cast<std::size_t>(t) * d + c] = load_element(a.v.data, a.v.type, i);
+        }
+      }
+      for (int t = 0; t < n; ++t) {
+        const std::size_t row = (static_cast<std::size_t>(t) * hq + static_cast<std::size_t>(h) * group) * d;
+        for (std::size_t i = 0; i < q.size(); ++i) q[i] = load_element(a.q.data, a.q.type, row + i);
+        reference::attend_tokens(q.data(), group, k.data(), v.data(), t + 1, d, scale, out.data());
+        for (std::size_t i = 0; i < out.size(); ++i) store_element(a.out.data, a.out.type, row + i, out[i]);
+      }
+    }
+    return Status::ok();
+  }
   /// The faults raised since the last poll (all of them: the calls are synchronous).
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>& out, bool /*wait*/) {
     out.insert(out.end(), faults_.begin(), faults_.end());

@@ -105,6 +105,9 @@ class CudaKvBackend {
   /// One decode-attention launch for the whole batch (device q and out; host sparsity, in place
   /// after synchronize()).
   [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& args) const;
+  /// A prompt's causal self-attention (PromptAttendArgs; device q, k, v and out): one
+  /// launch_prefill_attention on stream().
+  [[nodiscard]] Status attend_prompt(const PromptAttendArgs& args) const;
   /// Faults whose copy has reached the host; with `wait`, every fault raised so far.
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>& faults, bool wait);
   /// TBE's K-means selections on the device (kmeans_selecting_backend): the segments' keys are
