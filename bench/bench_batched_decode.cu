@@ -220,4 +220,132 @@ BENCHMARK(BM_BatchedDecodeStep)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(384);
 
+/// Prefill of one prompt: begin_prompt, prefill of every layer (append: one stage and one commit
+/// launch per 16 tokens; causal attention: launch_prefill_attention), end_prompt, stream drained;
+/// the sequence is reset between iterations (not timed). Same shape per layer as above, FP32
+/// tensors. Counters: prefill_ms (host time of the whole prompt), attention_ms (GPU time of the
+/// layers' attention kernels alone, timed with events in a second pass), append_ms (the rest),
+/// tokens_per_s = tokens / prefill time.
+struct PrefillSetup : thinkv::bench::DeviceAllocs {
+  int tokens = 0, layers = 0;
+  ThinKvConfig cfg;
+  std::unique_ptr<ThinKvCache<CudaKvBackend>> cache;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  float *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr;
+  ~PrefillSetup() {
+    cache.reset();
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+    if (e0 != nullptr) (void)cudaEventDestroy(e0);
+    if (e1 != nullptr) (void)cudaEventDestroy(e1);
+  }
+  cudaError_t build() {
+    cfg.num_sequences = 1;
+    cfg.num_layers = layers;
+    cfg.num_kv_heads = 8;
+    cfg.num_q_heads = 32;
+    cfg.head_dim = 128;
+    cfg.group_size = 16;
+    cfg.block_size = 16;
+    cfg.max_tokens = std::max(8192, tokens + 1);
+    cfg.segment_len = 128;
+    cfg.token_budget = 1024;
+    ThinKvPolicy p;
+    p.precision = kR4E4T2;
+    std::vector<int> lstar;
+    for (int l = 0; l < std::min(4, layers); ++l) lstar.push_back(l);
+    p.classifier = ThoughtClassifier::three_types(0.55f, 0.75f, lstar, 128, layers);
+    cache = std::make_unique<ThinKvCache<CudaKvBackend>>(cfg, p);
+    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BENCH_CUDA(cudaEventCreate(&e0));
+    BENCH_CUDA(cudaEventCreate(&e1));
+    if (!cache->backend().set_stream(stream).is_ok()) return cudaErrorUnknown;
+    const std::size_t kv = static_cast<std::size_t>(tokens) * 8 * 128, qn = static_cast<std::size_t>(tokens) * 32 * 128;
+    BENCH_CUDA(alloc(k, kv));
+    BENCH_CUDA(alloc(v, kv));
+    BENCH_CUDA(alloc(q, qn));
+    BENCH_CUDA(alloc(out, qn));
+    fill_normalish<<<static_cast<unsigned>((kv + 255) / 256), 256, 0, stream>>>(k, kv, 1, 1.0f);
+    fill_normalish<<<static_cast<unsigned>((kv + 255) / 256), 256, 0, stream>>>(v, kv, 2, 1.0f);
+    fill_normalish<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, stream>>>(q, qn, 3, 0.5f);
+    BENCH_CUDA(cudaGetLastError());
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    return cudaSuccess;
+  }
+  Status prompt() {
+    THINKV_RETURN_IF_ERROR(cache->begin_prompt(0, tokens));
+    for (int l = 0; l < layers; ++l) {
+      THINKV_RETURN_IF_ERROR(cache->prefill(l, 0, {q, ElementType::kF32}, {k, ElementType::kF32},
+                                            {v, ElementType::kF32}, {out, ElementType::kF32}));
+    }
+    THINKV_RETURN_IF_ERROR(cache->end_prompt(0));
+    return cache->backend().synchronize();
+  }
+};
+
+void BM_Prefill(benchmark::State& state) {
+  static thinkv::bench::SetupCache<PrefillSetup> setups;
+  PrefillSetup* s = setups.get(state, {state.range(0), state.range(1)}, [&](PrefillSetup& x) {
+    x.tokens = static_cast<int>(state.range(0));
+    x.layers = static_cast<int>(state.range(1));
+  });
+  if (s == nullptr) return;
+  double total = 0, attn = 0;
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    if (!s->cache->reset_sequence(0).is_ok()) {
+      state.SkipWithError("reset_sequence failed");
+      return;
+    }
+    const auto t0 = Clock::now();
+    if (Status e = s->prompt(); !e.is_ok()) {
+      state.SkipWithError(e.to_string().c_str());
+      return;
+    }
+    const double ms = ms_since(t0);
+    state.SetIterationTime(ms * 1e-3);
+    total += ms;
+    // The attention alone, as the prefill launched it, every layer.
+    PromptAttendArgs a;
+    a.tokens = s->tokens;
+    a.num_q_heads = 32;
+    a.num_kv_heads = 8;
+    a.head_dim = 128;
+    a.q = {s->q, ElementType::kF32};
+    a.k = {s->k, ElementType::kF32};
+    a.v = {s->v, ElementType::kF32};
+    a.out = {s->out, ElementType::kF32};
+    (void)cudaEventRecord(s->e0, s->stream);
+    for (int l = 0; l < s->layers; ++l) {
+      if (!s->cache->backend().attend_prompt(a).is_ok()) {
+        state.SkipWithError("attend_prompt failed");
+        return;
+      }
+    }
+    (void)cudaEventRecord(s->e1, s->stream);
+    (void)cudaEventSynchronize(s->e1);
+    float am = 0;
+    (void)cudaEventElapsedTime(&am, s->e0, s->e1);
+    attn += am;
+    ++n;
+  }
+  if (n == 0) return;
+  const double dn = static_cast<double>(n);
+  state.counters["prefill_ms"] = total / dn;
+  state.counters["attention_ms"] = attn / dn;
+  state.counters["append_ms"] = (total - attn) / dn;
+  state.counters["tokens_per_s"] = s->tokens * dn / (total * 1e-3);
+}
+
+// tokens, layers; the last keeps the ctest smoke run short.
+BENCHMARK(BM_Prefill)
+    ->ArgNames({"tokens", "layers"})
+    ->Args({512, 32})
+    ->Args({2048, 32})
+    ->Args({4096, 32})
+    ->Args({64, 2})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+
 }  // namespace
