@@ -78,14 +78,13 @@ __device__ inline float load_elem(const void* p, ElementType t, std::size_t i) {
   }
 }
 
-/// Batched stage: one CTA per row. Converts the row's K and V to BF16 (round to nearest even, as
+/// One staged row, by one CTA: converts the row's K and V to BF16 (round to nearest even, as
 /// encode_bf16), or stages zeros and raises the row's fault when a value is not finite or exceeds
-/// 2^64; keeps the device staged count (0 once the row completes a group: its commit follows in
-/// stream order). A stream's rows are adjacent and in row order: its last row writes the count.
-__global__ void stage_rows_kernel(const StageRow* rows, const void* k, const void* v, ElementType kt, ElementType vt,
-                                  int d, int g, std::uint16_t* staging, std::int32_t* staged, unsigned int* fault_word,
-                                  unsigned int* fault_block, int fault_cap) {
-  const StageRow r = rows[blockIdx.x];
+/// 2^64; `last` (the stream's last row of the call) writes the device staged count (0 once the
+/// row completes a group: its commit follows in stream order).
+__device__ void stage_row(const StageRow r, bool last, const void* k, const void* v, ElementType kt, ElementType vt,
+                          int d, int g, std::uint16_t* staging, std::int32_t* staged, unsigned int* fault_word,
+                          unsigned int* fault_block, int fault_cap) {
   bool bad = false;
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     const std::size_t i = static_cast<std::size_t>(r.src) * d + c;
@@ -102,9 +101,7 @@ __global__ void stage_rows_kernel(const StageRow* rows, const void* k, const voi
     sv[c] = __bfloat16_as_ushort(__float2bfloat16_rn(vx));
   }
   if (threadIdx.x == 0) {
-    if (blockIdx.x + 1 == gridDim.x || rows[blockIdx.x + 1].stream != r.stream) {
-      staged[r.stream] = r.row + 1 == g ? 0 : r.row + 1;
-    }
+    if (last) staged[r.stream] = r.row + 1 == g ? 0 : r.row + 1;
     if (bad && atomicOr(&fault_word[r.fault], 1u) == 0u) {
       const unsigned pos = atomicAdd(&fault_block[0], 1u);
       if (pos < static_cast<unsigned>(fault_cap)) {
@@ -114,6 +111,43 @@ __global__ void stage_rows_kernel(const StageRow* rows, const void* k, const voi
       fault_word[r.fault] = 1u | (static_cast<unsigned>(r.tag) << 1);  // the tag, for an overflowing list
     }
   }
+}
+
+/// Batched stage (prompts): one CTA per row. A stream's rows are adjacent and in row order: its
+/// last row writes the count.
+__global__ void stage_rows_kernel(const StageRow* rows, const void* k, const void* v, ElementType kt, ElementType vt,
+                                  int d, int g, std::uint16_t* staging, std::int32_t* staged, unsigned int* fault_word,
+                                  unsigned int* fault_block, int fault_cap) {
+  const StageRow r = rows[blockIdx.x];
+  const bool last = blockIdx.x + 1 == gridDim.x || rows[blockIdx.x + 1].stream != r.stream;
+  stage_row(r, last, k, v, kt, vt, d, g, staging, staged, fault_word, fault_block, fault_cap);
+}
+
+/// A decode step's layer: one CTA per (sequence b, KV head h) = blockIdx.x = b * hkv + h, input
+/// row blockIdx.x, into the sequence's staging row of stream first_stream + layer * hkv + h.
+__global__ void stage_step_kernel(const StepSequence* seqs, int layer, int hkv, const void* k, const void* v,
+                                  ElementType kt, ElementType vt, int d, int g, std::uint16_t* staging,
+                                  std::int32_t* staged, unsigned int* fault_word, unsigned int* fault_block,
+                                  int fault_cap) {
+  const int b = static_cast<int>(blockIdx.x) / hkv, h = static_cast<int>(blockIdx.x) % hkv;
+  const StepSequence q = seqs[b];
+  const StageRow r{q.first_stream + layer * hkv + h, q.row, static_cast<std::int32_t>(blockIdx.x), q.first_stream,
+                   q.tag};
+  stage_row(r, true, k, v, kt, vt, d, g, staging, staged, fault_word, fault_block, fault_cap);
+}
+
+/// A decode step's attention streams ([layers, n * hkv]: sequence b's KV head h of layer l) and
+/// sparsity flags ([n * hkv]) from its sequences.
+__global__ void expand_step_kernel(const StepSequence* seqs, int n, int hkv, int layers, std::int32_t* streams,
+                                   std::uint8_t* flags) {
+  const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t per_layer = static_cast<std::size_t>(n) * hkv;
+  if (i >= per_layer * static_cast<std::size_t>(layers)) return;
+  const int l = static_cast<int>(i / per_layer);
+  const int j = static_cast<int>(i % per_layer);
+  const StepSequence q = seqs[j / hkv];
+  streams[i] = q.first_stream + l * hkv + j % hkv;
+  if (l == 0) flags[j] = q.sparsity != 0 ? 1 : 0;
 }
 
 /// Writes changed block lists into their fixed-capacity rows: one CTA per changed stream.
@@ -220,8 +254,9 @@ struct CudaKvBackend::Impl {
   std::uint16_t* fill = nullptr;
   std::uint64_t* mask = nullptr;
   std::uint32_t* slot_record = nullptr;
-  std::uint32_t* indices = nullptr;
   std::size_t meta_blocks = 0;
+  std::uint32_t* indices = nullptr;  // the one-token attend's CSR block lists
+  std::size_t indices_cap = 0;
   std::int32_t* indptr = nullptr;
   std::int32_t* staged = nullptr;
   // What the mirror has seen: each pool's revision (PoolView's change log) on the device storage
@@ -248,16 +283,13 @@ struct CudaKvBackend::Impl {
   std::size_t ring_next = 0;
   std::vector<std::uint8_t> pack;   // host packing scratch
   std::int32_t* bstaged = nullptr;  // [S] staged counts, kept on the device
-  // Block lists: stream s's row is lidx[s * lstride ..], lcount[s] blocks; lptr[s] = s * lstride.
-  // lver[s]: the StreamView::list_version the row holds (kStale: unknown), in the numbering of
-  // lcap[] pages.
+  // Block lists: stream s's row is lidx[s * lstride ..], lcount[s] blocks; lptr[s] = s * lstride;
+  // in the numbering of lcap[] pages (sync_lists).
   std::uint32_t* lidx = nullptr;
   std::int32_t* lcount = nullptr;
   std::int32_t* lptr = nullptr;
   int lstride = 0;
-  std::vector<std::uint64_t> lver;
   std::uint32_t lcap[kNumPrecisions] = {};
-  static constexpr std::uint64_t kStale = ~std::uint64_t{0};
   // Faults: fault_word[S] (bit 0 raised, the tag above it); fault_block = [count, (fault, tag) x
   // kFaultCap], copied back by poll_faults into pinned copies (FIFO, each with its event).
   unsigned int* fault_word = nullptr;
@@ -286,6 +318,31 @@ struct CudaKvBackend::Impl {
   // K-means scratch (points, kept).
   void* sel = nullptr;
   std::size_t sel_bytes = 0;
+  // ---- the open decode step (prepare_step) ---------------------------------------------------
+  // One device area, rewritten by each step's upload (stream-ordered after the previous step's
+  // kernels): [sequences][jobs][dest slots] uploaded, [streams][sparsity flags] expanded on the
+  // device, [sparsity] written by the attentions.
+  std::uint8_t* step_dev = nullptr;
+  std::size_t step_dev_bytes = 0;
+  std::size_t o_jobs = 0, o_dest = 0, o_streams = 0, o_flags = 0, o_sparsity = 0;
+  int step_n = 0, step_layers = 0, step_hkv = 0, step_hq = 0;
+  float step_scale = 0.0f;
+  long long step_max_positions = 0;
+  std::vector<std::uint32_t> step_layer_commits;
+  std::vector<std::int64_t> step_layer_bytes;  // page bytes each layer's commits store
+  std::vector<std::int8_t> step_slot;
+  float* step_sparsity = nullptr;  // the cache's host results
+  int step_slots = 0;
+  bool step_ready = false;
+  float* sp_pinned = nullptr;  // the sparsity copied back, then into step_sparsity by wait_sparsity
+  std::size_t sp_pinned_floats = 0;
+  cudaEvent_t sp_done = nullptr;
+  bool sp_pending = false;
+  // The block-list mirror's sync by the table's list change log.
+  bool lists_synced = false;
+  std::uint64_t list_rev = 0;
+  std::vector<std::uint32_t> lseen;  // per stream: the sync pass that sent it
+  std::uint32_t lpass = 0;
 
   ~Impl() { release(); }
 
@@ -311,14 +368,25 @@ struct CudaKvBackend::Impl {
     result_chunks.clear();
     results.clear();
     result_chunk = result_used = 0;
-    for (void* q : {static_cast<void*>(lidx), static_cast<void*>(lcount), static_cast<void*>(lptr), battn, sel}) {
+    for (void* q : {static_cast<void*>(lidx), static_cast<void*>(lcount), static_cast<void*>(lptr), battn, sel,
+                    static_cast<void*>(step_dev)}) {
       if (q != nullptr) (void)cudaFree(q);
     }
+    step_dev = nullptr;
+    step_dev_bytes = 0;
+    step_ready = false;
+    if (sp_pinned != nullptr) (void)cudaFreeHost(sp_pinned);
+    sp_pinned = nullptr;
+    sp_pinned_floats = 0;
+    if (sp_done != nullptr) (void)cudaEventDestroy(sp_done);
+    sp_done = nullptr;
+    sp_pending = false;
+    lists_synced = false;
+    lseen.clear();
     lidx = nullptr;
     lcount = nullptr;
     lptr = nullptr;
     lstride = 0;
-    lver.clear();
     battn = nullptr;
     battn_bytes = 0;
     sel = nullptr;
@@ -348,6 +416,202 @@ struct CudaKvBackend::Impl {
     THINKV_CUDA_TRY(cudaMemcpyAsync(u.dev, u.host, bytes, cudaMemcpyHostToDevice, stream));
     THINKV_CUDA_TRY(cudaEventRecord(u.done, stream));
     *dev = u.dev;
+    return Status::ok();
+  }
+
+  /// Copies `bytes` of host data into the device buffer `dst` on `stream` through the next pinned
+  /// slot (its host part only).
+  Status upload_to(void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return Status::ok();
+    if (ring.empty()) ring.resize(64);
+    UploadSlot& u = ring[ring_next++ % ring.size()];
+    if (u.done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&u.done, cudaEventDisableTiming));
+    THINKV_CUDA_TRY(cudaEventSynchronize(u.done));
+    if (u.cap < bytes) {
+      const std::size_t cap = std::max<std::size_t>(4096, 2 * bytes);
+      if (u.host != nullptr) (void)cudaFreeHost(u.host);
+      if (u.dev != nullptr) (void)cudaFree(u.dev);
+      u.host = nullptr;
+      u.dev = nullptr;
+      u.cap = 0;
+      THINKV_CUDA_TRY(cudaMallocHost(&u.host, cap));
+      THINKV_RETURN_IF_ERROR(raw_alloc(&u.dev, cap, "upload buffers"));
+      u.cap = cap;
+    }
+    std::memcpy(u.host, src, bytes);
+    stats.host_to_device_bytes += static_cast<std::int64_t>(bytes);
+    THINKV_CUDA_TRY(cudaMemcpyAsync(dst, u.host, bytes, cudaMemcpyHostToDevice, stream));
+    THINKV_CUDA_TRY(cudaEventRecord(u.done, stream));
+    return Status::ok();
+  }
+
+  /// Brings the device mirror of the pools' metadata (fill, masks, slot records, in the compact
+  /// numbering over cap[]) up to date on `stream`: the pages changed since the last sync (one
+  /// upload, one scatter launch), or everything on the first sync, after the storage changed, or
+  /// when a pool's change log no longer reaches back.
+  Status sync_pools(const AttendView& view) {
+    flat_numbering(view, flat, cap);
+    const std::size_t nb = std::max<std::size_t>(flat.total_blocks, 1);
+    if (nb > meta_blocks) {
+      THINKV_CUDA_TRY(cudaStreamSynchronize(stream));
+      free_meta();
+      const auto words = static_cast<std::size_t>(layout.evict_mask_words());
+      void* p = nullptr;
+      THINKV_RETURN_IF_ERROR(raw_alloc(&p, nb * 2, "block fill"));
+      fill = typed<std::uint16_t>(p);
+      THINKV_RETURN_IF_ERROR(raw_alloc(&p, nb * words * 8, "eviction masks"));
+      mask = typed<std::uint64_t>(p);
+      THINKV_RETURN_IF_ERROR(raw_alloc(&p, nb * static_cast<std::size_t>(config.block_size) * 4, "slot records"));
+      slot_record = typed<std::uint32_t>(p);
+      meta_blocks = nb;
+    }
+    bool whole = !meta_synced;
+    for (int p = 0; p < kNumPrecisions; ++p) whole = whole || meta_cap[p] != cap[p];
+    if (!whole) whole = !flat_changes(view, flat, meta_rev, delta);
+    if (whole) {
+      flatten_pools(view, flat, cap);
+      THINKV_CUDA_TRY(
+          cudaMemcpyAsync(fill, flat.block_fill.data(), flat.block_fill.size() * 2, cudaMemcpyHostToDevice, stream));
+      THINKV_CUDA_TRY(
+          cudaMemcpyAsync(mask, flat.evict_mask.data(), flat.evict_mask.size() * 8, cudaMemcpyHostToDevice, stream));
+      THINKV_CUDA_TRY(cudaMemcpyAsync(slot_record, flat.slot_record.data(), flat.slot_record.size() * 4,
+                                      cudaMemcpyHostToDevice, stream));
+      THINKV_CUDA_TRY(cudaStreamSynchronize(stream));  // pageable sources: wait before the host reuses them
+      const auto bytes = static_cast<std::int64_t>(flat.block_fill.size() * 2 + flat.evict_mask.size() * 8 +
+                                                   flat.slot_record.size() * 4);
+      stats.metadata_bytes_uploaded += bytes;
+      stats.host_to_device_bytes += bytes;
+      ++stats.metadata_full_uploads;
+    } else if (delta.size() > 0) {
+      // One upload of the packed pages ([ids][fill][mask][records], 256-byte aligned parts), one
+      // scatter launch.
+      const std::size_t n = delta.size();
+      const std::size_t o_fill = align256(n * 4);
+      const std::size_t o_mask = o_fill + align256(n * 2);
+      const std::size_t o_rec = o_mask + align256(delta.evict_mask.size() * 8);
+      const std::size_t bytes = o_rec + delta.slot_record.size() * 4;
+      pack.resize(bytes);
+      std::memcpy(pack.data(), delta.ids.data(), n * 4);
+      std::memcpy(pack.data() + o_fill, delta.fill.data(), n * 2);
+      std::memcpy(pack.data() + o_mask, delta.evict_mask.data(), delta.evict_mask.size() * 8);
+      std::memcpy(pack.data() + o_rec, delta.slot_record.data(), delta.slot_record.size() * 4);
+      void* dev = nullptr;
+      THINKV_RETURN_IF_ERROR(upload(pack.data(), bytes, &dev));
+      auto* dbase = static_cast<const std::uint8_t*>(dev);
+      scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, stream>>>(
+          reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
+          reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
+          layout.evict_mask_words(), config.block_size, fill, mask, slot_record);
+      THINKV_CUDA_TRY(cudaGetLastError());
+      stats.metadata_bytes_uploaded += static_cast<std::int64_t>(delta.bytes());
+    }
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      meta_rev[p] = view.pools[p].revision;
+      meta_cap[p] = cap[p];
+    }
+    meta_synced = true;
+    return Status::ok();
+  }
+
+  /// Brings the device's block-list rows (lidx / lcount, one fixed-capacity row per stream) up to
+  /// date on `stream`: the lists the table's change log names since the last sync (one upload,
+  /// one scatter launch), or every list on the first sync, after the numbering changed (storage
+  /// grew or shrank), when a row must grow, or when the log no longer reaches back.
+  Status sync_lists(const TableView& t) {
+    const auto S = static_cast<std::size_t>(config.num_streams);
+    bool all = !lists_synced || lptr == nullptr;
+    for (int p = 0; p < kNumPrecisions; ++p) all = all || lcap[p] != cap[p];
+    std::span<const std::int32_t> changed;
+    if (!all) all = !t.list_changes_since(list_rev, changed);
+    if (lseen.size() != S) lseen.assign(S, 0);
+    auto next_pass = [&] {
+      if (++lpass == 0) {
+        std::fill(lseen.begin(), lseen.end(), 0);
+        lpass = 1;
+      }
+    };
+    // The lists to send (each stream once) and the longest of them.
+    std::vector<std::int32_t>& todo = flat.block_indptr;  // scratch reuse
+    std::size_t longest = 0;
+    auto collect = [&] {
+      todo.clear();
+      next_pass();
+      longest = 0;
+      auto take = [&](std::int32_t st) {
+        if (st < 0 || static_cast<std::size_t>(st) >= S || lseen[static_cast<std::size_t>(st)] == lpass) return;
+        lseen[static_cast<std::size_t>(st)] = lpass;
+        const StreamView sv = t.stream(st);
+        if (all && sv.blocks.empty()) return;  // every count is cleared first
+        todo.push_back(st);
+        longest = std::max(longest, sv.blocks.size());
+      };
+      if (all) {
+        for (std::size_t st = 0; st < S; ++st) take(static_cast<std::int32_t>(st));
+      } else {
+        for (std::int32_t st : changed) take(st);
+      }
+    };
+    collect();
+    if (lptr == nullptr || longest > static_cast<std::size_t>(lstride)) {
+      THINKV_CUDA_TRY(cudaStreamSynchronize(stream));
+      std::size_t stride = std::max<std::size_t>(16, static_cast<std::size_t>(lstride) * 2);
+      while (stride < longest) stride *= 2;
+      if (lidx != nullptr) (void)cudaFree(lidx);
+      lidx = nullptr;
+      void* p = nullptr;
+      THINKV_RETURN_IF_ERROR(raw_alloc(&p, S * stride * 4, "block lists"));
+      lidx = typed<std::uint32_t>(p);
+      if (lptr == nullptr) {
+        THINKV_RETURN_IF_ERROR(raw_alloc(&p, (S + 1) * 4, "block list rows"));
+        lptr = typed<std::int32_t>(p);
+        THINKV_RETURN_IF_ERROR(raw_alloc(&p, S * 4, "block list counts"));
+        lcount = typed<std::int32_t>(p);
+      }
+      lstride = static_cast<int>(stride);
+      fill_row_starts<<<static_cast<unsigned>((S + 256) / 256), 256, 0, stream>>>(lptr, static_cast<int>(S), lstride);
+      THINKV_CUDA_TRY(cudaGetLastError());
+      if (!all) {
+        all = true;
+        collect();
+      }
+    }
+    if (all) THINKV_CUDA_TRY(cudaMemsetAsync(lcount, 0, S * 4, stream));
+    // Pack: [head: (stream, count, offset) per list][blocks in the flat numbering].
+    std::vector<std::int32_t> head;
+    std::vector<std::uint32_t>& blocks = flat.block_indices;  // scratch reuse
+    head.reserve(todo.size() * 3);
+    blocks.clear();
+    const std::uint32_t* base_of = nullptr;
+    std::uint32_t bases[kNumPrecisions];
+    for (int p = 0; p < kNumPrecisions; ++p) bases[p] = dev_base(p);
+    base_of = bases;
+    for (std::int32_t st : todo) {
+      const StreamView sv = t.stream(st);
+      head.push_back(st);
+      head.push_back(static_cast<std::int32_t>(sv.blocks.size()));
+      head.push_back(static_cast<std::int32_t>(blocks.size()));
+      for (std::uint32_t b : sv.blocks) {
+        const int p = static_cast<int>(pools.precision_of(b));
+        blocks.push_back(base_of[p] + (b - pools.base[p]));
+      }
+    }
+    if (!head.empty()) {
+      const std::size_t o_blocks = align256(head.size() * 4);
+      pack.resize(o_blocks + blocks.size() * 4);
+      std::memcpy(pack.data(), head.data(), head.size() * 4);
+      std::memcpy(pack.data() + o_blocks, blocks.data(), blocks.size() * 4);
+      void* dev = nullptr;
+      THINKV_RETURN_IF_ERROR(upload(pack.data(), pack.size(), &dev));
+      const auto* dpack = static_cast<const std::uint8_t*>(dev);
+      scatter_block_lists<<<static_cast<unsigned>(head.size() / 3), 128, 0, stream>>>(
+          reinterpret_cast<const std::int32_t*>(dpack), reinterpret_cast<const std::uint32_t*>(dpack + o_blocks),
+          lstride, lidx, lcount);
+      THINKV_CUDA_TRY(cudaGetLastError());
+      stats.metadata_bytes_uploaded += static_cast<std::int64_t>(head.size() * 4 + blocks.size() * 4);
+    }
+    list_rev = t.list_revision;
+    lists_synced = true;
+    for (int p = 0; p < kNumPrecisions; ++p) lcap[p] = cap[p];
     return Status::ok();
   }
 
@@ -383,6 +647,9 @@ struct CudaKvBackend::Impl {
     records = nullptr;
     num_records = 0;
     free_meta();
+    if (indices != nullptr) (void)cudaFree(indices);
+    indices = nullptr;
+    indices_cap = 0;
     if (attn != nullptr) (void)cudaFree(attn);
     attn = nullptr;
     attn_bytes = 0;
@@ -390,14 +657,12 @@ struct CudaKvBackend::Impl {
   }
 
   void free_meta() {
-    for (void* q : {static_cast<void*>(fill), static_cast<void*>(mask), static_cast<void*>(slot_record),
-                    static_cast<void*>(indices)}) {
+    for (void* q : {static_cast<void*>(fill), static_cast<void*>(mask), static_cast<void*>(slot_record)}) {
       if (q != nullptr) (void)cudaFree(q);
     }
     fill = nullptr;
     mask = nullptr;
     slot_record = nullptr;
-    indices = nullptr;
     meta_blocks = 0;
     meta_synced = false;
     if (delta_dev != nullptr) (void)cudaFree(delta_dev);
@@ -591,7 +856,6 @@ Status CudaKvBackend::init(const StorageConfig& config) {
   THINKV_CUDA_TRY(cudaMemset(p, 0, sizeof(unsigned long long) + sizeof(unsigned int)));
   m.bsat = typed<unsigned long long>(p);
   m.brej = reinterpret_cast<unsigned int*>(typed<unsigned long long>(p) + 1);
-  m.lver.assign(streams, Impl::kStale);
   THINKV_CUDA_TRY(cudaDeviceSynchronize());
   m.stats.bytes_allocated = bytes;
   m.fixed_bytes = bytes;
@@ -800,75 +1064,21 @@ Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArg
                                           "kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
-  // The device mirror of the pools' metadata, numbered over the device storage: copied whole
-  // on the first call, after the storage or the mirror's buffers changed, or when a pool's
-  // change log no longer reaches back to the mirror's revision; otherwise only the pages changed
-  // since (PoolView's change log). The attended streams' block lists are sent every call.
-  flat_numbering(streams, m.flat, m.cap);
+  // The device mirror of the pools' metadata (sync_pools, on the backend's stream, which
+  // THINKV_ONE_TOKEN_CALL drained: waited for below), and the attended streams' block lists as a
+  // CSR sent every call.
+  THINKV_RETURN_IF_ERROR(m.sync_pools(streams));
+  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
   flatten_streams(streams, m.config.num_streams, m.flat);
-  const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
-  if (nb > m.meta_blocks || m.flat.block_indices.size() > m.meta_blocks + 1) {
-    m.free_meta();  // also forgets the sync
-    const std::size_t want = std::max(nb, m.flat.block_indices.size());
-    const auto words = static_cast<std::size_t>(m.layout.evict_mask_words());
+  if (m.flat.block_indices.size() > m.indices_cap) {
+    if (m.indices != nullptr) (void)cudaFree(m.indices);
+    m.indices = nullptr;
+    m.indices_cap = 0;
     void* p = nullptr;
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, want * 2, "block fill"));
-    m.fill = typed<std::uint16_t>(p);
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, want * words * 8, "eviction masks"));
-    m.mask = typed<std::uint64_t>(p);
-    THINKV_RETURN_IF_ERROR(
-        Impl::raw_alloc(&p, want * static_cast<std::size_t>(m.config.block_size) * 4, "slot records"));
-    m.slot_record = typed<std::uint32_t>(p);
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (want + 1) * 4, "block lists"));
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, m.flat.block_indices.size() * 2 * 4, "block lists"));
     m.indices = typed<std::uint32_t>(p);
-    m.meta_blocks = want;
+    m.indices_cap = m.flat.block_indices.size() * 2;
   }
-  bool whole = !m.meta_synced;
-  for (int p = 0; p < kNumPrecisions; ++p) whole = whole || m.meta_cap[p] != m.cap[p];
-  if (!whole) whole = !flat_changes(streams, m.flat, m.meta_rev, m.delta);
-  if (whole) {
-    flatten_attend_view(streams, m.config.num_streams, m.flat, m.cap);
-    THINKV_CUDA_TRY(cudaMemcpy(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2, cudaMemcpyHostToDevice));
-    THINKV_CUDA_TRY(cudaMemcpy(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8, cudaMemcpyHostToDevice));
-    THINKV_CUDA_TRY(
-        cudaMemcpy(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4, cudaMemcpyHostToDevice));
-    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(
-        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
-    ++m.stats.metadata_full_uploads;
-  } else if (m.delta.size() > 0) {
-    // One upload of the packed pages ([ids][fill][mask][records], 256-byte aligned parts), one
-    // scatter launch.
-    const std::size_t n = m.delta.size();
-    const std::size_t o_fill = align256(n * 4);
-    const std::size_t o_mask = o_fill + align256(n * 2);
-    const std::size_t o_rec = o_mask + align256(m.delta.evict_mask.size() * 8);
-    const std::size_t bytes = o_rec + m.delta.slot_record.size() * 4;
-    m.delta_host.resize(bytes);
-    std::memcpy(m.delta_host.data(), m.delta.ids.data(), n * 4);
-    std::memcpy(m.delta_host.data() + o_fill, m.delta.fill.data(), n * 2);
-    std::memcpy(m.delta_host.data() + o_mask, m.delta.evict_mask.data(), m.delta.evict_mask.size() * 8);
-    std::memcpy(m.delta_host.data() + o_rec, m.delta.slot_record.data(), m.delta.slot_record.size() * 4);
-    if (bytes > m.delta_dev_bytes) {
-      if (m.delta_dev != nullptr) (void)cudaFree(m.delta_dev);
-      m.delta_dev = nullptr;
-      m.delta_dev_bytes = 0;
-      THINKV_CUDA_TRY(cudaMalloc(&m.delta_dev, bytes * 2));
-      m.delta_dev_bytes = bytes * 2;
-    }
-    THINKV_CUDA_TRY(cudaMemcpy(m.delta_dev, m.delta_host.data(), bytes, cudaMemcpyHostToDevice));
-    auto* dbase = static_cast<const std::uint8_t*>(m.delta_dev);
-    scatter_block_meta<<<static_cast<unsigned>(n), 64>>>(
-        reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
-        reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
-        m.layout.evict_mask_words(), m.config.block_size, m.fill, m.mask, m.slot_record);
-    THINKV_CUDA_TRY(cudaGetLastError());
-    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(m.delta.bytes());
-  }
-  for (int p = 0; p < kNumPrecisions; ++p) {
-    m.meta_rev[p] = streams.pools[p].revision;
-    m.meta_cap[p] = m.cap[p];
-  }
-  m.meta_synced = true;
   THINKV_CUDA_TRY(
       cudaMemcpy(m.indptr, m.flat.block_indptr.data(), m.flat.block_indptr.size() * 4, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(
@@ -1063,181 +1273,182 @@ Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
   return Status::ok();
 }
 
-Status CudaKvBackend::attend_batch(const AttendView& view, const BatchAttendArgs& args) const {
+Status CudaKvBackend::prepare_step(const StepView& step) {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
-  const int d = m.config.head_dim;
+  const int d = m.config.head_dim, g = m.config.group_size;
+  const std::size_t n = step.seqs.size();
+  const auto L = static_cast<std::size_t>(step.num_layers);
+  const auto hkv = static_cast<std::size_t>(step.num_kv_heads);
+  if (n == 0 || L == 0 || hkv == 0 || step.num_q_heads < 1 || step.num_q_heads % step.num_kv_heads != 0 ||
+      step.layer_commits.size() != L + 1 || step.sparsity_slot.size() != L ||
+      step.layer_commits[L] != step.commits.size()) {
+    return {StatusCode::kInvalidArgument, "prepare_step: the step's tables do not match its shape"};
+  }
   if (d != 8 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported,
             "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
   }
-  if (args.batch < 1 || args.num_kv_heads < 1 || args.num_q_heads % args.num_kv_heads != 0 || args.q.data == nullptr ||
-      args.out.data == nullptr || args.kv_streams == nullptr ||
-      view.streams.size() != static_cast<std::size_t>(args.batch) * args.num_kv_heads) {
-    return {StatusCode::kInvalidArgument, "attend_batch: bad arguments"};
-  }
-  if (args.num_q_heads / args.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
-    return {StatusCode::kUnsupported, std::to_string(args.num_q_heads / args.num_kv_heads) +
+  if (step.num_q_heads / step.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
+    return {StatusCode::kUnsupported, std::to_string(step.num_q_heads / step.num_kv_heads) +
                                           " query heads per KV head: the CUDA attention kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
-  // 1. The pools' metadata mirror (shared with the one-token attend): changed pages only.
-  flat_numbering(view, m.flat, m.cap);
-  const std::size_t nb = std::max<std::size_t>(m.flat.total_blocks, 1);
-  if (nb > m.meta_blocks) {
-    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
-    m.free_meta();
-    const auto words = static_cast<std::size_t>(m.layout.evict_mask_words());
+  m.step_ready = false;
+  // 1. The metadata mirror and the block lists, by changes.
+  AttendView pools_view;
+  pools_view.block_size = step.table.block_size;
+  pools_view.evict_mask_words = step.table.evict_mask_words;
+  for (int p = 0; p < kNumPrecisions; ++p) pools_view.pools[p] = step.table.pool(p);
+  THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view));
+  THINKV_RETURN_IF_ERROR(m.sync_lists(step.table));
+  // 2. The step area: [sequences][jobs][dest] uploaded, [streams][flags] expanded, [sparsity].
+  int slots = 0;
+  for (std::int8_t x : step.sparsity_slot) slots = std::max(slots, x + 1);
+  const std::size_t jobs = step.commits.size();
+  const std::size_t o_jobs = align256(n * sizeof(StepSequence));
+  const std::size_t o_dest = o_jobs + align256(jobs * sizeof(kernels::QuantizeAppendJob));
+  const std::size_t up = o_dest + jobs * static_cast<std::size_t>(g) * 4;
+  const std::size_t o_streams = align256(up);
+  const std::size_t o_flags = o_streams + align256(L * n * hkv * 4);
+  const std::size_t o_sparsity = o_flags + align256(n * hkv);
+  const std::size_t sp_floats = static_cast<std::size_t>(slots) * n * static_cast<std::size_t>(step.num_q_heads);
+  const std::size_t need = o_sparsity + sp_floats * 4;
+  if (need > m.step_dev_bytes) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));  // the previous step's kernels read the area
+    if (m.step_dev != nullptr) (void)cudaFree(m.step_dev);
+    m.step_dev = nullptr;
+    m.step_dev_bytes = 0;
     void* p = nullptr;
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * 2, "block fill"));
-    m.fill = typed<std::uint16_t>(p);
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * words * 8, "eviction masks"));
-    m.mask = typed<std::uint64_t>(p);
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, nb * static_cast<std::size_t>(m.config.block_size) * 4, "slot records"));
-    m.slot_record = typed<std::uint32_t>(p);
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (nb + 1) * 4, "block lists"));
-    m.indices = typed<std::uint32_t>(p);
-    m.meta_blocks = nb;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, need + need / 2, "the decode step's tables"));
+    m.step_dev = static_cast<std::uint8_t*>(p);
+    m.step_dev_bytes = need + need / 2;
   }
-  bool whole = !m.meta_synced;
-  for (int p = 0; p < kNumPrecisions; ++p) whole = whole || m.meta_cap[p] != m.cap[p];
-  if (!whole) whole = !flat_changes(view, m.flat, m.meta_rev, m.delta);
-  if (whole) {
-    flatten_attend_view(view, m.config.num_streams, m.flat, m.cap);
-    THINKV_CUDA_TRY(cudaMemcpyAsync(m.fill, m.flat.block_fill.data(), m.flat.block_fill.size() * 2,
-                                    cudaMemcpyHostToDevice, m.stream));
-    THINKV_CUDA_TRY(cudaMemcpyAsync(m.mask, m.flat.evict_mask.data(), m.flat.evict_mask.size() * 8,
-                                    cudaMemcpyHostToDevice, m.stream));
-    THINKV_CUDA_TRY(cudaMemcpyAsync(m.slot_record, m.flat.slot_record.data(), m.flat.slot_record.size() * 4,
-                                    cudaMemcpyHostToDevice, m.stream));
-    // Pageable sources: wait before the host reuses them.
-    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
-    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(
-        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
-    m.stats.host_to_device_bytes += static_cast<std::int64_t>(
-        m.flat.block_fill.size() * 2 + m.flat.evict_mask.size() * 8 + m.flat.slot_record.size() * 4);
-    ++m.stats.metadata_full_uploads;
-  } else if (m.delta.size() > 0) {
-    const std::size_t n = m.delta.size();
-    const std::size_t o_fill = align256(n * 4);
-    const std::size_t o_mask = o_fill + align256(n * 2);
-    const std::size_t o_rec = o_mask + align256(m.delta.evict_mask.size() * 8);
-    const std::size_t bytes = o_rec + m.delta.slot_record.size() * 4;
-    m.pack.resize(bytes);
-    std::memcpy(m.pack.data(), m.delta.ids.data(), n * 4);
-    std::memcpy(m.pack.data() + o_fill, m.delta.fill.data(), n * 2);
-    std::memcpy(m.pack.data() + o_mask, m.delta.evict_mask.data(), m.delta.evict_mask.size() * 8);
-    std::memcpy(m.pack.data() + o_rec, m.delta.slot_record.data(), m.delta.slot_record.size() * 4);
-    void* dev = nullptr;
-    THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), bytes, &dev));
-    auto* dbase = static_cast<const std::uint8_t*>(dev);
-    scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, m.stream>>>(
-        reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
-        reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
-        m.layout.evict_mask_words(), m.config.block_size, m.fill, m.mask, m.slot_record);
-    THINKV_CUDA_TRY(cudaGetLastError());
-    m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(m.delta.bytes());
-  }
-  for (int p = 0; p < kNumPrecisions; ++p) {
-    m.meta_rev[p] = view.pools[p].revision;
-    m.meta_cap[p] = m.cap[p];
-  }
-  m.meta_synced = true;
-  // 2. Block lists: fixed-capacity device rows, copied when a list changed (list_version) or the
-  // numbering did (storage grew or shrank).
-  const auto S = static_cast<std::size_t>(m.config.num_streams);
-  bool renumbered = false;
-  for (int p = 0; p < kNumPrecisions; ++p) renumbered = renumbered || m.lcap[p] != m.cap[p];
-  std::size_t longest = 0;
-  long long max_positions = 0;
-  for (const StreamView& sv : view.streams) {
-    if (sv.stream < 0 || static_cast<std::size_t>(sv.stream) >= S) {
-      return {StatusCode::kOutOfRange, "attend_batch: stream " + std::to_string(sv.stream) + " does not exist"};
+  m.pack.resize(up);
+  std::memcpy(m.pack.data(), step.seqs.data(), n * sizeof(StepSequence));
+  auto* jp = reinterpret_cast<kernels::QuantizeAppendJob*>(m.pack.data() + o_jobs);
+  auto* dp = reinterpret_cast<std::uint32_t*>(m.pack.data() + o_dest);
+  for (std::size_t j = 0; j < jobs; ++j) {
+    const CommitPlan& plan = step.commits[j];
+    if (static_cast<int>(plan.slots.size()) != g) {
+      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                         " slots, expected group_size " + std::to_string(g)};
     }
-    longest = std::max(longest, sv.blocks.size());
-    max_positions =
-        std::max<long long>(max_positions, static_cast<long long>(sv.blocks.size()) * m.config.block_size + sv.staged);
+    kernels::QuantizeAppendJob job;
+    job.stream = plan.stream;
+    job.record = plan.record;
+    job.precision = plan.precision;
+    jp[j] = job;
+    for (int i = 0; i < g; ++i) {
+      const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
+      if (!m.has_storage(sl.block)) {
+        return {StatusCode::kInternal, "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
+      }
+      const int pr = static_cast<int>(m.pools.precision_of(sl.block));
+      const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
+      dp[j * g + static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
+    }
   }
-  if (m.lptr == nullptr || longest > static_cast<std::size_t>(m.lstride)) {
-    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
-    std::size_t stride = std::max<std::size_t>(16, static_cast<std::size_t>(m.lstride) * 2);
-    while (stride < longest) stride *= 2;
-    if (m.lidx != nullptr) (void)cudaFree(m.lidx);
-    m.lidx = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload_to(m.step_dev, m.pack.data(), up));
+  const std::size_t cells = L * n * hkv;
+  expand_step_kernel<<<static_cast<unsigned>((cells + 255) / 256), 256, 0, m.stream>>>(
+      reinterpret_cast<const StepSequence*>(m.step_dev), static_cast<int>(n), static_cast<int>(hkv),
+      static_cast<int>(L), reinterpret_cast<std::int32_t*>(m.step_dev + o_streams), m.step_dev + o_flags);
+  THINKV_CUDA_TRY(cudaGetLastError());
+  if (sp_floats > m.sp_pinned_floats) {
+    if (m.sp_done != nullptr) THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
+    if (m.sp_pinned != nullptr) (void)cudaFreeHost(m.sp_pinned);
+    m.sp_pinned = nullptr;
+    m.sp_pinned_floats = 0;
     void* p = nullptr;
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, S * stride * 4, "block lists"));
-    m.lidx = typed<std::uint32_t>(p);
-    if (m.lptr == nullptr) {
-      THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, (S + 1) * 4, "block list rows"));
-      m.lptr = typed<std::int32_t>(p);
-      THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, S * 4, "block list counts"));
-      m.lcount = typed<std::int32_t>(p);
-      THINKV_CUDA_TRY(cudaMemsetAsync(m.lcount, 0, S * 4, m.stream));
+    THINKV_CUDA_TRY(cudaMallocHost(&p, 2 * sp_floats * 4));
+    m.sp_pinned = static_cast<float*>(p);
+    m.sp_pinned_floats = 2 * sp_floats;
+  }
+  if (m.sp_done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&m.sp_done, cudaEventDisableTiming));
+  m.o_jobs = o_jobs;
+  m.o_dest = o_dest;
+  m.o_streams = o_streams;
+  m.o_flags = o_flags;
+  m.o_sparsity = o_sparsity;
+  m.step_n = static_cast<int>(n);
+  m.step_layers = static_cast<int>(L);
+  m.step_hkv = static_cast<int>(hkv);
+  m.step_hq = step.num_q_heads;
+  m.step_scale = step.softmax_scale;
+  m.step_max_positions = step.max_positions;
+  m.step_layer_commits.assign(step.layer_commits.begin(), step.layer_commits.end());
+  m.step_layer_bytes.assign(L, 0);
+  for (std::size_t l = 0; l < L; ++l) {
+    for (std::uint32_t j = step.layer_commits[l]; j < step.layer_commits[l + 1]; ++j) {
+      m.step_layer_bytes[l] += m.layout.commit_bytes(step.commits[j].precision);
     }
-    m.lstride = static_cast<int>(stride);
-    fill_row_starts<<<static_cast<unsigned>((S + 256) / 256), 256, 0, m.stream>>>(m.lptr, static_cast<int>(S),
-                                                                                  m.lstride);
-    THINKV_CUDA_TRY(cudaGetLastError());
-    renumbered = true;
   }
-  if (renumbered) {
-    std::fill(m.lver.begin(), m.lver.end(), Impl::kStale);
-    for (int p = 0; p < kNumPrecisions; ++p) m.lcap[p] = m.cap[p];
+  m.step_slot.assign(step.sparsity_slot.begin(), step.sparsity_slot.end());
+  m.step_sparsity = step.sparsity;
+  m.step_slots = slots;
+  m.sp_pending = false;
+  m.step_ready = true;
+  return Status::ok();
+}
+
+Status CudaKvBackend::append_step(int layer, TensorRef k, TensorRef v) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  if (!m.step_ready || layer < 0 || layer >= m.step_layers) {
+    return {StatusCode::kInvalidArgument, "append_step: layer " + std::to_string(layer) + " of no prepared step"};
   }
-  // Pack: [head: (stream, count, offset) per changed list][blocks][streams of this launch].
-  std::vector<std::int32_t>& head = m.flat.block_indptr;  // scratch reuse
-  std::vector<std::uint32_t>& blocks = m.flat.block_indices;
-  head.clear();
-  blocks.clear();
-  for (const StreamView& sv : view.streams) {
-    std::uint64_t& have = m.lver[static_cast<std::size_t>(sv.stream)];
-    if (have == sv.list_version) continue;
-    head.push_back(sv.stream);
-    head.push_back(static_cast<std::int32_t>(sv.blocks.size()));
-    head.push_back(static_cast<std::int32_t>(blocks.size()));
-    for (std::uint32_t b : sv.blocks) {
-      const int p = view.pool_of(b);
-      blocks.push_back(m.flat.pool_base[p] + (b - view.pools[p].base));
-    }
-    have = sv.list_version;
+  if (k.data == nullptr || v.data == nullptr) return {StatusCode::kInvalidArgument, "append_step: null k or v"};
+  const int d = m.config.head_dim;
+  const int threads = std::min(256, (d + 31) / 32 * 32);
+  stage_step_kernel<<<static_cast<unsigned>(m.step_n * m.step_hkv), threads, 0, m.stream>>>(
+      reinterpret_cast<const StepSequence*>(m.step_dev), layer, m.step_hkv, k.data, v.data, k.type, v.type, d,
+      m.config.group_size, m.staging, m.bstaged, m.fault_word, m.fault_block, kFaultCap);
+  THINKV_CUDA_TRY(cudaGetLastError());
+  const auto l = static_cast<std::size_t>(layer);
+  const std::uint32_t first = m.step_layer_commits[l], count = m.step_layer_commits[l + 1] - first;
+  if (count == 0) return Status::ok();
+  kernels::QuantizeAppendParams prm;
+  prm.cache = m.append_view();
+  prm.num_jobs = static_cast<int>(count);
+  prm.jobs = reinterpret_cast<const kernels::QuantizeAppendJob*>(m.step_dev + m.o_jobs) + first;
+  prm.dest_slots = reinterpret_cast<const std::uint32_t*>(m.step_dev + m.o_dest) +
+                   static_cast<std::size_t>(first) * static_cast<std::size_t>(m.config.group_size);
+  prm.scale_saturations = m.bsat;
+  prm.rejected_jobs = m.brej;
+  THINKV_CUDA_TRY(kernels::launch_quantize_append(prm, m.stream));
+  m.stats.groups_quantized += count;
+  m.stats.page_bytes_written += m.step_layer_bytes[l];  // what the kernel stores for the layer's jobs
+  return Status::ok();
+}
+
+Status CudaKvBackend::attend_step(int layer, TensorRef q, MutableTensorRef out) const {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  if (!m.step_ready || layer < 0 || layer >= m.step_layers) {
+    return {StatusCode::kInvalidArgument, "attend_step: layer " + std::to_string(layer) + " of no prepared step"};
   }
-  const std::size_t nlists = head.size() / 3;
-  const std::size_t nstreams = view.streams.size();
-  const std::size_t o_blocks = align256(head.size() * 4);
-  const std::size_t o_streams = o_blocks + align256(blocks.size() * 4);
-  m.pack.resize(o_streams + nstreams * 4);
-  std::memcpy(m.pack.data(), head.data(), head.size() * 4);
-  std::memcpy(m.pack.data() + o_blocks, blocks.data(), blocks.size() * 4);
-  std::memcpy(m.pack.data() + o_streams, args.kv_streams, nstreams * 4);
-  void* dev = nullptr;
-  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
-  const auto* dpack = static_cast<const std::uint8_t*>(dev);
-  if (nlists > 0) {
-    scatter_block_lists<<<static_cast<unsigned>(nlists), 128, 0, m.stream>>>(
-        reinterpret_cast<const std::int32_t*>(dpack), reinterpret_cast<const std::uint32_t*>(dpack + o_blocks),
-        m.lstride, m.lidx, m.lcount);
-    THINKV_CUDA_TRY(cudaGetLastError());
-  }
-  m.stats.metadata_bytes_uploaded += static_cast<std::int64_t>(head.size() * 4 + blocks.size() * 4 + nstreams * 4);
-  // 3. One attention launch: sequence b's KV head h is launch KV head b * Hkv + h.
+  if (q.data == nullptr || out.data == nullptr) return {StatusCode::kInvalidArgument, "attend_step: null q or out"};
+  const int d = m.config.head_dim;
+  const std::size_t n = static_cast<std::size_t>(m.step_n);
+  const int slot = m.step_slot[static_cast<std::size_t>(layer)];
   kernels::DecodeAttentionParams prm;
-  prm.num_q_heads = args.batch * args.num_q_heads;
-  prm.num_kv_heads = args.batch * args.num_kv_heads;
+  prm.num_q_heads = m.step_n * m.step_hq;
+  prm.num_kv_heads = m.step_n * m.step_hkv;
   prm.head_dim = d;
   prm.group_size = m.config.group_size;
   prm.block_size = m.config.block_size;
-  prm.softmax_scale = args.softmax_scale;
-  prm.max_positions = max_positions;
+  prm.softmax_scale = m.step_scale;
+  prm.max_positions = m.step_max_positions;
   const std::size_t qn = static_cast<std::size_t>(prm.num_q_heads) * d;
-  const bool q32 = args.q.type == ElementType::kF32, o32 = args.out.type == ElementType::kF32;
+  const bool q32 = q.type == ElementType::kF32, o32 = out.type == ElementType::kF32;
   const std::size_t q_bytes = q32 ? 0 : align256(qn * 4);
   const std::size_t o_bytes = o32 ? 0 : align256(qn * 4);
-  const std::size_t sp_bytes = align256(static_cast<std::size_t>(prm.num_q_heads) * 4);
   kernels::DecodeAttentionParams sizing = prm;
   float marker = 0.0f;
   sizing.sparsity = &marker;
   const std::size_t ws_bytes = align256(kernels::paged_decode_attention_workspace_size(sizing));
-  const std::size_t need = q_bytes + o_bytes + sp_bytes + ws_bytes;
+  const std::size_t need = q_bytes + o_bytes + ws_bytes;
   if (need > m.battn_bytes) {
     if (m.battn != nullptr) (void)cudaFree(m.battn);  // waits for the launches that use it
     m.battn = nullptr;
@@ -1246,18 +1457,22 @@ Status CudaKvBackend::attend_batch(const AttendView& view, const BatchAttendArgs
     m.battn_bytes = need;
   }
   char* base = static_cast<char*>(m.battn);
-  float* dq = q32 ? static_cast<float*>(const_cast<void*>(args.q.data)) : reinterpret_cast<float*>(base);
-  float* dout = o32 ? static_cast<float*>(args.out.data) : reinterpret_cast<float*>(base + q_bytes);
-  float* dsp = reinterpret_cast<float*>(base + q_bytes + o_bytes);
+  float* dq = q32 ? static_cast<float*>(const_cast<void*>(q.data)) : reinterpret_cast<float*>(base);
+  float* dout = o32 ? static_cast<float*>(out.data) : reinterpret_cast<float*>(base + q_bytes);
   if (!q32) {
-    convert_to_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(args.q.data, args.q.type, dq, qn);
+    convert_to_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(q.data, q.type, dq, qn);
     THINKV_CUDA_TRY(cudaGetLastError());
   }
-  prm.streams = reinterpret_cast<const std::int32_t*>(dpack + o_streams);
+  float* dsp = slot >= 0 ? reinterpret_cast<float*>(m.step_dev + m.o_sparsity) +
+                               static_cast<std::size_t>(slot) * n * static_cast<std::size_t>(m.step_hq)
+                         : nullptr;
+  prm.streams = reinterpret_cast<const std::int32_t*>(m.step_dev + m.o_streams) +
+                static_cast<std::size_t>(layer) * n * static_cast<std::size_t>(m.step_hkv);
   prm.q = dq;
   prm.out = dout;
-  prm.sparsity = args.sparsity != nullptr ? dsp : nullptr;
-  prm.workspace = base + q_bytes + o_bytes + sp_bytes;
+  prm.sparsity = dsp;
+  prm.sparsity_heads = m.step_dev + m.o_flags;
+  prm.workspace = base + q_bytes + o_bytes;
   kernels::PagedKvView kv = m.attention_view();
   kv.block_indptr = m.lptr;
   kv.block_indices = m.lidx;
@@ -1271,18 +1486,30 @@ Status CudaKvBackend::attend_batch(const AttendView& view, const BatchAttendArgs
   }
   THINKV_CUDA_TRY(kernels::launch_paged_decode_attention(kv, prm, m.stream));
   if (!o32) {
-    convert_from_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(dout, args.out.data, args.out.type,
-                                                                                    qn);
+    convert_from_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(dout, out.data, out.type, qn);
     THINKV_CUDA_TRY(cudaGetLastError());
   }
-  if (args.sparsity != nullptr) {
-    const std::size_t bytes = static_cast<std::size_t>(prm.num_q_heads) * 4;
-    void* pinned = nullptr;
-    THINKV_RETURN_IF_ERROR(m.result_bytes(bytes, &pinned));
-    THINKV_CUDA_TRY(cudaMemcpyAsync(pinned, dsp, bytes, cudaMemcpyDeviceToHost, m.stream));
-    m.stats.device_to_host_bytes += static_cast<std::int64_t>(bytes);
-    m.results.push_back({pinned, args.sparsity, bytes});
+  if (dsp != nullptr) {
+    // Back to the host (pinned) as soon as the layer is done; wait_sparsity waits for the last.
+    const std::size_t floats = n * static_cast<std::size_t>(m.step_hq);
+    THINKV_CUDA_TRY(cudaMemcpyAsync(m.sp_pinned + static_cast<std::size_t>(slot) * floats, dsp, floats * 4,
+                                    cudaMemcpyDeviceToHost, m.stream));
+    THINKV_CUDA_TRY(cudaEventRecord(m.sp_done, m.stream));
+    m.stats.device_to_host_bytes += static_cast<std::int64_t>(floats * 4);
+    m.sp_pending = true;
   }
+  return Status::ok();
+}
+
+Status CudaKvBackend::wait_sparsity() {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  if (!m.sp_pending || m.step_sparsity == nullptr) return Status::ok();
+  THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));  // the last sparsity layer's copy, not the whole step
+  const std::size_t floats =
+      static_cast<std::size_t>(m.step_slots) * static_cast<std::size_t>(m.step_n) * static_cast<std::size_t>(m.step_hq);
+  std::memcpy(m.step_sparsity, m.sp_pinned, floats * 4);
+  m.sp_pending = false;
   return Status::ok();
 }
 

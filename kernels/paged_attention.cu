@@ -639,6 +639,7 @@ __global__ void __launch_bounds__(kThreads)
   const int group = prm.num_q_heads / prm.num_kv_heads;
   const int stream = prm.streams[kvh];
   if (stream < 0 || stream >= view.num_streams) return;
+  if (prm.sparsity_heads != nullptr && prm.sparsity_heads[kvh] == 0) return;  // not asked for this KV head
   const float scale = prm.softmax_scale > 0.0f ? prm.softmax_scale : 1.0f / sqrtf(static_cast<float>(D));
   const float* q = prm.q + static_cast<std::size_t>(kvh) * group * D;
   for (int i = tid; i < group * D; i += kThreads) sh.q[i / D][i % D] = q[i];
@@ -682,7 +683,8 @@ __global__ void paged_decode_sparsity_finish(DecodeAttentionParams prm, Workspac
   if (qh >= prm.num_q_heads) return;
   const int group = prm.num_q_heads / prm.num_kv_heads;
   const int n = ws.total[qh / group];
-  prm.sparsity[qh] = n > 0 ? static_cast<float>(ws.count[qh]) / static_cast<float>(n) : NAN;
+  const bool asked = prm.sparsity_heads == nullptr || prm.sparsity_heads[qh / group] != 0;
+  prm.sparsity[qh] = n > 0 && asked ? static_cast<float>(ws.count[qh]) / static_cast<float>(n) : NAN;
 }
 
 template <int D, int G>

@@ -111,6 +111,7 @@ class PagedKvCache {
   [[nodiscard]] Status append_impl(int stream, std::span<const float> k, std::span<const float> v, ThoughtType thought,
                                    std::uint32_t segment, const CommitPlan* given) {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    THINKV_RETURN_IF_ERROR(check_own_staging("append"));
     const int d = config().head_dim;
     if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
       return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
@@ -180,6 +181,7 @@ class PagedKvCache {
   /// for no stream of the batch that completes a group or missing for one), the backend's errors.
   [[nodiscard]] Status append_batch(std::span<const BatchToken> tokens, TensorRef k, TensorRef v,
                                     std::span<const CommitPlan> plans) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_own_staging("append_batch"));
     const int g = config().group_size;
     std::size_t completing = 0;
     // batch_index_[stream] = 1 + the stream's token in this batch (0: none), cleared on the way out.
@@ -240,32 +242,9 @@ class PagedKvCache {
                                                 " tokens complete a group but " + std::to_string(plans.size()) +
                                                 " commit plans were given"};
     }
-    // Storage for every plan (the largest need per pool), then stage, then commit; undo the
-    // table's records and the storage if the backend fails.
-    std::uint32_t blocks[kNumPrecisions];
-    for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.allocated_blocks(p);
-    std::uint32_t records = table_.allocated_records();
-    for (const CommitPlan& plan : plans) {
-      const int p = static_cast<int>(plan.precision);
-      blocks[p] = std::max(blocks[p], table_.blocks_needed(plan));
-      records = std::max(records, table_.records_needed(plan));
-    }
-    for (Precision p : kAllPrecisions) {
-      const int i = static_cast<int>(p);
-      if (blocks[i] <= backend_blocks_[i]) continue;
-      if (Status e = backend_.resize_pool(p, blocks[i]); !e.is_ok()) {
-        (void)follow_table();
-        return e;
-      }
-      backend_blocks_[i] = blocks[i];
-    }
-    if (records > backend_records_) {
-      if (Status e = backend_.resize_records(records); !e.is_ok()) {
-        (void)follow_table();
-        return e;
-      }
-      backend_records_ = records;
-    }
+    // Storage for every plan, then stage, then commit; undo the table's records and the storage
+    // if the backend fails.
+    THINKV_RETURN_IF_ERROR(give_storage(plans));
     rows_.resize(tokens.size());
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       const BatchToken& t = tokens[i];
@@ -290,31 +269,151 @@ class PagedKvCache {
     return Status::ok();
   }
 
-  /// Decode attention of a batch (BatchAttendArgs): the backend sees every attended stream's
-  /// block list and the pools' metadata in one view.
-  [[nodiscard]] Status attend_batch(const BatchAttendArgs& args) const requires batched_kv_backend<B> {
-    if (args.batch < 1 || args.num_kv_heads < 1 || args.num_q_heads < args.num_kv_heads ||
-        args.num_q_heads % args.num_kv_heads != 0) {
-      return {StatusCode::kShapeMismatch, "attend_batch: batch " + std::to_string(args.batch) + ", " +
-                                              std::to_string(args.num_q_heads) + " query heads and " +
-                                              std::to_string(args.num_kv_heads) + " KV heads per sequence"};
+  // ---- staging sets (CacheConfig::stage_set_streams) ------------------------------------------
+  // The calls ThinKvCache makes: a token is pushed once for its staging set (push_staged), then
+  // each stream of the set gets its K/V for it (append_pushed, or write_batch for many streams at
+  // once), committing the group when the token completes it. They work for any set size.
+
+  /// Pushes the next token of the staging set of `stream` (its position, thought and segment)
+  /// for every stream of the set. Errors (nothing changes): kOutOfRange (stream), kInvalidArgument
+  /// (a thought type change inside a group).
+  [[nodiscard]] Status push_staged(int stream, ThoughtType thought, std::uint32_t segment) {
+    THINKV_RETURN_IF_ERROR(table_.check_stage(stream, thought));
+    table_.push_staged(stream, thought, segment);
+    return Status::ok();
+  }
+
+  /// The stream's K and V (head_dim floats each, host memory: the one-token backend calls) for the
+  /// token its staging set pushed last; when that token completes the group, the group is
+  /// committed, with `plan` (from table().plan_commit for this stream, made against the table as
+  /// it is now) or a plan made here. Once per stream and pushed token (the caller keeps count).
+  /// Errors (the table unchanged): kOutOfRange, kShapeMismatch, kNonFinite, kInvalidArgument (a
+  /// plan for another stream, or given for a token that completes no group), kPoolExhausted,
+  /// the backend's.
+  [[nodiscard]] Status append_pushed(int stream, std::span<const float> k, std::span<const float> v,
+                                     const CommitPlan* given = nullptr) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    const int d = config().head_dim;
+    if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
+      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
+                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
+                                              " values; expected head_dim = " + std::to_string(d)};
     }
-    if (args.kv_streams == nullptr || args.q.data == nullptr || args.out.data == nullptr) {
-      return {StatusCode::kInvalidArgument, "attend_batch: kv_streams, q and out must not be null"};
+    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
+    const int staged = table_.staged_count(stream);
+    if (staged == 0) {
+      return {StatusCode::kInvalidArgument,
+              "append to stream " + std::to_string(stream) + ": its staging set has no pushed token"};
     }
-    const auto n = static_cast<std::size_t>(args.batch) * static_cast<std::size_t>(args.num_kv_heads);
-    const std::span<const std::int32_t> streams(args.kv_streams, n);
-    for (std::size_t i = 0; i < n; ++i) {
-      THINKV_RETURN_IF_ERROR(table_.check_stream(streams[i]));
-      if (table_.live_slots(streams[i]) + table_.staged_count(streams[i]) == 0) {
-        return {StatusCode::kInvalidArgument,
-                "attend_batch: stream " + std::to_string(streams[i]) + " holds no token to attend to"};
+    const bool full = staged == config().group_size;
+    const ThoughtType thought = table_.staged_thought(stream);
+    if (given != nullptr && (!full || given->stream != stream || given->thought != thought ||
+                             static_cast<int>(given->slots.size()) != config().group_size)) {
+      return {StatusCode::kInvalidArgument,
+              "append to stream " + std::to_string(stream) + " with a commit plan that does not match its group"};
+    }
+    CommitPlan own;
+    const CommitPlan* plan = given;
+    if (full && plan == nullptr) {
+      THINKV_RETURN_IF_ERROR(table_.plan_commit(stream, thought, own));
+      plan = &own;
+    }
+    if (full) THINKV_RETURN_IF_ERROR(give_storage(*plan));
+    if (Status s = backend_.stage(stream, staged - 1, k.data(), v.data()); !s.is_ok()) {
+      (void)follow_table();
+      return s;
+    }
+    if (full) {
+      if (Status s = backend_.commit(*plan); !s.is_ok()) {
+        (void)follow_table();
+        return s;
+      }
+      table_.apply_commit(*plan);
+      planned_bytes_ += layout().commit_bytes(plan->precision);
+    }
+    return Status::ok();
+  }
+
+  /// Many streams' K/V from tensors in the backend's memory, in one stage and one commit call:
+  /// `rows` say where each input row goes (its stream's staging row: the pushed token's row, or,
+  /// for a prompt, rows 0.. of groups the caller commits with explicit metadata); `plans` commit
+  /// full groups (made with PlanClaims against the table as it is now, in the order made).
+  /// `segments` / `positions` ([plans.size() x group_size]) give the plans' token metadata, or are
+  /// empty: the staging sets' groups. The caller has checked that rows and plans agree (this call
+  /// checks ranges only). Errors (the table unchanged): kInvalidArgument (a row or plan out of
+  /// range), the backend's.
+  [[nodiscard]] Status write_batch(std::span<const StageRow> rows, TensorRef k, TensorRef v,
+                                   std::span<const CommitPlan> plans, std::span<const std::uint32_t> segments = {},
+                                   std::span<const std::int32_t> positions = {}) requires batched_kv_backend<B> {
+    const int g = config().group_size;
+    for (const StageRow& r : rows) {
+      if (!table_.check_stream(r.stream).is_ok() || r.row < 0 || r.row >= g) {
+        return {StatusCode::kInvalidArgument, "write_batch: a row for stream " + std::to_string(r.stream) +
+                                                  ", staging row " + std::to_string(r.row) + " is out of range"};
       }
     }
-    std::vector<StreamView> views;
-    views.reserve(n);
-    return backend_.attend_batch(table_.attend_view(streams, views), args);
+    for (const CommitPlan& plan : plans) {
+      if (!table_.check_stream(plan.stream).is_ok() || static_cast<int>(plan.slots.size()) != g) {
+        return {StatusCode::kInvalidArgument,
+                "write_batch: the commit plan of stream " + std::to_string(plan.stream) + " is not a group"};
+      }
+    }
+    const bool explicit_meta = !segments.empty();
+    if (explicit_meta &&
+        (segments.size() != plans.size() * static_cast<std::size_t>(g) || positions.size() != segments.size())) {
+      return {StatusCode::kInvalidArgument,
+              "write_batch: segments and positions must hold group_size entries per plan"};
+    }
+    THINKV_RETURN_IF_ERROR(give_storage(plans));
+    if (!rows.empty()) {
+      if (Status e = backend_.stage_batch(rows, k, v); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+    }
+    if (!plans.empty()) {
+      if (Status e = backend_.commit_batch(plans); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+    }
+    for (std::size_t i = 0; i < plans.size(); ++i) {
+      if (explicit_meta) {
+        const auto off = i * static_cast<std::size_t>(g);
+        table_.apply_commit(plans[i], segments.subspan(off, static_cast<std::size_t>(g)),
+                            positions.subspan(off, static_cast<std::size_t>(g)));
+      } else {
+        table_.apply_commit(plans[i]);
+      }
+      planned_bytes_ += layout().commit_bytes(plans[i].precision);
+    }
+    return Status::ok();
   }
+
+  /// Records commits whose data the backend writes later, in the order they were planned (with
+  /// PlanClaims, against the table as it is now): storage for all of them first (nothing changes
+  /// when that fails), then each applied to the table. A decode step uses it: begin_step applies
+  /// every layer's commits at once, and the backend's append_step writes each layer's data
+  /// (StepView) before that layer's attention reads it.
+  [[nodiscard]] Status apply_plans(std::span<const CommitPlan> plans) {
+    const int g = config().group_size;
+    for (const CommitPlan& plan : plans) {
+      if (!table_.check_stream(plan.stream).is_ok() || static_cast<int>(plan.slots.size()) != g ||
+          table_.staged_count(plan.stream) != g) {
+        return {StatusCode::kInvalidArgument, "apply_plans: the commit plan of stream " + std::to_string(plan.stream) +
+                                                  " does not match a full staging group"};
+      }
+    }
+    THINKV_RETURN_IF_ERROR(give_storage(plans));
+    for (const CommitPlan& plan : plans) {
+      table_.apply_commit(plan);
+      planned_bytes_ += layout().commit_bytes(plan.precision);
+    }
+    return Status::ok();
+  }
+  /// Gives the backend the storage plans made together (PlanClaims) will write, before anything
+  /// is recorded (apply_plans then finds it in place). Nothing changes on an error.
+  [[nodiscard]] Status provide_storage(std::span<const CommitPlan> plans) { return give_storage(plans); }
 
   /// Bytes the commit plans of new tokens account for: g slots' K/V rows and value scales, plus
   /// the record's key scales when quantized. Every byte the cache stores is one of these.
@@ -323,6 +422,20 @@ class PagedKvCache {
   /// (the backend counts where it writes). Continuous Thinking evicts by marking and refills
   /// slots in place, so this is 0; a test fails if anything else is ever written.
   [[nodiscard]] std::int64_t moved_bytes() const { return backend_.stats().page_bytes_written - planned_bytes_; }
+
+  /// Sets the open group of the staging set of `stream` directly: `segments.size()` tokens
+  /// (fewer than group_size) of thought `t` ending at position next - 1, the set's next position
+  /// being `next` (BlockTable::set_staged). A prompt's tokens past its last full group.
+  [[nodiscard]] Status set_staged(int stream, ThoughtType t, std::span<const std::uint32_t> segments,
+                                  std::int32_t next) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    if (static_cast<int>(segments.size()) >= config().group_size || next < static_cast<std::int32_t>(segments.size())) {
+      return {StatusCode::kInvalidArgument, "set_staged: " + std::to_string(segments.size()) +
+                                                " tokens ending before position " + std::to_string(next)};
+    }
+    table_.set_staged(stream, t, segments, next);
+    return Status::ok();
+  }
 
   /// Gives the stream's staging group (tokens not yet quantized) thought type `t`. On a thought
   /// refresh at a position that is a multiple of tau (itself a multiple of group_size) the group
@@ -445,6 +558,42 @@ class PagedKvCache {
       backend_records_ = records;
     }
     return Status::ok();
+  }
+  /// give_storage for a batch of plans made together (PlanClaims): the largest need per pool.
+  [[nodiscard]] Status give_storage(std::span<const CommitPlan> plans) {
+    std::uint32_t blocks[kNumPrecisions];
+    for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.allocated_blocks(p);
+    std::uint32_t records = table_.allocated_records();
+    for (const CommitPlan& plan : plans) {
+      const int p = static_cast<int>(plan.precision);
+      blocks[p] = std::max(blocks[p], table_.blocks_needed(plan));
+      records = std::max(records, table_.records_needed(plan));
+    }
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      if (blocks[i] <= backend_blocks_[i]) continue;
+      if (Status e = backend_.resize_pool(p, blocks[i]); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_blocks_[i] = blocks[i];
+    }
+    if (records > backend_records_) {
+      if (Status e = backend_.resize_records(records); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_records_ = records;
+    }
+    return Status::ok();
+  }
+  /// The per-stream appends stage each stream on its own: they need stage_set_streams 1.
+  [[nodiscard]] Status check_own_staging(const char* call) const {
+    if (config().stage_set_streams == 1) return Status::ok();
+    return {StatusCode::kInvalidArgument,
+            std::string(call) + ": this cache's streams share staging sets of " +
+                std::to_string(config().stage_set_streams) +
+                " (CacheConfig::stage_set_streams); push each token once with push_staged, then append_pushed"};
   }
   /// Makes the backend's storage what the table has allocated (after a release, or to undo
   /// give_storage when a later step failed).

@@ -15,6 +15,7 @@
 /// precision policy, retention schedule or token selector into the same cache.
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <deque>
 #include <numeric>
@@ -167,6 +168,7 @@ struct ThinKvConfig {
     c.precision = map;
     c.chunk_blocks = chunk_blocks;
     c.memory_limit_bytes = memory_limit_bytes;
+    c.stage_set_streams = streams_per_sequence();  // a token is pushed once per sequence
     // Worst case per stream: every position live (no eviction yet) plus one partly filled block
     // per thought type; holes never exceed what was once live, so this bound holds with eviction.
     const std::int64_t per_stream = (std::int64_t{max_tokens} + block_size - 1) / block_size + kNumThoughtTypes;
@@ -344,14 +346,12 @@ class BasicThinKvCache {
     // One commit plan per KV head whose token completes a group, made once for the whole layer
     // (PlanClaims gives the heads distinct fresh blocks and records) and applied as made: the
     // pools are checked against the plans' total first, so the layer is all-or-nothing.
-    const std::uint32_t seg = s.segments.back().id;
     const int d = config_.head_dim;
     PlanClaims claims;
     plans_.assign(static_cast<std::size_t>(config_.num_kv_heads), CommitPlan{});
     for (int h = 0; h < config_.num_kv_heads; ++h) {
       const int st = stream_of(seq, layer, h);
-      THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
-      if (cache_.table().staged_count(st) + 1 == config_.group_size) {
+      if (cache_.table().staged_count(st) == config_.group_size) {
         if (Status e = cache_.table().plan_commit(st, s.type, plans_[static_cast<std::size_t>(h)], &claims);
             !e.is_ok()) {
           return {e.code(), "append layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
@@ -368,9 +368,8 @@ class BasicThinKvCache {
       const auto hd = static_cast<std::size_t>(h) * d;
       const CommitPlan& plan = plans_[static_cast<std::size_t>(h)];
       const int st = stream_of(seq, layer, h);
-      THINKV_RETURN_IF_ERROR(plan.slots.empty()
-                                 ? cache_.append(st, k.subspan(hd, d), v.subspan(hd, d), s.type, seg)
-                                 : cache_.append(st, k.subspan(hd, d), v.subspan(hd, d), s.type, seg, plan));
+      THINKV_RETURN_IF_ERROR(
+          cache_.append_pushed(st, k.subspan(hd, d), v.subspan(hd, d), plan.slots.empty() ? nullptr : &plan));
     }
     // The layer's commits took what begin_token reserved for them.
     const PlanClaims used = s.reserved - (s.reserved - claims);  // min(reserved, claims), per term
@@ -454,9 +453,7 @@ class BasicThinKvCache {
       const ThoughtType before =
           s.segments.size() >= 2 ? s.segments[s.segments.size() - 2].type : ThoughtType::kReasoning;
       if (t != s.type) {
-        for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
-          THINKV_RETURN_IF_ERROR(cache_.relabel_staged(st, t));
-        }
+        THINKV_RETURN_IF_ERROR(cache_.relabel_staged(stream_of(seq, 0, 0), t));  // the sequence's staging set
         s.type = t;
       }
       s.segments.back().type = t;
@@ -474,6 +471,10 @@ class BasicThinKvCache {
   /// Releases a sequence (all its streams) and resets its state (a fault included).
   [[nodiscard]] Status reset_sequence(int seq) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
+    if (step_.open && std::find(step_.seqs.begin(), step_.seqs.end(), seq) != step_.seqs.end()) {
+      return {StatusCode::kInvalidArgument,
+              "reset_sequence(" + std::to_string(seq) + "): the sequence is in the open step (end_step it first)"};
+    }
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       THINKV_RETURN_IF_ERROR(cache_.reset_stream(st));
     }
@@ -492,8 +493,12 @@ class BasicThinKvCache {
   //                     cache.attend_batch(layer, seqs, q, out); // q, out: [batch, Hq, D]
   //     cache.end_step(seqs);
   // Tensors are in the backend's memory (device pointers for CudaKvBackend, which enqueues every
-  // call on its stream). The decisions (types, segments, plans, evictions) are exactly those of
-  // begin_token / append / attend / end_token called for each sequence in batch order.
+  // call on its stream). begin_step does the step's host work for every layer at once: it starts
+  // each sequence's token (one staging record per sequence), plans and records every layer's
+  // commits, and hands the backend the step (prepare_step: a device backend uploads what changed
+  // in one copy). append_batch and attend_batch then only check their arguments and launch: no
+  // per-stream host work. The decisions (types, segments, kept tokens, evictions) are exactly
+  // those of begin_token / append / attend / end_token called for each sequence in batch order.
   // K/V values are checked by the backend, not on the host: a sequence whose K or V holds a
   // value that is not finite or exceeds 2^64 has that token stored as zeros (no other sequence
   // and no metadata is affected) and is *faulted* once the host learns of it (poll_faults; the
@@ -502,168 +507,182 @@ class BasicThinKvCache {
 
   /// begin_token for every sequence of the batch, all or nothing: any check failing, or the
   /// batch's commits not fitting the pools together, begins none (the error names the sequence
-  /// or the pool). Polls the backend's faults first (without waiting). `hints` is empty or one
-  /// per sequence.
+  /// or the pool). Then plans and records every layer's commits and prepares the backend for the
+  /// step. Polls the backend's faults first (without waiting). `hints` is empty or one per
+  /// sequence. A backend failure after the checks (a device error) faults the batch's sequences.
   [[nodiscard]] Status begin_step(std::span<const int> seqs,
                                   std::span<const TokenHint> hints = {}) requires batched_kv_backend<B> {
     THINKV_RETURN_IF_ERROR(poll_faults(false));
     THINKV_RETURN_IF_ERROR(check_batch(seqs, "begin_step"));
+    if (step_.open) {
+      return {StatusCode::kInvalidArgument, "begin_step: the step begun before is still open (end_step it first)"};
+    }
     if (!hints.empty() && hints.size() != seqs.size()) {
       return {StatusCode::kShapeMismatch, "begin_step: " + std::to_string(hints.size()) + " hints for " +
                                               std::to_string(seqs.size()) + " sequences"};
     }
-    needs_.resize(seqs.size());
+    const int L = config_.num_layers, hkv = config_.num_kv_heads, g = config_.group_size;
     types_.resize(seqs.size());
-    PlanClaims total, held;
+    completes_.assign(seqs.size(), 0);
     for (std::size_t b = 0; b < seqs.size(); ++b) {
-      THINKV_RETURN_IF_ERROR(plan_begin(seqs[b], needs_[b], types_[b]));
-      total = total + needs_[b];
-      held = held + seq_(seqs[b]).reserved;
+      PlanClaims unused;
+      THINKV_RETURN_IF_ERROR(plan_begin(seqs[b], unused, types_[b], /*count_commits=*/false));
+      completes_[b] = cache_.table().staged_count(stream_of(seqs[b], 0, 0)) + 1 == g ? 1 : 0;
     }
-    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
-        total, reserved_ - held, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)"));
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      apply_begin(seqs[b], needs_[b], types_[b], hints.empty() ? TokenHint{} : hints[b]);
-    }
-    return Status::ok();
-  }
-
-  /// append() of one layer for every sequence of the batch: k and v are [batch, num_kv_heads,
-  /// head_dim] in the backend's memory, row b of the batch being seqs[b]. One stage and at most
-  /// one commit call for the batch. All or nothing on the host's checks (the error names the
-  /// sequence); K/V values are the backend's to check (see above).
-  [[nodiscard]] Status append_batch(int layer, std::span<const int> seqs, TensorRef k,
-                                    TensorRef v) requires batched_kv_backend<B> {
-    THINKV_RETURN_IF_ERROR(check_batch(seqs, "append_batch"));
-    if (k.data == nullptr || v.data == nullptr) {
-      return {StatusCode::kInvalidArgument, "append_batch: k and v must not be null"};
-    }
-    for (int seq : seqs) {
-      THINKV_RETURN_IF_ERROR(check_token(seq, layer));
-      if (seq_(seq).appended[static_cast<std::size_t>(layer)] != 0) {
-        return {StatusCode::kInvalidArgument, "append_batch: layer " + std::to_string(layer) + " of sequence " +
-                                                  std::to_string(seq) + " was already appended at position " +
-                                                  std::to_string(seq_(seq).position) + " (each layer once per token)"};
-      }
-    }
-    const int hkv = config_.num_kv_heads;
-    tokens_.clear();
-    batch_plans_.clear();
-    seq_claims_.assign(seqs.size(), PlanClaims{});
-    PlanClaims claims, held;
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      const int seq = seqs[b];
-      const SeqState& s = seq_(seq);
-      held = held + s.reserved;
-      const PlanClaims before = claims;
-      for (int h = 0; h < hkv; ++h) {
-        const int st = stream_of(seq, layer, h);
-        THINKV_RETURN_IF_ERROR(cache_.table().check_stage(st, s.type));
-        typename PagedKvCache<B>::BatchToken t;
-        t.stream = st;
-        t.src = static_cast<std::int32_t>(b) * hkv + h;
-        t.thought = s.type;
-        t.segment = s.segments.back().id;
-        t.fault = stream_of(seq, 0, 0);
-        t.tag = s.generation;
-        tokens_.push_back(t);
-        if (cache_.table().staged_count(st) + 1 == config_.group_size) {
-          CommitPlan& plan = batch_plans_.emplace_back();
-          if (Status e = cache_.table().plan_commit(st, s.type, plan, &claims); !e.is_ok()) {
-            return {e.code(), "append_batch layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+    // Every layer's commits, layer by layer (each layer's are what its append_step writes), made
+    // with PlanClaims so that they can be recorded in order once they all fit. Nothing changes yet.
+    Step& st = step_;
+    st.commits.clear();
+    st.layer_commits.assign(static_cast<std::size_t>(L) + 1, 0);
+    PlanClaims claims;
+    for (int l = 0; l < L; ++l) {
+      st.layer_commits[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(st.commits.size());
+      for (std::size_t b = 0; b < seqs.size(); ++b) {
+        if (completes_[b] == 0) continue;
+        for (int h = 0; h < hkv; ++h) {
+          CommitPlan& plan = st.commits.emplace_back();
+          if (Status e = cache_.table().plan_commit(stream_of(seqs[b], l, h), types_[b], plan, &claims); !e.is_ok()) {
+            st.commits.clear();
+            return {e.code(), "begin_step: sequence " + std::to_string(seqs[b]) + " at position " +
+                                  std::to_string(seq_(seqs[b]).position) + ", layer " + std::to_string(l) +
                                   ", KV head " + std::to_string(h) + ": " + e.message()};
           }
         }
       }
-      seq_claims_[b] = claims - before;
     }
-    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
-        claims, reserved_ - held,
-        "append_batch layer " + std::to_string(layer) + " of " + std::to_string(seqs.size()) + " sequences"));
-    THINKV_RETURN_IF_ERROR(cache_.append_batch(tokens_, k, v, batch_plans_));
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      SeqState& s = seq_(seqs[b]);
-      const PlanClaims used = s.reserved - (s.reserved - seq_claims_[b]);  // min(reserved, claims), per term
-      s.reserved = s.reserved - used;
-      reserved_ = reserved_ - used;
-      s.appended[static_cast<std::size_t>(layer)] = 1;
-    }
-    return Status::ok();
-  }
-
-  /// attend() of one layer for every sequence of the batch in one backend call: q and out are
-  /// [batch, num_q_heads, head_dim] in the backend's memory. q is not checked on the host (a
-  /// non-finite q gives that sequence non-finite output rows, nothing else). The layers' sparsity
-  /// that wants_sparsity asks for is read back and recorded at end_step.
-  [[nodiscard]] Status attend_batch(int layer, std::span<const int> seqs, TensorRef q,
-                                    MutableTensorRef out) requires batched_kv_backend<B> {
-    THINKV_RETURN_IF_ERROR(check_batch(seqs, "attend_batch"));
-    for (int seq : seqs) {
-      THINKV_RETURN_IF_ERROR(check_token(seq, layer));
-      if (seq_(seq).appended[static_cast<std::size_t>(layer)] == 0) {
-        return {StatusCode::kInvalidArgument, "attend_batch: layer " + std::to_string(layer) + " of sequence " +
-                                                  std::to_string(seq) + " at position " +
-                                                  std::to_string(seq_(seq).position) +
-                                                  " before its append (append the token's K/V first)"};
-      }
-    }
-    const int hkv = config_.num_kv_heads;
-    batch_streams_.resize(seqs.size() * static_cast<std::size_t>(hkv));
-    bool want = false;
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      for (int h = 0; h < hkv; ++h) batch_streams_[b * hkv + h] = stream_of(seqs[b], layer, h);
-      want = want || wants_sparsity(seqs[b], layer);
-    }
-    BatchAttendArgs a;
-    a.batch = static_cast<int>(seqs.size());
-    a.num_q_heads = config_.num_q_heads;
-    a.num_kv_heads = hkv;
-    a.kv_streams = batch_streams_.data();
-    a.q = q;
-    a.out = out;
-    a.softmax_scale = config_.softmax_scale;
-    PendingSparsity* pending = nullptr;
-    if (want) {
-      pending = &pending_sparsity_.emplace_back();
-      pending->layer = layer;
-      pending->seqs.assign(seqs.begin(), seqs.end());
-      pending->wanted.resize(seqs.size());
-      for (std::size_t b = 0; b < seqs.size(); ++b) pending->wanted[b] = wants_sparsity(seqs[b], layer) ? 1 : 0;
-      pending->values.assign(seqs.size() * static_cast<std::size_t>(config_.num_q_heads), 0.0f);
-      a.sparsity = pending->values.data();
-    }
-    if (Status e = cache_.attend_batch(a); !e.is_ok()) {
-      if (pending != nullptr) pending_sparsity_.pop_back();
+    st.layer_commits[static_cast<std::size_t>(L)] = static_cast<std::uint32_t>(st.commits.size());
+    if (Status e = cache_.table().check_claims(
+            claims, reserved_, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)");
+        !e.is_ok()) {
+      st.commits.clear();
       return e;
     }
+    if (Status e = cache_.provide_storage(st.commits); !e.is_ok()) {
+      st.commits.clear();
+      return e;
+    }
+    // From here on the host's records change; only the backend can still fail.
+    st.seqs.assign(seqs.begin(), seqs.end());
+    st.rows.resize(seqs.size());
+    st.sparsity_slot.assign(static_cast<std::size_t>(L), -1);
+    long long max_blocks = 0;
+    bool any_refresh = false;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const int seq = seqs[b];
+      apply_begin(seq, PlanClaims{}, types_[b], hints.empty() ? TokenHint{} : hints[b]);
+      const SeqState& s = seq_(seq);
+      const int first = stream_of(seq, 0, 0);
+      const bool refresh = wants_sparsity_step(s);
+      any_refresh = any_refresh || refresh;
+      st.rows[b] = StepSequence{first, cache_.table().staged_count(first) - 1, s.generation, refresh ? 1 : 0};
+      max_blocks = std::max<long long>(max_blocks, cache_.table().set_max_blocks(first));
+    }
+    if (Status e = cache_.apply_plans(st.commits); !e.is_ok()) return fail_step(e);
+    // The layers whose attention computes sparsity this step (the classifier's L*, or all).
+    int slots = 0;
+    if (any_refresh) {
+      for (int l = 0; l < L; ++l) {
+        bool want = config_.trace_all_layers;
+        for (std::size_t b = 0; b < seqs.size() && !want; ++b) want = wants_sparsity(seqs[b], l);
+        if (want) st.sparsity_slot[static_cast<std::size_t>(l)] = static_cast<std::int8_t>(slots++);
+      }
+    }
+    if (config_.trace_all_layers) {
+      for (std::size_t b = 0; b < seqs.size(); ++b) st.rows[b].sparsity = 1;
+    }
+    st.sparsity.assign(static_cast<std::size_t>(slots) * seqs.size() * static_cast<std::size_t>(config_.num_q_heads),
+                       0.0f);
+    StepView v;
+    v.num_layers = L;
+    v.num_kv_heads = hkv;
+    v.num_q_heads = config_.num_q_heads;
+    v.softmax_scale = config_.softmax_scale;
+    v.seqs = st.rows;
+    v.commits = st.commits;
+    v.layer_commits = st.layer_commits;
+    v.sparsity_slot = st.sparsity_slot;
+    v.sparsity = st.sparsity.empty() ? nullptr : st.sparsity.data();
+    v.max_positions = (max_blocks + 1) * config_.block_size + g;
+    v.table = cache_.table().table_view();
+    if (Status e = cache_.backend().prepare_step(v); !e.is_ok()) return fail_step(e);
+    st.appended.assign(static_cast<std::size_t>(L), 0);
+    st.open = true;
     return Status::ok();
   }
 
-  /// end_token for every sequence of the batch, in batch order, once every layer of each was
-  /// appended: waits for the sparsity the step's refreshes need (only on refresh steps), then
-  /// classifies, relabels and evicts; with K-means on the backend, one select_kmeans call for
-  /// every evicting sequence of the step. Checks every sequence before ending any; a later
-  /// error (a selector's) names its sequence, the ones before it having ended.
+  /// append() of one layer for every sequence of the step: k and v are [batch, num_kv_heads,
+  /// head_dim] in the backend's memory, row b of the batch being seqs[b] (the step's batch, in
+  /// begin_step's order). Stages the layer's K/V and writes the layer's commits (planned by
+  /// begin_step) in one backend call. K/V values are the backend's to check (see above).
+  [[nodiscard]] Status append_batch(int layer, std::span<const int> seqs, TensorRef k,
+                                    TensorRef v) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_step_call(layer, seqs, "append_batch"));
+    if (k.data == nullptr || v.data == nullptr) {
+      return {StatusCode::kInvalidArgument, "append_batch: k and v must not be null"};
+    }
+    if (step_.appended[static_cast<std::size_t>(layer)] != 0) {
+      return {StatusCode::kInvalidArgument, "append_batch: layer " + std::to_string(layer) +
+                                                " was already appended in this step (each layer once per step)"};
+    }
+    THINKV_RETURN_IF_ERROR(cache_.backend().append_step(layer, k, v));
+    step_.appended[static_cast<std::size_t>(layer)] = 1;
+    return Status::ok();
+  }
+
+  /// attend() of one layer for every sequence of the step in one backend call: q and out are
+  /// [batch, num_q_heads, head_dim] in the backend's memory. q is not checked on the host (a
+  /// non-finite q gives that sequence non-finite output rows, nothing else). The sparsity the
+  /// step's refreshes need is recorded at end_step.
+  [[nodiscard]] Status attend_batch(int layer, std::span<const int> seqs, TensorRef q,
+                                    MutableTensorRef out) requires batched_kv_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_step_call(layer, seqs, "attend_batch"));
+    if (q.data == nullptr || out.data == nullptr) {
+      return {StatusCode::kInvalidArgument, "attend_batch: q and out must not be null"};
+    }
+    if (step_.appended[static_cast<std::size_t>(layer)] == 0) {
+      return {StatusCode::kInvalidArgument, "attend_batch: layer " + std::to_string(layer) +
+                                                " before its append_batch (append the layer's K/V first)"};
+    }
+    return cache_.backend().attend_step(layer, q, out);
+  }
+
+  /// end_token for every sequence of the step, in batch order, once every layer was appended:
+  /// waits for the sparsity the step's refreshes need (only on refresh steps), then classifies,
+  /// relabels and evicts; with K-means on the backend, one select_kmeans call for every evicting
+  /// sequence of the step. A later error (a selector's) names its sequence, the ones before it
+  /// having ended.
   [[nodiscard]] Status end_step(std::span<const int> seqs) requires batched_kv_backend<B> {
-    THINKV_RETURN_IF_ERROR(check_batch(seqs, "end_step"));
-    for (int seq : seqs) {
-      const SeqState& s = seq_(seq);
-      if (!s.in_token) {
-        return {StatusCode::kInvalidArgument, "end_step: sequence " + std::to_string(seq) + " has no open token"};
+    if (!step_.open) return {StatusCode::kInvalidArgument, "end_step: no step is open (begin_step first)"};
+    THINKV_RETURN_IF_ERROR(check_same_batch(seqs, "end_step"));
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (step_.appended[static_cast<std::size_t>(l)] == 0) {
+        return {StatusCode::kInvalidArgument,
+                "end_step: layer " + std::to_string(l) + " was never appended in this step (append_batch every layer)"};
       }
+    }
+    if (!step_.sparsity.empty()) {
+      THINKV_RETURN_IF_ERROR(cache_.backend().wait_sparsity());
+      const int hq = config_.num_q_heads;
+      const std::size_t n = step_.seqs.size();
       for (int l = 0; l < config_.num_layers; ++l) {
-        if (s.appended[static_cast<std::size_t>(l)] == 0) {
-          return {StatusCode::kInvalidArgument, "end_step: layer " + std::to_string(l) + " of sequence " +
-                                                    std::to_string(seq) + " was never appended"};
+        const int slot = step_.sparsity_slot[static_cast<std::size_t>(l)];
+        if (slot < 0) continue;
+        for (std::size_t b = 0; b < n; ++b) {
+          if (step_.rows[b].sparsity == 0 || !wants_sparsity(step_.seqs[b], l)) continue;
+          const float* x = step_.sparsity.data() + (static_cast<std::size_t>(slot) * n + b) * hq;
+          float sum = 0.0f;
+          for (int h = 0; h < hq; ++h) sum += x[h];
+          seq_(step_.seqs[b]).layer_sparsity[static_cast<std::size_t>(l)] = sum / static_cast<float>(hq);
         }
       }
     }
-    THINKV_RETURN_IF_ERROR(settle_sparsity());
+    step_.open = false;
+    for (int seq : step_.seqs) std::fill(seq_(seq).appended.begin(), seq_(seq).appended.end(), 1);
     if constexpr (kEvicts && kBackendKmeans) {
       // Every evicting sequence's K-means in one backend call; evictions applied in batch order.
       std::vector<TbeWork> works;
-      works.reserve(seqs.size());
-      for (int seq : seqs) {
+      works.reserve(step_.seqs.size());
+      for (int seq : step_.seqs) {
         bool new_transition = false;
         THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
         TbeWork w;
@@ -677,7 +696,7 @@ class BasicThinKvCache {
         THINKV_RETURN_IF_ERROR(apply_tbe(w));
       }
     } else {
-      for (int seq : seqs) THINKV_RETURN_IF_ERROR(end_token(seq));
+      for (int seq : step_.seqs) THINKV_RETURN_IF_ERROR(end_token(seq));
     }
     return poll_faults(false);
   }
@@ -768,6 +787,12 @@ class BasicThinKvCache {
       }
       ++s.segments.back().size;
     }
+    // The tokens past the last full group stay staged: the sequence's staging set holds them.
+    std::vector<std::uint32_t> tail;
+    for (std::int32_t pos = tokens / config_.group_size * config_.group_size; pos < tokens; ++pos) {
+      tail.push_back(s.prompt_segment + static_cast<std::uint32_t>(pos / config_.segment_len));
+    }
+    THINKV_RETURN_IF_ERROR(cache_.set_staged(stream_of(seq, 0, 0), ThoughtType::kReasoning, tail, tokens));
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
     std::fill(s.appended.begin(), s.appended.end(), 0);
     return Status::ok();
@@ -813,22 +838,21 @@ class BasicThinKvCache {
     const int hkv = config_.num_kv_heads, g = config_.group_size;
     for (int first = 0; first < s.prompt; first += g) {
       const int last = std::min(s.prompt, first + g);
-      tokens_.clear();
+      rows_.clear();
       batch_plans_.clear();
+      meta_segments_.clear();
+      meta_positions_.clear();
       PlanClaims claims;
       for (int h = 0; h < hkv; ++h) {
         const int st = stream_of(seq, layer, h);
         for (int t = first; t < last; ++t) {
-          typename PagedKvCache<B>::BatchToken bt;
-          bt.stream = st;
-          bt.src = t * hkv + h;
-          bt.thought = ThoughtType::kReasoning;
-          bt.segment = s.prompt_segment + static_cast<std::uint32_t>(t / config_.segment_len);
-          bt.fault = stream_of(seq, 0, 0);
-          bt.tag = s.generation;
-          tokens_.push_back(bt);
+          rows_.push_back(StageRow{st, t - first, t * hkv + h, stream_of(seq, 0, 0), s.generation});
         }
-        if (last - first == g) {
+        if (last - first == g) {  // a full group: committed with its own metadata
+          for (int t = first; t < last; ++t) {
+            meta_segments_.push_back(s.prompt_segment + static_cast<std::uint32_t>(t / config_.segment_len));
+            meta_positions_.push_back(t);
+          }
           CommitPlan& plan = batch_plans_.emplace_back();
           if (Status e = cache_.table().plan_commit(st, ThoughtType::kReasoning, plan, &claims); !e.is_ok()) {
             return {e.code(), "prefill layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
@@ -839,7 +863,7 @@ class BasicThinKvCache {
       THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
           claims, reserved_ - s.reserved,
           "prefill layer " + std::to_string(layer) + " of sequence " + std::to_string(seq)));
-      THINKV_RETURN_IF_ERROR(cache_.append_batch(tokens_, k, v, batch_plans_));
+      THINKV_RETURN_IF_ERROR(cache_.write_batch(rows_, k, v, batch_plans_, meta_segments_, meta_positions_));
       const PlanClaims used = s.reserved - (s.reserved - claims);  // min(reserved, claims), per term
       s.reserved = s.reserved - used;
       reserved_ = reserved_ - used;
@@ -906,12 +930,16 @@ class BasicThinKvCache {
     std::uint32_t prompt_segment = 0;  ///< id of the open prompt's first segment
     std::int32_t generation = 0;       ///< reset_sequence calls (tags the backend's faults)
   };
-  /// A batched attention's sparsity, read back at end_step.
-  struct PendingSparsity {
-    int layer = 0;
+  /// The open decode step (begin_step .. end_step).
+  struct Step {
+    bool open = false;
     std::vector<int> seqs;
-    std::vector<std::uint8_t> wanted;
-    std::vector<float> values;  // [batch, num_q_heads], written by the backend
+    std::vector<StepSequence> rows;
+    std::vector<CommitPlan> commits;
+    std::vector<std::uint32_t> layer_commits;
+    std::vector<std::int8_t> sparsity_slot;
+    std::vector<float> sparsity;
+    std::vector<std::uint8_t> appended;  // [num_layers] append_batch done
   };
 
   void release_reservation(SeqState& s) {
@@ -962,7 +990,7 @@ class BasicThinKvCache {
   SeqState& seq_(int seq) { return seqs_[static_cast<std::size_t>(seq)]; }
 
   /// begin_token's checks and what the token's commits take from the pools (nothing changes).
-  [[nodiscard]] Status plan_begin(int seq, PlanClaims& need, ThoughtType& type) const {
+  [[nodiscard]] Status plan_begin(int seq, PlanClaims& need, ThoughtType& type, bool count_commits = true) const {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     const SeqState& s = seq_(seq);
     if (s.faulted) return fault_status(seq);
@@ -982,13 +1010,17 @@ class BasicThinKvCache {
     }
     const bool pinned = s.position < s.pinned;
     type = pinned ? ThoughtType::kReasoning : s.tracker.current();  // type_for's answer (apply_begin counts it)
+    // The token joins the sequence's staging set (one for all its streams).
+    const int first = stream_of(seq, 0, 0);
+    if (Status e = cache_.table().check_stage(first, type); !e.is_ok()) {
+      return {e.code(), "begin_token(" + std::to_string(seq) + ") at position " + std::to_string(s.position) + ": " +
+                            e.message()};
+    }
     // What this token's commits take from the shared pools: every stream of the sequence has the
     // same staged count, so the token completes a group either in all of them or in none.
     need = PlanClaims{};
-    const int first = stream_of(seq, 0, 0);
-    if (cache_.table().staged_count(first) + 1 == config_.group_size) {
+    if (count_commits && cache_.table().staged_count(first) + 1 == config_.group_size) {
       for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
-        if (!cache_.table().check_stage(st, type).is_ok()) continue;  // append will say why
         CommitPlan plan;
         if (Status e = cache_.table().plan_commit(st, type, plan); !e.is_ok()) {
           if (e.code() != StatusCode::kPoolExhausted) continue;  // append will say why
@@ -1023,6 +1055,9 @@ class BasicThinKvCache {
       s.segments.push_back(seg);
     }
     ++s.segments.back().size;
+    const Status pushed = cache_.push_staged(stream_of(seq, 0, 0), s.type, s.segments.back().id);
+    assert(pushed.is_ok());  // plan_begin checked the thought rule
+    (void)pushed;
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
@@ -1049,21 +1084,39 @@ class BasicThinKvCache {
     }
     return Status::ok();
   }
-  /// Writes the sparsity of finished batched attentions into their sequences' layer_sparsity.
-  Status settle_sparsity() {
-    if (pending_sparsity_.empty()) return Status::ok();
-    THINKV_RETURN_IF_ERROR(cache_.backend().synchronize());
-    const int hq = config_.num_q_heads;
-    for (const PendingSparsity& p : pending_sparsity_) {
-      for (std::size_t b = 0; b < p.seqs.size(); ++b) {
-        if (!p.wanted[b]) continue;
-        float sum = 0.0f;
-        for (int h = 0; h < hq; ++h) sum += p.values[b * static_cast<std::size_t>(hq) + static_cast<std::size_t>(h)];
-        seq_(p.seqs[b]).layer_sparsity[static_cast<std::size_t>(p.layer)] = sum / static_cast<float>(hq);
-      }
+  /// A refresh (classify) is due at the sequence's token and its classifier reads a signal: its
+  /// sparsity layers compute this step (wants_sparsity for each of its layers in L*).
+  [[nodiscard]] bool wants_sparsity_step(const SeqState& s) const {
+    return config_.trace_all_layers || (refresh_due(s) && s.tracker.classifier().needs_signal());
+  }
+  /// A per-layer call of the open step: a step is open, `seqs` is its batch, `layer` in range.
+  [[nodiscard]] Status check_step_call(int layer, std::span<const int> seqs, const char* call) const {
+    if (!step_.open) {
+      return {StatusCode::kInvalidArgument, std::string(call) + ": no step is open (begin_step first)"};
     }
-    pending_sparsity_.clear();
+    THINKV_RETURN_IF_ERROR(check_same_batch(seqs, call));
+    if (layer < 0 || layer >= config_.num_layers) {
+      return {StatusCode::kOutOfRange, std::string(call) + ": layer " + std::to_string(layer) +
+                                           " is out of range; allowed: 0.." + std::to_string(config_.num_layers - 1)};
+    }
     return Status::ok();
+  }
+  [[nodiscard]] Status check_same_batch(std::span<const int> seqs, const char* call) const {
+    if (seqs.size() != step_.seqs.size() || !std::equal(seqs.begin(), seqs.end(), step_.seqs.begin())) {
+      return {StatusCode::kInvalidArgument, std::string(call) + ": the batch is not the one begin_step was given (" +
+                                                std::to_string(step_.seqs.size()) + " sequences, in the same order)"};
+    }
+    return Status::ok();
+  }
+  /// A backend failure once begin_step had changed the host's records: the step's sequences are
+  /// faulted (free them with reset_sequence) and the step closed.
+  Status fail_step(const Status& e) {
+    for (int seq : step_.seqs) seq_(seq).faulted = true;
+    step_.open = false;
+    return {e.code(),
+            "begin_step: the backend failed to prepare the step (its sequences are faulted; free them with "
+            "reset_sequence): " +
+                e.message()};
   }
 
   /// Plans TBE once per sequence (every stream has the same segment sizes) and applies it to
@@ -1282,12 +1335,13 @@ class BasicThinKvCache {
   std::vector<CommitPlan> plans_;  // one layer's commit plans, per KV head (scratch)
   // Batched calls' scratch.
   mutable std::vector<std::uint8_t> batch_mark_;
-  std::vector<PlanClaims> needs_, seq_claims_;
   std::vector<ThoughtType> types_;
-  std::vector<typename PagedKvCache<B>::BatchToken> tokens_;
+  std::vector<std::uint8_t> completes_;
+  Step step_;
+  std::vector<StageRow> rows_;
   std::vector<CommitPlan> batch_plans_;
-  std::vector<std::int32_t> batch_streams_;
-  std::deque<PendingSparsity> pending_sparsity_;  // stable addresses: the backend writes values
+  std::vector<std::uint32_t> meta_segments_;
+  std::vector<std::int32_t> meta_positions_;
   std::vector<BackendFault> faults_;
 };
 /// The paper's ablation, ready-made: each over the CPU backend unless told otherwise.

@@ -122,13 +122,28 @@ TEST_CASE("Batched decode refuses bad batches naming the sequence, changing noth
   CHECK(cache.begin_step(out_of_range).code() == StatusCode::kOutOfRange);
   CHECK(cache.begin_step(std::vector<int>{}).code() == StatusCode::kInvalidArgument);
   const std::vector<int> batch{2, 0};
+  // A sequence with an open token (begin_token) names it; nothing begins.
+  REQUIRE(cache.begin_token(0).is_ok());
+  e = cache.begin_step(batch);
+  CHECK(e.message().find("begin_token(0)") != std::string::npos);
+  CHECK(cache.position(2) == 0);
+  CHECK(cache.live_tokens(2) == 0);
+  REQUIRE(cache.reset_sequence(0).is_ok());
   REQUIRE(cache.begin_step(batch).is_ok());
-  // A second begin for an open token names it; nothing else begins.
-  const std::vector<int> again{4, 2};
+  // One step at a time; a sequence of the open step cannot begin a token or be reset.
+  const std::vector<int> again{4, 3};
   e = cache.begin_step(again);
-  CHECK(e.message().find("begin_token(2)") != std::string::npos);
-  CHECK(cache.begin_token(4).is_ok());  // 4 did not begin above
+  CHECK(e.message().find("still open") != std::string::npos);
+  CHECK(cache.begin_token(2).code() == StatusCode::kInvalidArgument);
+  CHECK(cache.reset_sequence(2).message().find("open step") != std::string::npos);
+  CHECK(cache.begin_token(4).is_ok());  // another sequence may decode one token at a time meanwhile
   std::vector<float> k(2 * 2 * 16, 0.5f), q(2 * 4 * 16, 0.25f), out(q.size());
+  // The per-layer calls take the step's batch, in its order.
+  const std::vector<int> swapped{0, 2};
+  e = cache.append_batch(0, swapped, {k.data(), ElementType::kF32}, {k.data(), ElementType::kF32});
+  CHECK(e.message().find("not the one begin_step was given") != std::string::npos);
+  CHECK(cache.append_batch(2, batch, {k.data(), ElementType::kF32}, {k.data(), ElementType::kF32}).code() ==
+        StatusCode::kOutOfRange);
   // Attend before append, end before every layer: refused, naming layer and sequence.
   e = cache.attend_batch(0, batch, {q.data(), ElementType::kF32}, {out.data(), ElementType::kF32});
   CHECK(e.message().find("before its append") != std::string::npos);
@@ -138,7 +153,7 @@ TEST_CASE("Batched decode refuses bad batches naming the sequence, changing noth
   e = cache.append_batch(0, batch, {k.data(), ElementType::kF32}, {k.data(), ElementType::kF32});
   CHECK(e.message().find("already appended") != std::string::npos);
   e = cache.end_step(batch);
-  CHECK(e.message().find("layer 1 of sequence 2 was never appended") != std::string::npos);
+  CHECK(e.message().find("layer 1 was never appended") != std::string::npos);
   CHECK(cache.position(2) == 0);
   REQUIRE(cache.attend_batch(0, batch, {q.data(), ElementType::kF32}, {out.data(), ElementType::kF32}).is_ok());
   REQUIRE(cache.append_batch(1, batch, {k.data(), ElementType::kF32}, {k.data(), ElementType::kF32}).is_ok());
@@ -146,6 +161,10 @@ TEST_CASE("Batched decode refuses bad batches naming the sequence, changing noth
   CHECK(cache.position(2) == 1);
   CHECK(cache.position(0) == 1);
   CHECK(cache.live_tokens(0) == 1);
+  CHECK(cache.end_step(batch).message().find("no step is open") != std::string::npos);
+  CHECK(cache.attend_batch(0, batch, {q.data(), ElementType::kF32}, {out.data(), ElementType::kF32})
+            .message()
+            .find("no step is open") != std::string::npos);
 }
 
 TEST_CASE("Prefill stores what token-by-token appends store, and attends causally in FP32", "[batched][prefill]") {

@@ -481,6 +481,65 @@ TEST_CASE("BlockTable: a thought type change inside a staging group is rejected"
   CHECK(t.check_stage(-1, E).code() == StatusCode::kOutOfRange);
 }
 
+TEST_CASE("BlockTable: streams of a staging set share one staging record", "[block_table][stage_set]") {
+  // 6 streams in sets of 3: a token is pushed once for a set; each stream commits the full group
+  // on its own, and reads 0 staged once it has, the others g until they do.
+  CacheConfig c = table_config(8, 8, {0, 0, 16, 16}, kR4E4T2, 6);
+  c.stage_set_streams = 3;
+  BlockTable t(c);
+  CHECK(t.stage_set(2) == 0);
+  CHECK(t.stage_set(3) == 1);
+  for (int i = 0; i < 7; ++i) {
+    REQUIRE(t.check_stage(0, E).is_ok());
+    CHECK(t.push_staged(1, E, 5) == i);  // any stream of the set pushes for all of it
+  }
+  for (int s = 0; s < 3; ++s) CHECK(t.staged_count(s) == 7);
+  for (int s = 3; s < 6; ++s) CHECK(t.staged_count(s) == 0);  // another set
+  CHECK(t.next_position(2) == 7);
+  CHECK(t.check_stage(2, T).code() == StatusCode::kInvalidArgument);  // one group, one type
+  CHECK(t.check_stage(3, T).is_ok());
+  CHECK(t.push_staged(0, E, 6) == 7);  // completes the group
+  CommitPlan plan;
+  REQUIRE(t.plan_commit(1, E, plan).is_ok());
+  t.apply_commit(plan);
+  CHECK(t.staged_count(1) == 0);
+  CHECK(t.staged_count(0) == 8);  // not committed yet
+  CHECK(t.staged_count(2) == 8);
+  const auto live = t.live_slot_list(1);
+  REQUIRE(live.size() == 8);
+  for (int i = 0; i < 8; ++i) {
+    CHECK(t.slot_position(live[static_cast<std::size_t>(i)]) == i);
+    CHECK(t.slot_segment(live[static_cast<std::size_t>(i)]) == (i < 7 ? 5u : 6u));
+  }
+  for (int s : {0, 2}) {
+    REQUIRE(t.plan_commit(s, E, plan).is_ok());
+    t.apply_commit(plan);
+    CHECK(t.staged_count(s) == 0);
+  }
+  CHECK(t.check_stage(0, T).is_ok());  // the group is done: a new one may take another type
+  CHECK(t.push_staged(2, T, 7) == 0);
+  for (int s = 0; s < 3; ++s) CHECK(t.staged_count(s) == 1);
+  CHECK(t.staged_position(0, 0) == 8);
+  t.pop_staged(0);
+  for (int s = 0; s < 3; ++s) CHECK(t.staged_count(s) == 0);
+  CHECK(t.next_position(0) == 8);
+  // A prompt's tail: the set's group set directly; reset starts the set over.
+  const std::uint32_t segs[] = {9, 9};
+  t.set_staged(0, R, segs, 10);
+  CHECK(t.staged_count(1) == 2);
+  CHECK(t.staged_position(1, 0) == 8);
+  CHECK(t.staged_position(1, 1) == 9);
+  CHECK(t.next_position(2) == 10);
+  t.reset_stream(1);
+  CHECK(t.staged_count(0) == 0);
+  CHECK(t.next_position(0) == 0);
+  // stage_set_streams must divide num_streams.
+  c.stage_set_streams = 4;
+  CHECK_THAT(c.validate().message(), Contains("stage_set_streams 4 must divide num_streams 6"));
+  c.stage_set_streams = 0;
+  CHECK_FALSE(c.validate().is_ok());
+}
+
 TEST_CASE("BlockTable: randomized invariants against an independent model", "[block_table][random]") {
   TT_SEEDED_RNG();
   for (int config_i = 0; config_i < 8; ++config_i) {

@@ -271,9 +271,9 @@ TEST_CASE("ThinKV cache rejects bad input and leaves the cache unchanged", "[thi
   thinkv::ThinKvCache<> cache(cfg, policy_of<thinkv::ThinKvPolicy>(cfg));
   std::mt19937 rng(1);
   for (int t = 0; t < 20; ++t) REQUIRE(step(cache, 0, 1.0f, rng).is_ok());
-  const auto mem = cache.memory();
   const auto stats = cache.paged().table().stats();
   REQUIRE(cache.begin_token(0).is_ok());
+  const auto mem = cache.memory();  // begin_token staged the token's position (every stream)
   const auto before = tt::snapshot_cache(cache.paged());
   // ThinKV-level state too: segments, position, the tracker, the counters.
   const auto segs = cache.segments(0);

@@ -81,22 +81,69 @@ struct BatchAttendArgs {
   float* sparsity = nullptr;
 };
 
-/// A backend that serves batched calls.
+/// One sequence of a decode step (StepView): its stream of layer l, KV head h is first_stream +
+/// l * num_kv_heads + h (ThinKvCache's numbering), and the step's token goes into staging row
+/// `row` of every one of them.
+struct StepSequence {
+  std::int32_t first_stream = 0;  ///< the stream of layer 0, KV head 0; also the fault id (StageRow::fault)
+  std::int32_t row = 0;           ///< staging row of the step's token (0 .. group_size - 1)
+  std::int32_t tag = 0;           ///< fault tag (StageRow::tag)
+  std::int32_t sparsity = 0;      ///< 1: the step's sparsity layers compute this sequence's sparsity
+};
+
+/// A decode step as BasicThinKvCache::begin_step planned it, for the backend's prepare_step: the
+/// batch's sequences, every layer's commits (already applied to the table, whose views `table`
+/// reads), and what the attentions compute. Its spans stay valid, and the table unchanged for the
+/// step's streams, until the step ends (end_step).
+struct StepView {
+  int num_layers = 0;
+  int num_kv_heads = 0;  ///< per sequence
+  int num_q_heads = 0;   ///< per sequence
+  float softmax_scale = 0.0f;
+  std::span<const StepSequence> seqs;  ///< the batch, in order (row b of every tensor)
+  /// Every layer's commits, layer by layer: layer l's are commits[layer_commits[l] ..
+  /// layer_commits[l + 1]), plans of distinct streams of that layer.
+  std::span<const CommitPlan> commits;
+  std::span<const std::uint32_t> layer_commits;  ///< [num_layers + 1]
+  /// [num_layers]: -1, or the index of the layer among those whose attention computes sparsity.
+  std::span<const std::int8_t> sparsity_slot;
+  /// HOST [sparsity layers, batch, num_q_heads]: each query row's sparsity for the sequences that
+  /// ask (StepSequence::sparsity), in place after wait_sparsity(); the others' rows are NaN.
+  float* sparsity = nullptr;
+  /// The most slot positions (block list x block_size + staged) any stream of the step can hold:
+  /// an upper bound, a planning hint for attention launches (results never depend on it).
+  long long max_positions = 0;
+  TableView table;  ///< the table's streams and pools, and the list change log
+};
+
+/// A backend that serves batched calls: a decode step of a whole batch, one call per layer
+/// (prepare_step, then per layer append_step and attend_step), and prompts (stage_batch,
+/// commit_batch). Tensors are in the backend's memory.
 template <class B>
 concept batched_kv_backend = kv_backend<B> &&
-    requires(B& b, const B& cb, std::span<const StageRow> rows, TensorRef t, std::span<const CommitPlan> plans,
-             const AttendView& view, const BatchAttendArgs& args, std::vector<BackendFault>& faults, bool wait) {
+    requires(B& b, const B& cb, std::span<const StageRow> rows, TensorRef t, MutableTensorRef o,
+             std::span<const CommitPlan> plans, const StepView& step, int layer, std::vector<BackendFault>& faults,
+             bool wait) {
   /// Stages rows.size() tokens from k and v: one row per stream, or several rows of a stream
   /// adjacent and in row order (a prompt). Already-staged rows are untouched.
   { b.stage_batch(rows, t, t) } -> std::same_as<Status>;
   /// Commits full staging groups of distinct streams (plans in the order they were made).
   { b.commit_batch(plans) } -> std::same_as<Status>;
-  /// Decode attention of a batch; view.streams[i] is args.kv_streams[i]'s view.
-  { cb.attend_batch(view, args) } -> std::same_as<Status>;
+  /// Takes a step's plan (storage for its commits is in place): a device backend brings its
+  /// mirror of the block metadata up to date here and uploads what the step's launches read.
+  { b.prepare_step(step) } -> std::same_as<Status>;
+  /// Layer `layer` of the step: each sequence's K and V (k, v: [batch, num_kv_heads, head_dim])
+  /// staged into its row, and the layer's commits. K/V values are checked (StageRow).
+  { b.append_step(layer, t, t) } -> std::same_as<Status>;
+  /// Decode attention of layer `layer` for the whole batch (q, out: [batch, num_q_heads,
+  /// head_dim]), with the sparsity the step asks for.
+  { b.attend_step(layer, t, o) } -> std::same_as<Status>;
+  /// Waits until the step's sparsity results are in place (StepView::sparsity).
+  { b.wait_sparsity() } -> std::same_as<Status>;
   /// Appends the faults raised since the last poll whose results have reached the host
   /// (with `wait`, after waiting for all work enqueued so far).
   { b.poll_faults(faults, wait) } -> std::same_as<Status>;
-  /// Waits until every host result of earlier calls (sparsity) is in place.
+  /// Waits until every host result of earlier calls is in place.
   { b.synchronize() } -> std::same_as<Status>;
 };
 

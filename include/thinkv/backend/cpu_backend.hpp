@@ -15,6 +15,7 @@
 /// can put the pages in its own memory and a test can count every byte.
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -228,6 +229,73 @@ class BasicCpuKvBackend {
     for (const CommitPlan& p : plans) THINKV_RETURN_IF_ERROR(commit(p));
     return Status::ok();
   }
+  /// Takes a decode step's plan (kept until the step ends: its spans stay valid until then).
+  [[nodiscard]] Status prepare_step(const StepView& step) {
+    if (step.num_layers < 1 || step.num_kv_heads < 1 ||
+        step.layer_commits.size() != static_cast<std::size_t>(step.num_layers) + 1 ||
+        step.sparsity_slot.size() != static_cast<std::size_t>(step.num_layers)) {
+      return {StatusCode::kInvalidArgument, "prepare_step: the step's layer tables do not match its layer count"};
+    }
+    step_ = step;
+    return Status::ok();
+  }
+  /// Layer `layer` of the step: stage_batch of each sequence's rows, then commit_batch of the
+  /// layer's commits.
+  [[nodiscard]] Status append_step(int layer, TensorRef k, TensorRef v) {
+    THINKV_RETURN_IF_ERROR(check_step_layer(layer, "append_step"));
+    const int hkv = step_.num_kv_heads;
+    step_rows_.clear();
+    for (std::size_t b = 0; b < step_.seqs.size(); ++b) {
+      const StepSequence& q = step_.seqs[b];
+      for (int h = 0; h < hkv; ++h) {
+        step_rows_.push_back(StageRow{q.first_stream + layer * hkv + h, q.row, static_cast<std::int32_t>(b) * hkv + h,
+                                      q.first_stream, q.tag});
+      }
+    }
+    THINKV_RETURN_IF_ERROR(stage_batch(step_rows_, k, v));
+    const auto l = static_cast<std::size_t>(layer);
+    return commit_batch(
+        step_.commits.subspan(step_.layer_commits[l], step_.layer_commits[l + 1] - step_.layer_commits[l]));
+  }
+  /// Attention of layer `layer` for each sequence of the step in turn, with the sparsity of the
+  /// sequences that ask when the layer computes it (the others' rows NaN).
+  [[nodiscard]] Status attend_step(int layer, TensorRef q, MutableTensorRef out) const {
+    THINKV_RETURN_IF_ERROR(check_step_layer(layer, "attend_step"));
+    if (q.data == nullptr || out.data == nullptr) return {StatusCode::kInvalidArgument, "attend_step: null q or out"};
+    const int hkv = step_.num_kv_heads, hq = step_.num_q_heads;
+    const auto batch = step_.seqs.size();
+    const int slot = step_.sparsity_slot[static_cast<std::size_t>(layer)];
+    std::vector<std::int32_t> streams(static_cast<std::size_t>(hkv));
+    std::vector<StreamView> views;
+    const std::size_t rows = static_cast<std::size_t>(hq) * config_.head_dim;
+    std::vector<float> qf(rows), of(rows);
+    for (std::size_t b = 0; b < batch; ++b) {
+      const StepSequence& s = step_.seqs[b];
+      for (int h = 0; h < hkv; ++h) streams[static_cast<std::size_t>(h)] = s.first_stream + layer * hkv + h;
+      for (std::size_t i = 0; i < rows; ++i) qf[i] = load_element(q.data, q.type, b * rows + i);
+      float* sp = nullptr;
+      if (slot >= 0 && step_.sparsity != nullptr) {
+        sp = step_.sparsity + (static_cast<std::size_t>(slot) * batch + b) * static_cast<std::size_t>(hq);
+        if (s.sparsity == 0) {
+          std::fill_n(sp, hq, std::numeric_limits<float>::quiet_NaN());
+          sp = nullptr;
+        }
+      }
+      DecodeAttentionArgs args;
+      args.num_q_heads = hq;
+      args.num_kv_heads = hkv;
+      args.kv_streams = streams.data();
+      args.q = qf.data();
+      args.out = of.data();
+      args.softmax_scale = step_.softmax_scale;
+      args.sparsity = sp;
+      THINKV_RETURN_IF_ERROR(attend(step_.table.attend_view(streams, views), args));
+      for (std::size_t i = 0; i < rows; ++i) store_element(out.data, out.type, b * rows + i, of[i]);
+    }
+    return Status::ok();
+  }
+  /// The step's sparsity is in place as soon as attend_step returns.
+  [[nodiscard]] Status wait_sparsity() { return Status::ok(); }
   /// Attends each sequence of the batch in turn (host q and out of their element type).
   [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& a) const {
     if (a.batch < 0 || a.num_kv_heads < 1 || a.q.data == nullptr || a.out.data == nullptr ||
@@ -304,6 +372,15 @@ class BasicCpuKvBackend {
       const std::vector<int> k =
           kmeans_select(keys.data(), static_cast<int>(j.count), d, j.keep, KmeansOptions{max_iterations, j.seed});
       std::copy(k.begin(), k.end(), kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k)));
+    }
+    return Status::ok();
+  }
+
+  [[nodiscard]] Status check_step_layer(int layer, const char* call) const {
+    if (step_.seqs.empty() || layer < 0 || layer >= step_.num_layers) {
+      return {StatusCode::kInvalidArgument, std::string(call) + ": layer " + std::to_string(layer) +
+                                                " of no prepared step (prepare_step first; layers 0.." +
+                                                std::to_string(step_.num_layers - 1) + ")"};
     }
     return Status::ok();
   }
@@ -553,6 +630,8 @@ class BasicCpuKvBackend {
   mutable std::vector<std::uint8_t> poison_;  // what page() shows of a block without storage
   std::vector<std::uint8_t> faulted_;         // [streams] fault raised (stage_batch), until reset_stream
   std::vector<BackendFault> faults_;          // raised, not yet polled
+  StepView step_;                             // the open decode step (prepare_step)
+  std::vector<StageRow> step_rows_;           // append_step scratch
 };
 
 /// The CPU backend with the standard allocator.

@@ -102,9 +102,19 @@ class CudaKvBackend {
   [[nodiscard]] Status stage_batch(std::span<const StageRow> rows, TensorRef k, TensorRef v);
   /// One quantize-append launch for the plans' groups.
   [[nodiscard]] Status commit_batch(std::span<const CommitPlan> plans);
-  /// One decode-attention launch for the whole batch (device q and out; host sparsity, in place
-  /// after synchronize()).
-  [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& args) const;
+  /// A decode step (batch.hpp, StepView): brings the device's copy of the block metadata and
+  /// block lists up to date by changes, and uploads the step's sequences and every layer's commit
+  /// jobs in one copy into a device area the step's launches read.
+  [[nodiscard]] Status prepare_step(const StepView& step);
+  /// Layer `layer` of the step: one stage launch (every sequence's K/V rows, checked on the
+  /// device) and at most one quantize-append launch (the layer's commits).
+  [[nodiscard]] Status append_step(int layer, TensorRef k, TensorRef v);
+  /// One decode-attention launch for the layer's whole batch (device q and out); on a sparsity
+  /// layer of the step, the sparsity of the sequences that ask, copied back asynchronously.
+  [[nodiscard]] Status attend_step(int layer, TensorRef q, MutableTensorRef out) const;
+  /// Waits for the step's last sparsity copy (not for the rest of the step) and puts the results
+  /// in place.
+  [[nodiscard]] Status wait_sparsity();
   /// A prompt's causal self-attention (PromptAttendArgs; device q, k, v and out): one
   /// launch_prefill_attention on stream().
   [[nodiscard]] Status attend_prompt(const PromptAttendArgs& args) const;

@@ -66,6 +66,10 @@ struct DecodeAttentionParams {
   /// (reference/attention.hpp). The kernel needs no scratch for it: when asked, it makes a second
   /// pass over the keys once the row max m is final, recomputing each score bit for bit.
   float* sparsity = nullptr;  // [Hq] or null
+  /// Optional with `sparsity` [Hkv] (device): KV head h's query rows get their sparsity only when
+  /// sparsity_heads[h] != 0 (the others' are NaN and cost no pass over their keys); null: all.
+  /// A batched step asks only for the sequences whose thought refreshes.
+  const std::uint8_t* sparsity_heads = nullptr;
   /// Split-K (flash-decoding): each KV head's token list (its blocks' slot positions, then its
   /// staged tokens) is cut into num_splits chunks of whole tiles, one CTA each, whose partial
   /// (m, l, acc) go to `workspace`; a merge kernel combines them. 0 = automatic: the fewest

@@ -84,9 +84,10 @@ class BlockTable {
     record_cap_ = static_cast<std::uint32_t>(effective_record_capacity(config));
     record_chunk_ = config.record_chunk(record_cap_);
     streams_.resize(static_cast<std::size_t>(config.num_streams));
-    for (auto& s : streams_) {
-      s.staged_segment.assign(static_cast<std::size_t>(config.group_size), 0);
-      s.staged_position.assign(static_cast<std::size_t>(config.group_size), -1);
+    sets_.resize(static_cast<std::size_t>(config.num_streams / config.stage_set_streams));
+    for (auto& t : sets_) {
+      t.segment.assign(static_cast<std::size_t>(config.group_size), 0);
+      t.position.assign(static_cast<std::size_t>(config.group_size), -1);
     }
   }
 
@@ -169,17 +170,31 @@ class BlockTable {
   [[nodiscard]] std::span<const std::uint32_t> blocks(int stream) const {
     return streams_[static_cast<std::size_t>(stream)].blocks;
   }
-  /// Tokens held in staging (not yet quantized) and their thought type.
-  [[nodiscard]] int staged_count(int stream) const { return stream_(stream).staged; }
-  [[nodiscard]] ThoughtType staged_thought(int stream) const { return stream_(stream).staged_thought; }
+  /// Staging sets: the streams s with the same s / stage_set_streams() share one staging record
+  /// (CacheConfig::stage_set_streams): every token is pushed once for all of them, and each of
+  /// them commits the group when it is full. 1 (the default): every stream its own.
+  [[nodiscard]] int stage_set_streams() const noexcept { return config_.stage_set_streams; }
+  [[nodiscard]] int stage_set(int stream) const noexcept { return stream / config_.stage_set_streams; }
+  /// Tokens held in staging (not yet quantized): the tokens of the set's current group, or 0
+  /// once this stream has committed a full group. In a set of several streams, between the push
+  /// of a group's last token and a stream's commit, that stream reads group_size.
+  [[nodiscard]] int staged_count(int stream) const {
+    const StageSet& t = set_of(stream);
+    return t.staged == config_.group_size && stream_(stream).committed == t.epoch ? 0 : t.staged;
+  }
+  /// Thought type of the staged group (meaningful while staged_count() > 0).
+  [[nodiscard]] ThoughtType staged_thought(int stream) const { return set_of(stream).thought; }
   [[nodiscard]] std::uint32_t staged_segment(int stream, int row) const {
-    return stream_(stream).staged_segment[static_cast<std::size_t>(row)];
+    return set_of(stream).segment[static_cast<std::size_t>(row)];
   }
   [[nodiscard]] std::int32_t staged_position(int stream, int row) const {
-    return stream_(stream).staged_position[static_cast<std::size_t>(row)];
+    return set_of(stream).position[static_cast<std::size_t>(row)];
   }
+  /// The longest block list any stream of the stream's staging set has held since the set was
+  /// last reset (an upper bound on each one's list now: a planning hint for attention launches).
+  [[nodiscard]] std::uint32_t set_max_blocks(int stream) const { return set_of(stream).max_blocks; }
   /// Position the next appended token of the stream gets (tokens appended so far).
-  [[nodiscard]] std::int32_t next_position(int stream) const { return stream_(stream).next_position; }
+  [[nodiscard]] std::int32_t next_position(int stream) const { return set_of(stream).next_position; }
   /// Live (non-evicted) tokens in pages, excluding staging.
   [[nodiscard]] std::int64_t live_slots(int stream) const { return stream_(stream).live; }
   /// Evicted slots still held in the stream's blocks (holes awaiting reuse).
@@ -255,7 +270,7 @@ class BlockTable {
   /// A stream's block list, staged count and live slots.
   [[nodiscard]] StreamView stream_view(int stream) const {
     const StreamState& s = stream_(stream);
-    return {stream, s.blocks, s.staged, s.live, s.list_version};
+    return {stream, s.blocks, staged_count(stream), s.live, s.list_version};
   }
   /// An attention's view of the streams `streams` (each one's StreamView into `out`, reused).
   [[nodiscard]] AttendView attend_view(std::span<const std::int32_t> streams, std::vector<StreamView>& out) const {
@@ -266,6 +281,24 @@ class BlockTable {
     v.evict_mask_words = layout_.evict_mask_words();
     for (Precision p : kAllPrecisions) v.pools[static_cast<int>(p)] = pool_view(p);
     v.streams = out;
+    return v;
+  }
+
+  /// Plain read access to the table's current streams and pools, and the block-list change log
+  /// (storage_view.hpp's TableView), for a backend that reads any stream or mirrors the lists.
+  [[nodiscard]] TableView table_view() const noexcept {
+    TableView v;
+    v.ctx = this;
+    v.stream_fn = [](const void* t, int s) { return static_cast<const BlockTable*>(t)->stream_view(s); };
+    v.pool_fn = [](const void* t, int p) {
+      return static_cast<const BlockTable*>(t)->pool_view(static_cast<Precision>(p));
+    };
+    v.num_streams = config_.num_streams;
+    v.block_size = config_.block_size;
+    v.evict_mask_words = layout_.evict_mask_words();
+    v.list_revision = list_clock_;
+    v.list_log_first = list_log_first_;
+    v.list_changed = list_log_;
     return v;
   }
 
@@ -320,13 +353,20 @@ class BlockTable {
   /// later segments that reused its holes), not every live slot.
   void live_segment_slots(int stream, std::uint32_t segment, std::vector<SlotRef>& out) const {
     out.clear();
-    for (std::uint32_t b : blocks(stream)) {
-      const Loc l = loc(b);
-      if (!l.ok || segment < l.pool->seg_lo[l.local] || segment > l.pool->seg_hi[l.local]) continue;
-      const int n = block_fill(b);
+    const StreamState& s = stream_(stream);
+    const int words = layout_.evict_mask_words();
+    for (std::size_t k = 0; k < s.blocks.size(); ++k) {
+      const std::uint32_t b = s.blocks[k];
+      const int p = static_cast<int>(config_.precision.precision_of(s.thoughts[k]));
+      const PoolState& ps = pool_[p];
+      const std::uint32_t local = b - pools_.base[p];
+      if (segment < ps.seg_lo[local] || segment > ps.seg_hi[local]) continue;
+      const int n = ps.fill[local];
+      const std::uint32_t* seg = ps.slot_segment.data() + slot_index(local, 0);
+      const std::uint64_t* mask = ps.mask.data() + static_cast<std::size_t>(local) * words;
       for (int i = 0; i < n; ++i) {
-        const SlotRef r{b, static_cast<std::uint32_t>(i)};
-        if (l.pool->slot_segment[slot_index(l, r.slot)] == segment && !is_evicted(r)) out.push_back(r);
+        if (seg[i] == segment && ((mask[i / 64] >> (i % 64)) & 1u) == 0)
+          out.push_back({b, static_cast<std::uint32_t>(i)});
       }
     }
   }
@@ -353,41 +393,62 @@ class BlockTable {
       return {StatusCode::kInvalidArgument,
               "thought type " + std::to_string(static_cast<int>(t)) + " is not one of R (0), E (1), T (2)"};
     }
-    const StreamState& s = stream_(stream);
-    if (s.staged > 0 && s.staged_thought != t) {
+    const StageSet& s = set_of(stream);
+    if (s.staged > 0 && s.staged < config_.group_size && s.thought != t) {
       return {StatusCode::kInvalidArgument,
               "thought type " + std::string(to_string(t)) + " appended to stream " + std::to_string(stream) +
                   " while its staging group holds " + std::to_string(s.staged) + " token(s) of type " +
-                  std::string(to_string(s.staged_thought)) +
+                  std::string(to_string(s.thought)) +
                   ": a quantization group never mixes thought types; change the type only when "
                   "the position is a multiple of group_size (" +
                   std::to_string(config_.group_size) + ")"};
     }
     return Status::ok();
   }
-  /// Records a staged token's metadata (the backend holds its data). Call after check_stage and,
-  /// if this token fills the group, after a successful plan_commit. Returns the staging row.
+  /// Records a staged token's metadata for the stream's staging set (the backend holds its data):
+  /// the set's next position, thought `t`, segment `segment`. Call after check_stage and, if this
+  /// token fills the group, after a successful plan_commit. A full group (every stream of the set
+  /// committed it) is left for a new one. Returns the staging row.
   int push_staged(int stream, ThoughtType t, std::uint32_t segment) {
-    StreamState& s = stream_(stream);
+    StageSet& s = set_of(stream);
+    if (s.staged == config_.group_size) {
+      s.staged = 0;
+      ++s.epoch;
+    }
     const int row = s.staged;
-    s.staged_thought = t;
-    s.staged_segment[static_cast<std::size_t>(row)] = segment;
-    s.staged_position[static_cast<std::size_t>(row)] = s.next_position++;
+    s.thought = t;
+    s.segment[static_cast<std::size_t>(row)] = segment;
+    s.position[static_cast<std::size_t>(row)] = s.next_position++;
     ++s.staged;
     return row;
   }
   /// Undoes the last push_staged (used when a backend fails after the table was updated).
   void pop_staged(int stream) {
-    StreamState& s = stream_(stream);
+    StageSet& s = set_of(stream);
     --s.staged;
     --s.next_position;
   }
+  /// Sets a staging set's group directly: `count` tokens (0 .. group_size - 1) of thought `t`
+  /// with these segments, at positions next - count .. next - 1, the set's next position being
+  /// `next`. A prompt uses it for the tokens past its last full group (the full groups are
+  /// committed with apply_commit's explicit metadata). Nothing else changes.
+  void set_staged(int stream, ThoughtType t, std::span<const std::uint32_t> segments, std::int32_t next) {
+    StageSet& s = set_of(stream);
+    s.staged = static_cast<int>(segments.size());
+    ++s.epoch;
+    s.thought = t;
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      s.segment[i] = segments[i];
+      s.position[i] = next - static_cast<std::int32_t>(segments.size() - i);
+    }
+    s.next_position = next;
+  }
 
   /// Gives the stream's whole staging group a new thought type (nothing is committed yet, so no
-  /// data moves). Thought refreshes use it: see ThoughtTracker. No-op when nothing is staged.
+  /// data moves). Thought refreshes use it: see ThoughtTracker. No-op when no group is open.
   void relabel_staged(int stream, ThoughtType t) {
-    StreamState& s = stream_(stream);
-    if (s.staged > 0) s.staged_thought = t;
+    StageSet& s = set_of(stream);
+    if (s.staged > 0 && s.staged < config_.group_size) s.thought = t;
   }
 
   // ---- commit: plan (pure), then apply -----------------------------------------------------
@@ -413,13 +474,17 @@ class BlockTable {
     plan.slots.reserve(static_cast<std::size_t>(g));
     const StreamState& s = stream_(stream);
     const int words = layout_.evict_mask_words();
-    // 1. holes of the same thought type (in place reuse)
+    // Every block of `thought` lies in pool p (the map sends a thought type to one precision).
+    const PoolState& ps = pool_[pi];
+    const std::uint32_t base = pools_.base[pi];
+    // 1. holes of the same thought type (in place reuse), oldest block first
     if (s.holes_by_thought[static_cast<int>(thought)] > 0) {
-      for (std::uint32_t b : s.blocks) {
-        if (block_thought(b) != thought) continue;
-        const auto mask = evict_mask(b);
+      for (std::size_t k = 0; k < s.blocks.size() && !plan_full(plan, g); ++k) {
+        if (s.thoughts[k] != thought) continue;
+        const std::uint32_t b = s.blocks[k];
+        const std::uint64_t* mask = ps.mask.data() + static_cast<std::size_t>(b - base) * words;
         for (int w = 0; w < words && !plan_full(plan, g); ++w) {
-          std::uint64_t bits = mask[static_cast<std::size_t>(w)];
+          std::uint64_t bits = mask[w];
           while (bits != 0 && !plan_full(plan, g)) {
             const int i = __builtin_ctzll(bits);
             bits &= bits - 1;
@@ -427,16 +492,17 @@ class BlockTable {
             ++plan.reused_slots;
           }
         }
-        if (plan_full(plan, g)) break;
       }
     }
-    // 2. unwritten slots of open blocks of the same thought type
-    for (std::uint32_t b : s.blocks) {
-      if (plan_full(plan, g)) break;
-      if (block_thought(b) != thought) continue;
-      for (int i = block_fill(b); i < bs && !plan_full(plan, g); ++i) {
+    // 2. unwritten slots of the type's blocks: only its newest block can have any (a fresh block
+    //    is taken only when every slot of the type's blocks is written and live)
+    for (std::size_t k = s.blocks.size(); k-- > 0 && !plan_full(plan, g);) {
+      if (s.thoughts[k] != thought) continue;
+      const std::uint32_t b = s.blocks[k];
+      for (int i = ps.fill[b - base]; i < bs && !plan_full(plan, g); ++i) {
         plan.slots.push_back({b, static_cast<std::uint32_t>(i)});
       }
+      break;
     }
     // 3. fresh blocks
     std::size_t next = claims != nullptr ? claims->blocks[pi] : 0;
@@ -492,6 +558,15 @@ class BlockTable {
   /// current state (no other mutation in between), or from a batch planned with PlanClaims and
   /// applied in order.
   void apply_commit(const CommitPlan& plan) {
+    const StageSet& t = set_of(plan.stream);
+    apply_commit(plan, t.segment, t.position);
+    stream_(plan.stream).committed = t.epoch;  // this stream is done with the set's group
+  }
+  /// apply_commit with the group's token metadata given (segments[i] and positions[i] of the
+  /// token going to plan.slots[i]) instead of the staging set's: a prompt's full groups (the
+  /// staging set's own group is not committed by it).
+  void apply_commit(const CommitPlan& plan, std::span<const std::uint32_t> segments,
+                    std::span<const std::int32_t> positions) {
     ++op_;
     StreamState& s = stream_(plan.stream);
     const int p = static_cast<int>(plan.precision);
@@ -500,6 +575,7 @@ class BlockTable {
     PoolState& ps = pool_[p];
     for (std::uint32_t b : plan.new_blocks) {
       ps.free.erase(b);
+      ++ps.free_version;
       const std::uint32_t local = b - pools_.base[p];
       ps.owner[local] = plan.stream;
       ps.thought[local] = plan.thought;
@@ -510,9 +586,14 @@ class BlockTable {
       touch(ps, local);
       ++ps.chunk_held[local / chunk_[p]];
       s.blocks.push_back(b);
+      s.thoughts.push_back(plan.thought);
       ++stats_.blocks_allocated;
     }
-    if (!plan.new_blocks.empty()) s.list_version = ++list_clock_;
+    if (!plan.new_blocks.empty()) {
+      s.list_version = list_changed(plan.stream);
+      StageSet& t = set_of(plan.stream);
+      t.max_blocks = std::max(t.max_blocks, static_cast<std::uint32_t>(s.blocks.size()));
+    }
     if (plan.record != kNoRecord) {
       if (free_records_.back() == plan.record) {
         free_records_.pop_back();
@@ -524,13 +605,17 @@ class BlockTable {
       ++s.records;
       ++stats_.records_allocated;
     }
+    // Every slot of the plan lies in pool p (its thought's precision).
+    PoolState& q = ps;
+    const std::uint32_t base = pools_.base[p];
     for (std::size_t i = 0; i < plan.slots.size(); ++i) {
       const SlotRef r = plan.slots[i];
-      std::uint32_t local = 0;
-      PoolState& q = pool_of(r.block, local);
+      const std::uint32_t local = r.block - base;
       const std::size_t si = slot_index(local, r.slot);
-      if (is_evicted(r)) {
-        q.mask[mask_index(local, r.slot)] &= ~(std::uint64_t{1} << (r.slot % 64));
+      std::uint64_t& word = q.mask[mask_index(local, r.slot)];
+      const std::uint64_t bit = std::uint64_t{1} << (r.slot % 64);
+      if ((word & bit) != 0) {  // a hole reused
+        word &= ~bit;
         --s.holes;
         --s.holes_by_thought[static_cast<int>(plan.thought)];
       } else {
@@ -538,17 +623,16 @@ class BlockTable {
       }
       q.slot_record[si] = plan.record;
       touch(q, local);
-      q.slot_segment[si] = s.staged_segment[i];
-      q.seg_lo[local] = std::min(q.seg_lo[local], s.staged_segment[i]);
-      q.seg_hi[local] = std::max(q.seg_hi[local], s.staged_segment[i]);
-      q.slot_position[si] = s.staged_position[i];
+      q.slot_segment[si] = segments[i];
+      q.seg_lo[local] = std::min(q.seg_lo[local], segments[i]);
+      q.seg_hi[local] = std::max(q.seg_hi[local], segments[i]);
+      q.slot_position[si] = positions[i];
       ++q.live[local];
       ++s.live;
     }
     stats_.slots_written += static_cast<std::int64_t>(plan.slots.size());
     stats_.slots_reused += plan.reused_slots;
     ++stats_.commits;
-    s.staged = 0;
   }
 
   // ---- eviction ----------------------------------------------------------------------------
@@ -559,8 +643,7 @@ class BlockTable {
   /// live slot of this stream, or a duplicate, fails the call with nothing changed.
   [[nodiscard]] Status evict(int stream, std::span<const SlotRef> slots) {
     THINKV_RETURN_IF_ERROR(check_stream(stream));
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      const SlotRef r = slots[i];
+    for (const SlotRef r : slots) {
       if (!contains(r)) {
         return {StatusCode::kOutOfRange,
                 "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} does not exist"};
@@ -570,35 +653,45 @@ class BlockTable {
                                                   std::to_string(r.slot) + "} is not a live slot of stream " +
                                                   std::to_string(stream)};
       }
-      for (std::size_t j = 0; j < i; ++j) {
-        if (slots[j] == r) {
-          return {StatusCode::kInvalidArgument,
-                  "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} is listed twice"};
-        }
-      }
+    }
+    // Duplicates: sorted, a slot listed twice is adjacent (the runs of one block serve below).
+    sorted_.assign(slots.begin(), slots.end());
+    std::sort(sorted_.begin(), sorted_.end());
+    if (const auto it = std::adjacent_find(sorted_.begin(), sorted_.end()); it != sorted_.end()) {
+      return {StatusCode::kInvalidArgument,
+              "slot {block " + std::to_string(it->block) + ", slot " + std::to_string(it->slot) + "} is listed twice"};
     }
     ++op_;
     StreamState& s = stream_(stream);
-    for (const SlotRef r : slots) {
+    bool emptied = false;
+    for (std::size_t i = 0; i < sorted_.size();) {
+      // One block's victims at a time: its mask words, live count and change log once.
+      const std::uint32_t b = sorted_[i].block;
       std::uint32_t local = 0;
-      PoolState& q = pool_of(r.block, local);
-      q.mask[mask_index(local, r.slot)] |= std::uint64_t{1} << (r.slot % 64);
-      touch(q, local);
-      --q.live[local];
-      --s.live;
-      ++s.holes;
-      ++s.holes_by_thought[static_cast<int>(q.thought[local])];
-      ++stats_.slots_evicted;
-      const std::uint32_t rec = q.slot_record[slot_index(local, r.slot)];
-      if (rec != kNoRecord && --record_refs_[rec] == 0) {
-        record_owner_[rec] = kNoStream;
-        free_records_.push_back(rec);
-        --s.records;
-        ++stats_.records_freed;
+      PoolState& q = pool_of(b, local);
+      const int t = static_cast<int>(q.thought[local]);
+      int n = 0;
+      for (; i < sorted_.size() && sorted_[i].block == b; ++i, ++n) {
+        const std::uint32_t slot = sorted_[i].slot;
+        q.mask[mask_index(local, slot)] |= std::uint64_t{1} << (slot % 64);
+        const std::uint32_t rec = q.slot_record[slot_index(local, slot)];
+        if (rec != kNoRecord && --record_refs_[rec] == 0) {
+          record_owner_[rec] = kNoStream;
+          free_records_.push_back(rec);
+          --s.records;
+          ++stats_.records_freed;
+        }
       }
+      touch(q, local);
+      q.live[local] = static_cast<std::uint16_t>(q.live[local] - n);
+      s.live -= n;
+      s.holes += n;
+      s.holes_by_thought[t] += n;
+      stats_.slots_evicted += n;
+      emptied = emptied || q.live[local] == 0;
     }
     // Return blocks with no live slot to their pools (their holes go with them).
-    for (std::size_t k = 0; k < s.blocks.size();) {
+    for (std::size_t k = 0; emptied && k < s.blocks.size();) {
       const std::uint32_t b = s.blocks[k];
       if (block_live(b) == 0) {
         const int holes = count_holes(b);
@@ -606,12 +699,13 @@ class BlockTable {
         s.holes_by_thought[static_cast<int>(block_thought(b))] -= holes;
         release_block(b);
         s.blocks.erase(s.blocks.begin() + static_cast<std::ptrdiff_t>(k));
-        s.list_version = ++list_clock_;
+        s.thoughts.erase(s.thoughts.begin() + static_cast<std::ptrdiff_t>(k));
+        s.list_version = list_changed(stream);
       } else {
         ++k;
       }
     }
-    release_empty_chunks();
+    if (emptied) release_empty_chunks();
     return Status::ok();
   }
 
@@ -634,10 +728,15 @@ class BlockTable {
       release_block(b);
     }
     StreamState fresh;
-    fresh.staged_segment.assign(static_cast<std::size_t>(config_.group_size), 0);
-    fresh.staged_position.assign(static_cast<std::size_t>(config_.group_size), -1);
-    fresh.list_version = s.blocks.empty() ? s.list_version : ++list_clock_;
+    fresh.list_version = s.blocks.empty() ? s.list_version : list_changed(stream);
     s = std::move(fresh);
+    // The stream's staging set starts over (in a set of several streams the sequence is reset
+    // stream by stream: idempotent).
+    StageSet& t = set_of(stream);
+    t.staged = 0;
+    ++t.epoch;
+    t.next_position = 0;
+    t.max_blocks = 0;
     release_empty_chunks();
   }
 
@@ -651,21 +750,29 @@ class BlockTable {
  private:
   struct StreamState {
     std::vector<std::uint32_t> blocks;
+    std::vector<ThoughtType> thoughts;  // the thought type of each block of `blocks`
     std::int64_t live = 0;
     std::int64_t holes = 0;
     std::int64_t holes_by_thought[kNumThoughtTypes] = {};
     std::int64_t records = 0;
-    int staged = 0;
-    ThoughtType staged_thought = ThoughtType::kReasoning;
-    std::vector<std::uint32_t> staged_segment;
-    std::vector<std::int32_t> staged_position;
-    std::int32_t next_position = 0;
+    std::uint32_t committed = 0;     // the StageSet::epoch whose full group this stream committed
     std::uint64_t list_version = 0;  // StreamView::list_version
+  };
+  /// The staging record of a set of streams (CacheConfig::stage_set_streams).
+  struct StageSet {
+    int staged = 0;  // tokens of the current group pushed (group_size: full)
+    ThoughtType thought = ThoughtType::kReasoning;
+    std::vector<std::uint32_t> segment;  // [group_size]
+    std::vector<std::int32_t> position;  // [group_size]
+    std::int32_t next_position = 0;
+    std::uint32_t epoch = 1;       // the current group's number; a stream that committed it holds it
+    std::uint32_t max_blocks = 0;  // the longest block list any stream of the set has had since reset
   };
   /// One precision's pool: the allocated part of its id range and its blocks' metadata.
   struct PoolState {
     std::uint32_t grown = 0;                // blocks with storage: local ids [0, grown)
     std::set<std::uint32_t> free;           // free global ids among them
+    std::uint64_t free_version = 0;         // changes of `free` (nth_free_block's cursor)
     std::vector<std::uint32_t> chunk_held;  // held blocks per chunk
     std::vector<ThoughtType> thought;       // per block, by local id
     std::vector<std::uint16_t> fill;
@@ -695,6 +802,22 @@ class BlockTable {
     ps.changed.push_back(local);
     ++ps.revision;
   }
+  /// A stream's block list changed: a new list version, logged for TableView (trimmed, like the
+  /// pools' logs, when it outgrows twice the streams: a mirror that far behind copies every list).
+  std::uint64_t list_changed(int stream) {
+    if (list_log_.size() >= std::max<std::size_t>(1024, 2 * streams_.size())) {
+      list_log_.clear();
+      list_log_first_ = list_clock_;
+    }
+    list_log_.push_back(stream);
+    return ++list_clock_;
+  }
+  struct FreeCursor {
+    std::uint64_t version = ~std::uint64_t{0};
+    const std::set<std::uint32_t>* set = nullptr;  // the set `it` walks (a copied table has its own)
+    std::size_t k = 0;
+    std::set<std::uint32_t>::const_iterator it;
+  };
   /// Where a global block id lives: its pool and local id; ok = false without storage.
   struct Loc {
     const PoolState* pool = nullptr;
@@ -754,7 +877,20 @@ class BlockTable {
   [[nodiscard]] std::uint32_t nth_free_block(Precision p, std::size_t k) const {
     const int i = static_cast<int>(p);
     const PoolState& ps = pool_[i];
-    if (k < ps.free.size()) return *std::next(ps.free.begin(), static_cast<std::ptrdiff_t>(k));
+    if (k < ps.free.size()) {
+      // Plans made with PlanClaims ask for k, k + 1, ... in turn: walk on from the last answer
+      // (a set has no random access) while the free set is unchanged.
+      FreeCursor& c = cursor_[i];
+      if (c.version != ps.free_version || c.set != &ps.free || k < c.k) {
+        c.version = ps.free_version;
+        c.set = &ps.free;
+        c.k = 0;
+        c.it = ps.free.begin();
+      }
+      c.it = std::next(c.it, static_cast<std::ptrdiff_t>(k - c.k));
+      c.k = k;
+      return *c.it;
+    }
     const std::size_t j = ps.grown + (k - ps.free.size());
     return j < pools_.count[i] ? pools_.base[i] + static_cast<std::uint32_t>(j) : kNoBlock;
   }
@@ -797,6 +933,7 @@ class BlockTable {
     const std::uint32_t old = ps.grown;
     resize_pool(static_cast<int>(p), blocks);
     for (std::uint32_t i = old; i < blocks; ++i) ps.free.insert(ps.free.end(), pools_.base[static_cast<int>(p)] + i);
+    ++ps.free_version;
     stats_.chunks_grown += (blocks - old + chunk_[static_cast<int>(p)] - 1) / chunk_[static_cast<int>(p)];
   }
   void grow_records(std::uint32_t records) {
@@ -842,6 +979,7 @@ class BlockTable {
       if (chunks == ps.chunk_held.size()) continue;
       const auto keep = static_cast<std::uint32_t>(std::min<std::size_t>(chunks * chunk_[p], ps.grown));
       ps.free.erase(ps.free.lower_bound(pools_.base[p] + keep), ps.free.end());
+      ++ps.free_version;
       stats_.chunks_released += static_cast<std::int64_t>(ps.chunk_held.size() - chunks);
       resize_pool(p, keep);
       // Shrink the metadata's own allocations too: memory follows what is held.
@@ -861,6 +999,10 @@ class BlockTable {
   static bool plan_full(const CommitPlan& p, int g) { return static_cast<int>(p.slots.size()) >= g; }
   [[nodiscard]] const StreamState& stream_(int s) const { return streams_[static_cast<std::size_t>(s)]; }
   StreamState& stream_(int s) { return streams_[static_cast<std::size_t>(s)]; }
+  [[nodiscard]] const StageSet& set_of(int stream) const {
+    return sets_[static_cast<std::size_t>(stream / config_.stage_set_streams)];
+  }
+  StageSet& set_of(int stream) { return sets_[static_cast<std::size_t>(stream / config_.stage_set_streams)]; }
   [[nodiscard]] int count_holes(std::uint32_t b) const {
     int n = 0;
     for (std::uint64_t w : evict_mask(b)) n += __builtin_popcountll(w);
@@ -880,16 +1022,21 @@ class BlockTable {
     touch(ps, local);
     --ps.chunk_held[local / chunk_[static_cast<int>(pools_.precision_of(b))]];
     ps.free.insert(b);
+    ++ps.free_version;
     ++stats_.blocks_freed;
   }
 
   CacheConfig config_;
   std::uint64_t op_ = 0;          // mutating calls so far (touch)
   std::uint64_t list_clock_ = 0;  // StreamView::list_version of the last list change
+  // Block-list change log (TableView): streams whose list changed after list_log_first_.
+  std::uint64_t list_log_first_ = 0;
+  std::vector<std::int32_t> list_log_;
   CacheLayout layout_;
   PoolMap pools_;
   BlockTableStats stats_;
   PoolState pool_[kNumPrecisions];
+  mutable FreeCursor cursor_[kNumPrecisions];  // nth_free_block's last answer per pool
   std::uint32_t chunk_[kNumPrecisions] = {1, 1, 1, 1};
   // key-scale records: ids [0, records_grown_) have storage
   std::uint32_t record_cap_ = 0;
@@ -899,6 +1046,8 @@ class BlockTable {
   std::vector<std::int32_t> record_owner_;
   std::vector<std::uint32_t> free_records_;  // freed ids below records_grown_; the back goes first
   std::vector<StreamState> streams_;
+  std::vector<StageSet> sets_;
+  std::vector<SlotRef> sorted_;  // evict's scratch
 };
 
 }  // namespace thinkv

@@ -81,7 +81,11 @@ inline void flatten_streams(const AttendView& view, int num_streams, FlatBlockTa
 /// the same compact numbering as flatten_block_table. `num_streams` sizes the CSR (kernels index
 /// it by stream id); `pages` as there (null = the view's pages with storage).
 inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlockTable& out,
-                                const std::uint32_t* pages = nullptr) {
+                                const std::uint32_t* pages = nullptr);
+
+/// The pools' part of flatten_attend_view alone: numbering, fill, masks and slot records of every
+/// page (the CSR block lists and staged counts of `out` are left as they are).
+inline void flatten_pools(const AttendView& view, FlatBlockTable& out, const std::uint32_t* pages = nullptr) {
   const int bs = view.block_size;
   const int words = view.evict_mask_words;
   flat_numbering(view, out, pages);
@@ -97,6 +101,11 @@ inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlo
     std::copy_n(pv.evict_mask.begin(), have * words, out.evict_mask.begin() + static_cast<std::ptrdiff_t>(f * words));
     std::copy_n(pv.slot_record.begin(), have * bs, out.slot_record.begin() + static_cast<std::ptrdiff_t>(f * bs));
   }
+}
+
+inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlockTable& out,
+                                const std::uint32_t* pages) {
+  flatten_pools(view, out, pages);
   flatten_streams(view, num_streams, out);
 }
 

@@ -130,6 +130,12 @@ struct CacheConfig : StorageConfig {
   /// the host runs out). Every sequence, stream and precision draws on it; a commit that would
   /// pass it fails with kPoolExhausted and changes nothing.
   std::int64_t memory_limit_bytes = 0;
+  /// Streams that share one staging record: streams s and t with s / n == t / n take every token
+  /// together (one push of its position, thought and segment for all of them; each commits the
+  /// group when it is full). ThinKvCache sets it to a sequence's layers x KV heads, so a decode
+  /// step records each sequence's token once, not once per stream. 1: every stream on its own
+  /// (PagedKvCache's per-stream append needs 1). Must divide num_streams.
+  int stage_set_streams = 1;
 
   /// The storage part (what a backend's init takes).
   [[nodiscard]] const StorageConfig& storage() const noexcept { return *this; }
@@ -143,6 +149,10 @@ struct CacheConfig : StorageConfig {
         return bad("precision map " + precision.to_string() + " stores thoughts as " + std::string(to_string(p)) +
                    " but pool_blocks[" + std::string(to_string(p)) + "] is 0; allowed: >= 1");
       }
+    }
+    if (stage_set_streams < 1 || stage_set_streams > num_streams || num_streams % stage_set_streams != 0) {
+      return bad("stage_set_streams " + std::to_string(stage_set_streams) + " must divide num_streams " +
+                 std::to_string(num_streams) + "; allowed: 1 (each stream on its own) or a divisor");
     }
     if (memory_limit_bytes < 0) {
       return bad("memory_limit_bytes " + std::to_string(memory_limit_bytes) +
@@ -165,7 +175,7 @@ inline std::ostream& operator<<(std::ostream& os, const CacheConfig& c) {
             << ", block=" << c.block_size << ", map=" << c.precision << ", pools={" << c.pool_blocks[0] << ","
             << c.pool_blocks[1] << "," << c.pool_blocks[2] << "," << c.pool_blocks[3]
             << "}, records=" << c.record_capacity << ", chunk=" << c.chunk_blocks << ", limit=" << c.memory_limit_bytes
-            << "}";
+            << ", stage_set=" << c.stage_set_streams << "}";
 }
 
 /// Number of key-scale records a configuration provides: record_capacity, or when that is 0 the

@@ -150,4 +150,45 @@ struct AttendView {
   }
 };
 
+/// Read access to the block table's current state as plain views, for a backend that reads
+/// streams beyond the ones an attention names (a batched step's attention on the host) or keeps a
+/// mirror of the block lists (a device): any stream's and any pool's view, fetched when needed
+/// (each valid until the table's next change), and the log of block-list changes. Every change
+/// of a stream's block list raises `list_revision` by one and appends the stream to
+/// `list_changed`, so list_changed[i] is the stream of revision list_log_first + i + 1. A mirror
+/// synced at revision r with list_log_first <= r <= list_revision copies the lists of
+/// list_changed[r - list_log_first ..] (a stream may repeat); one synced before list_log_first
+/// copies every list.
+struct TableView {
+  const void* ctx = nullptr;
+  StreamView (*stream_fn)(const void*, int) = nullptr;
+  PoolView (*pool_fn)(const void*, int) = nullptr;
+  int num_streams = 0;
+  int block_size = 0;
+  int evict_mask_words = 0;
+  std::uint64_t list_revision = 0;
+  std::uint64_t list_log_first = 0;
+  std::span<const std::int32_t> list_changed;
+
+  [[nodiscard]] StreamView stream(int s) const { return stream_fn(ctx, s); }
+  [[nodiscard]] PoolView pool(int p) const { return pool_fn(ctx, p); }
+  /// The streams whose lists a mirror synced at `synced` must copy, or false: copy every list.
+  [[nodiscard]] bool list_changes_since(std::uint64_t synced, std::span<const std::int32_t>& streams) const noexcept {
+    if (synced < list_log_first || synced > list_revision) return false;
+    streams = list_changed.subspan(static_cast<std::size_t>(synced - list_log_first));
+    return true;
+  }
+  /// An AttendView of `streams` (their views into `out`, reused) and every pool, as now.
+  [[nodiscard]] AttendView attend_view(std::span<const std::int32_t> streams, std::vector<StreamView>& out) const {
+    out.clear();
+    for (std::int32_t s : streams) out.push_back(stream(s));
+    AttendView v;
+    v.block_size = block_size;
+    v.evict_mask_words = evict_mask_words;
+    for (int p = 0; p < kNumPrecisions; ++p) v.pools[p] = pool(p);
+    v.streams = out;
+    return v;
+  }
+};
+
 }  // namespace thinkv
