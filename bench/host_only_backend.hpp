@@ -7,6 +7,7 @@
 /// attention writes nothing, its K-means keeps each segment's first tokens, and its sparsity is
 /// a fixed pattern per sequence, so thought types still change at refreshes.
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -59,22 +60,30 @@ class HostOnlyBackend {
   [[nodiscard]] Status wait_sparsity() { return Status::ok(); }
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>&, bool) { return Status::ok(); }
   [[nodiscard]] Status synchronize() { return Status::ok(); }
-  [[nodiscard]] Status select_kmeans(std::span<const TokenRef>, std::span<const KmeansJob> jobs, int,
-                                     std::vector<int>& kept, int& max_k) {
-    max_k = 1;
-    for (const KmeansJob& j : jobs) max_k = std::max(max_k, j.keep);
-    kept.assign(jobs.size() * static_cast<std::size_t>(max_k), -1);
-    for (std::size_t j = 0; j < jobs.size(); ++j) {
-      for (int i = 0; i < jobs[j].keep; ++i)
-        kept[j * static_cast<std::size_t>(max_k) + static_cast<std::size_t>(i)] = i;
+  /// The segments' live slots found through the table (the scan a device backend runs on the
+  /// device: timed apart, select_us), each keeping its first `keep`.
+  [[nodiscard]] Status select_segments(const TableView& table, std::span<const SegmentSelect> jobs, int,
+                                       std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) {
+    const auto t0 = std::chrono::steady_clock::now();
+    victims.clear();
+    offsets.assign(1, 0);
+    for (const SegmentSelect& j : jobs) {
+      table.segment_tokens(j.stream, j.segment, tokens_);
+      for (std::size_t i = static_cast<std::size_t>(j.keep); i < tokens_.size(); ++i)
+        victims.push_back(tokens_[i].slot);
+      offsets.push_back(static_cast<std::uint32_t>(victims.size()));
     }
+    select_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     return Status::ok();
   }
+  /// Host time spent in select_segments (what a device backend does on the device).
+  double select_us = 0;
 
  private:
   StepView step_;
   mutable std::uint64_t calls_ = 0;
+  std::vector<TokenRef> tokens_;
 };
-static_assert(batched_kv_backend<HostOnlyBackend> && kmeans_selecting_backend<HostOnlyBackend>);
+static_assert(batched_kv_backend<HostOnlyBackend> && segment_selecting_backend<HostOnlyBackend>);
 
 }  // namespace thinkv::bench

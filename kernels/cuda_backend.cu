@@ -59,13 +59,17 @@ T* typed(void* p) {
 /// Writes n changed blocks' metadata (FlatBlockDelta, packed) into the device mirror: one CTA
 /// per block.
 __global__ void scatter_block_meta(const std::uint32_t* ids, const std::uint16_t* fill, const std::uint64_t* mask,
-                                   const std::uint32_t* rec, int words, int block_size, std::uint16_t* dfill,
-                                   std::uint64_t* dmask, std::uint32_t* drec) {
+                                   const std::uint32_t* rec, const std::uint32_t* seg, int words, int block_size,
+                                   std::uint16_t* dfill, std::uint64_t* dmask, std::uint32_t* drec,
+                                   std::uint32_t* dseg) {
   const std::size_t i = blockIdx.x;
   const std::size_t b = ids[i];
   if (threadIdx.x == 0) dfill[b] = fill[i];
   for (int w = threadIdx.x; w < words; w += blockDim.x) dmask[b * words + w] = mask[i * words + w];
-  for (int s = threadIdx.x; s < block_size; s += blockDim.x) drec[b * block_size + s] = rec[i * block_size + s];
+  for (int s = threadIdx.x; s < block_size; s += blockDim.x) {
+    drec[b * block_size + s] = rec[i * block_size + s];
+    dseg[b * block_size + s] = seg[i * block_size + s];
+  }
 }
 
 constexpr std::size_t align256(std::size_t x) { return (x + 255) & ~std::size_t{255}; }
@@ -136,17 +140,17 @@ __global__ void stage_step_kernel(const StepSequence* seqs, int layer, int hkv, 
   stage_row(r, true, k, v, kt, vt, d, g, staging, staged, fault_word, fault_block, fault_cap);
 }
 
-/// A decode step's attention streams ([layers, n * hkv]: sequence b's KV head h of layer l) and
+/// A decode step's attention streams ([layers, cap_n * hkv]: sequence b's KV head h of layer l) and
 /// sparsity flags ([n * hkv]) from its sequences.
-__global__ void expand_step_kernel(const StepSequence* seqs, int n, int hkv, int layers, std::int32_t* streams,
-                                   std::uint8_t* flags) {
+__global__ void expand_step_kernel(const StepSequence* seqs, int n, int hkv, int layers, int cap_n,
+                                   std::int32_t* streams, std::uint8_t* flags) {
   const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::size_t per_layer = static_cast<std::size_t>(n) * hkv;
   if (i >= per_layer * static_cast<std::size_t>(layers)) return;
   const int l = static_cast<int>(i / per_layer);
   const int j = static_cast<int>(i % per_layer);
   const StepSequence q = seqs[j / hkv];
-  streams[i] = q.first_stream + l * hkv + j % hkv;
+  streams[static_cast<std::size_t>(l) * cap_n * hkv + j] = q.first_stream + l * hkv + j % hkv;
   if (l == 0) flags[j] = q.sparsity != 0 ? 1 : 0;
 }
 
@@ -178,45 +182,153 @@ __global__ void convert_from_f32(const float* in, void* out, ElementType t, std:
   }
 }
 
-/// Where TBE's K-means reads a token's key: pool, page and slot, owner and record, and the row
-/// of the points it fills.
-struct GatherRow {
-  std::uint32_t pool, page, slot, record;
-  std::int32_t owner;
-  std::uint32_t dst;
-};
-struct GatherView {
+/// TBE's selections on the device (select_segments): what the kernels read.
+struct SelectView {
   const std::uint8_t* pages[kNumPrecisions];
   unsigned long long page_bytes[kNumPrecisions];
   int row_bytes[kNumPrecisions];
+  std::uint32_t dev_base[kNumPrecisions];  // the flat numbering: pool p's page i is block dev_base[p] + i
+  std::uint32_t dev_count[kNumPrecisions];
   const std::uint8_t* records;
   const float* s2;
+  const std::uint16_t* fill;
+  std::uint64_t* mask;
+  const std::uint32_t* slot_record;
+  const std::uint32_t* slot_segment;
+  const std::uint32_t* lidx;
+  const std::int32_t* lcount;
+  int lstride;
   int d;
+  int block_size;
+  int words;
+};
+/// One selection job as the device reads it.
+struct SelectJob {
+  std::int32_t stream;
+  std::uint32_t segment;
+  std::int32_t keep;
+  std::int32_t count;
+  std::uint64_t seed;
 };
 
-/// Dequantizes one token's key per CTA exactly as CpuKvBackend::dequantize_token does:
-/// element * (E4M3 key scale * s2_k), or the BF16 value.
-__global__ void gather_keys_kernel(GatherView v, const GatherRow* rows, float* points) {
-  const GatherRow r = rows[blockIdx.x];
-  const std::uint8_t* kr =
-      v.pages[r.pool] + r.page * v.page_bytes[r.pool] + static_cast<std::size_t>(r.slot) * v.row_bytes[r.pool];
-  float* out = points + static_cast<std::size_t>(r.dst) * v.d;
-  const auto p = static_cast<Precision>(r.pool);
-  for (int c = threadIdx.x; c < v.d; c += blockDim.x) {
-    if (p == Precision::kBf16) {
-      out[c] = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
-      continue;
+/// Finds job blockIdx.x's tokens (the live slots of its stream holding its segment, in attention
+/// order: blocks in list order, slots in order) and dequantizes their keys exactly as
+/// CpuKvBackend::dequantize_token does (element * (E4M3 key scale * s2_k), or the BF16 value) into
+/// points[job, i, :]; refs[job, i] = flat slot id (block * B + slot); found[job] = the number of
+/// tokens (points beyond max_points are counted, not written); np, kk, seeds: the K-means inputs.
+__global__ void gather_segment_kernel(SelectView v, const SelectJob* jobs, int max_points, float* points,
+                                      std::uint32_t* refs, int* found, int* np, int* kk, std::uint64_t* seeds) {
+  __shared__ int shared_n;
+  const int j = static_cast<int>(blockIdx.x);
+  const SelectJob job = jobs[j];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
+  std::uint32_t* jrefs = refs + static_cast<std::size_t>(j) * max_points;
+  if (tid < 32) {
+    const std::uint32_t* row = v.lidx + static_cast<std::size_t>(job.stream) * v.lstride;
+    const int nb = v.lcount[job.stream];
+    int n = 0;
+    for (int bi = 0; bi < nb; ++bi) {
+      const std::uint32_t fb = row[bi];
+      const int filled = v.fill[fb];
+      for (int base = 0; base < filled; base += 32) {
+        const int sl = base + lane;
+        bool hit = false;
+        if (sl < filled) {
+          const std::size_t si = static_cast<std::size_t>(fb) * v.block_size + sl;
+          const std::uint64_t w = v.mask[static_cast<std::size_t>(fb) * v.words + sl / 64];
+          hit = v.slot_segment[si] == job.segment && ((w >> (sl % 64)) & 1u) == 0;
+        }
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, hit);
+        if (hit) {
+          const int idx = n + __popc(ballot & ((1u << lane) - 1u));
+          if (idx < max_points) jrefs[idx] = fb * static_cast<std::uint32_t>(v.block_size) + sl;
+        }
+        n += __popc(ballot);
+      }
     }
-    std::uint8_t code;
-    switch (p) {
-      case Precision::kFp8E4M3: code = kr[c]; break;
-      case Precision::kNvfp4: code = static_cast<std::uint8_t>((kr[c >> 1] >> ((c & 1) * 4)) & 0xF); break;
-      default: code = static_cast<std::uint8_t>((kr[c >> 2] >> ((c & 3) * 2)) & 0x3); break;
+    if (lane == 0) {
+      shared_n = n;
+      found[j] = n;
+      np[j] = n < max_points ? n : max_points;
+      kk[j] = job.keep;
+      seeds[j] = job.seed;
     }
-    const float s2k = v.s2[(static_cast<std::size_t>(r.owner) * 2) * kNumPrecisions + r.pool];
-    const float scale = __fmul_rn(decode_e4m3(v.records[static_cast<std::size_t>(r.record) * v.d + c]), s2k);
-    out[c] = __fmul_rn(decode_element(p, code), scale);
   }
+  __syncthreads();
+  const int n = shared_n < max_points ? shared_n : max_points;
+  float* out = points + static_cast<std::size_t>(j) * max_points * v.d;
+  for (int e = tid; e < n * v.d; e += static_cast<int>(blockDim.x)) {
+    const int i = e / v.d, c = e % v.d;
+    const std::uint32_t id = jrefs[i];
+    const std::uint32_t fb = id / static_cast<std::uint32_t>(v.block_size);
+    const std::uint32_t sl = id % static_cast<std::uint32_t>(v.block_size);
+    int p = 0;
+    for (int q = 0; q < kNumPrecisions; ++q) {
+      if (fb >= v.dev_base[q] && fb - v.dev_base[q] < v.dev_count[q]) p = q;
+    }
+    const std::uint8_t* kr = v.pages[p] + static_cast<std::size_t>(fb - v.dev_base[p]) * v.page_bytes[p] +
+                             static_cast<std::size_t>(sl) * v.row_bytes[p];
+    const auto prec = static_cast<Precision>(p);
+    float x;
+    if (prec == Precision::kBf16) {
+      x = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
+    } else {
+      std::uint8_t code;
+      switch (prec) {
+        case Precision::kFp8E4M3: code = kr[c]; break;
+        case Precision::kNvfp4: code = static_cast<std::uint8_t>((kr[c >> 1] >> ((c & 1) * 4)) & 0xF); break;
+        default: code = static_cast<std::uint8_t>((kr[c >> 2] >> ((c & 3) * 2)) & 0x3); break;
+      }
+      const std::uint32_t rec = v.slot_record[id];
+      const float s2k = v.s2[(static_cast<std::size_t>(job.stream) * 2) * kNumPrecisions + p];
+      const float scale = __fmul_rn(decode_e4m3(v.records[static_cast<std::size_t>(rec) * v.d + c]), s2k);
+      x = __fmul_rn(decode_element(prec, code), scale);
+    }
+    out[static_cast<std::size_t>(i) * v.d + c] = x;
+  }
+}
+
+/// One warp per job: the tokens K-means did not keep, in order, into victims[job, ..] (their flat
+/// slot ids) with their count in vcount[job], each marked evicted in the device's masks. A job
+/// whose segment held another number of tokens than the host expected marks nothing: vcount -1.
+__global__ void mark_victims_kernel(SelectView v, const SelectJob* jobs, const int* found, const std::uint32_t* refs,
+                                    const int* kept, int max_points, int max_k, std::uint32_t* victims, int* vcount) {
+  const int j = static_cast<int>(blockIdx.x);
+  const int lane = static_cast<int>(threadIdx.x);
+  const SelectJob job = jobs[j];
+  const int n = found[j];
+  if (n != job.count || n > max_points) {
+    if (lane == 0) vcount[j] = -1;
+    return;
+  }
+  const int* krow = kept + static_cast<std::size_t>(j) * max_k;
+  int v_n = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    bool victim = false;
+    if (i < n) {
+      victim = true;
+      for (int t = 0; t < max_k; ++t) {
+        const int x = krow[t];
+        if (x < 0) break;
+        if (x == i) {
+          victim = false;
+          break;
+        }
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, victim);
+    if (victim) {
+      const std::uint32_t id = refs[static_cast<std::size_t>(j) * max_points + i];
+      victims[static_cast<std::size_t>(j) * max_points + v_n + __popc(ballot & ((1u << lane) - 1u))] = id;
+      const std::uint32_t fb = id / static_cast<std::uint32_t>(v.block_size);
+      const std::uint32_t sl = id % static_cast<std::uint32_t>(v.block_size);
+      atomicOr(reinterpret_cast<unsigned long long*>(&v.mask[static_cast<std::size_t>(fb) * v.words + sl / 64]),
+               1ull << (sl % 64));
+    }
+    v_n += __popc(ballot);
+  }
+  if (lane == 0) vcount[j] = v_n;
 }
 
 constexpr int kFaultCap = 255;  // faults one copy reports; more between two polls: a full scan
@@ -254,6 +366,7 @@ struct CudaKvBackend::Impl {
   std::uint16_t* fill = nullptr;
   std::uint64_t* mask = nullptr;
   std::uint32_t* slot_record = nullptr;
+  std::uint32_t* slot_segment = nullptr;  // TBE's selections find a segment's tokens on the device
   std::size_t meta_blocks = 0;
   std::uint32_t* indices = nullptr;  // the one-token attend's CSR block lists
   std::size_t indices_cap = 0;
@@ -319,15 +432,21 @@ struct CudaKvBackend::Impl {
   void* sel = nullptr;
   std::size_t sel_bytes = 0;
   // ---- the open decode step (prepare_step) ---------------------------------------------------
-  // One device area, rewritten by each step's upload (stream-ordered after the previous step's
-  // kernels): [sequences][jobs][dest slots] uploaded, [streams][sparsity flags] expanded on the
-  // device, [sparsity] written by the attentions.
+  // One device area, laid out by capacity (so a captured graph's launches find everything where
+  // they found it), rewritten by each step's upload (stream-ordered after the previous step's
+  // kernels): [sequences][layer job ranges][jobs][dest slots] uploaded, [streams][sparsity flags]
+  // expanded on the device, [sparsity] written by the attentions.
   std::uint8_t* step_dev = nullptr;
   std::size_t step_dev_bytes = 0;
-  std::size_t o_jobs = 0, o_dest = 0, o_streams = 0, o_flags = 0, o_sparsity = 0;
+  std::size_t cap_n = 0, cap_jobs = 0, cap_layers = 0;
+  std::size_t o_ranges = 0, o_jobs = 0, o_dest = 0, o_streams = 0, o_flags = 0, o_sparsity = 0;
   int step_n = 0, step_layers = 0, step_hkv = 0, step_hq = 0;
   float step_scale = 0.0f;
   long long step_max_positions = 0;
+  bool step_capturable = false;
+  int fixed_splits = 0;  // capturable steps: the attention's split count, fixed per epoch and batch size
+  int fixed_splits_n = 0;
+  std::uint64_t fixed_splits_epoch = 0;
   std::vector<std::uint32_t> step_layer_commits;
   std::vector<std::int64_t> step_layer_bytes;  // page bytes each layer's commits store
   std::vector<std::int8_t> step_slot;
@@ -338,6 +457,41 @@ struct CudaKvBackend::Impl {
   std::size_t sp_pinned_floats = 0;
   cudaEvent_t sp_done = nullptr;
   bool sp_pending = false;
+  // Changes whenever a device pointer or launch shape a step's per-layer launches use changes
+  // (storage, mirror, lists, step area, scratch): a captured graph is stale from then on.
+  std::uint64_t epoch = 1;
+  // Device timing (set_device_timing): event pairs per part, summed by device_times().
+  bool timing = false;
+  struct Timed {
+    int part;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Timed> timed;
+  std::vector<cudaEvent_t> spare_events;
+  CudaKvBackend::DeviceTimes times;
+  cudaEvent_t timing_event() {
+    cudaEvent_t e = nullptr;
+    if (!spare_events.empty()) {
+      e = spare_events.back();
+      spare_events.pop_back();
+    } else if (cudaEventCreate(&e) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return e;
+  }
+  /// Starts timing a part on the stream (returns its index, or -1 when timing is off).
+  int time_start(int part) {
+    if (!timing) return -1;
+    cudaEvent_t a = timing_event(), b = timing_event();
+    if (a == nullptr || b == nullptr) return -1;
+    (void)cudaEventRecord(a, stream);
+    timed.push_back({part, a, b});
+    return static_cast<int>(timed.size()) - 1;
+  }
+  void time_stop(int i) {
+    if (i >= 0) (void)cudaEventRecord(timed[static_cast<std::size_t>(i)].stop, stream);
+  }
   // The block-list mirror's sync by the table's list change log.
   bool lists_synced = false;
   std::uint64_t list_rev = 0;
@@ -383,6 +537,13 @@ struct CudaKvBackend::Impl {
     sp_pending = false;
     lists_synced = false;
     lseen.clear();
+    for (Timed& t : timed) {
+      spare_events.push_back(t.start);
+      spare_events.push_back(t.stop);
+    }
+    timed.clear();
+    for (cudaEvent_t e : spare_events) (void)cudaEventDestroy(e);
+    spare_events.clear();
     lidx = nullptr;
     lcount = nullptr;
     lptr = nullptr;
@@ -463,7 +624,10 @@ struct CudaKvBackend::Impl {
       mask = typed<std::uint64_t>(p);
       THINKV_RETURN_IF_ERROR(raw_alloc(&p, nb * static_cast<std::size_t>(config.block_size) * 4, "slot records"));
       slot_record = typed<std::uint32_t>(p);
+      THINKV_RETURN_IF_ERROR(raw_alloc(&p, nb * static_cast<std::size_t>(config.block_size) * 4, "slot segments"));
+      slot_segment = typed<std::uint32_t>(p);
       meta_blocks = nb;
+      ++epoch;
     }
     bool whole = !meta_synced;
     for (int p = 0; p < kNumPrecisions; ++p) whole = whole || meta_cap[p] != cap[p];
@@ -476,9 +640,11 @@ struct CudaKvBackend::Impl {
           cudaMemcpyAsync(mask, flat.evict_mask.data(), flat.evict_mask.size() * 8, cudaMemcpyHostToDevice, stream));
       THINKV_CUDA_TRY(cudaMemcpyAsync(slot_record, flat.slot_record.data(), flat.slot_record.size() * 4,
                                       cudaMemcpyHostToDevice, stream));
+      THINKV_CUDA_TRY(cudaMemcpyAsync(slot_segment, flat.slot_segment.data(), flat.slot_segment.size() * 4,
+                                      cudaMemcpyHostToDevice, stream));
       THINKV_CUDA_TRY(cudaStreamSynchronize(stream));  // pageable sources: wait before the host reuses them
       const auto bytes = static_cast<std::int64_t>(flat.block_fill.size() * 2 + flat.evict_mask.size() * 8 +
-                                                   flat.slot_record.size() * 4);
+                                                   flat.slot_record.size() * 4 + flat.slot_segment.size() * 4);
       stats.metadata_bytes_uploaded += bytes;
       stats.host_to_device_bytes += bytes;
       ++stats.metadata_full_uploads;
@@ -489,19 +655,22 @@ struct CudaKvBackend::Impl {
       const std::size_t o_fill = align256(n * 4);
       const std::size_t o_mask = o_fill + align256(n * 2);
       const std::size_t o_rec = o_mask + align256(delta.evict_mask.size() * 8);
-      const std::size_t bytes = o_rec + delta.slot_record.size() * 4;
+      const std::size_t o_seg = o_rec + align256(delta.slot_record.size() * 4);
+      const std::size_t bytes = o_seg + delta.slot_segment.size() * 4;
       pack.resize(bytes);
       std::memcpy(pack.data(), delta.ids.data(), n * 4);
       std::memcpy(pack.data() + o_fill, delta.fill.data(), n * 2);
       std::memcpy(pack.data() + o_mask, delta.evict_mask.data(), delta.evict_mask.size() * 8);
       std::memcpy(pack.data() + o_rec, delta.slot_record.data(), delta.slot_record.size() * 4);
+      std::memcpy(pack.data() + o_seg, delta.slot_segment.data(), delta.slot_segment.size() * 4);
       void* dev = nullptr;
       THINKV_RETURN_IF_ERROR(upload(pack.data(), bytes, &dev));
       auto* dbase = static_cast<const std::uint8_t*>(dev);
       scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, stream>>>(
           reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
           reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
-          layout.evict_mask_words(), config.block_size, fill, mask, slot_record);
+          reinterpret_cast<const std::uint32_t*>(dbase + o_seg), layout.evict_mask_words(), config.block_size, fill,
+          mask, slot_record, slot_segment);
       THINKV_CUDA_TRY(cudaGetLastError());
       stats.metadata_bytes_uploaded += static_cast<std::int64_t>(delta.bytes());
     }
@@ -568,6 +737,7 @@ struct CudaKvBackend::Impl {
         lcount = typed<std::int32_t>(p);
       }
       lstride = static_cast<int>(stride);
+      ++epoch;
       fill_row_starts<<<static_cast<unsigned>((S + 256) / 256), 256, 0, stream>>>(lptr, static_cast<int>(S), lstride);
       THINKV_CUDA_TRY(cudaGetLastError());
       if (!all) {
@@ -615,6 +785,21 @@ struct CudaKvBackend::Impl {
     return Status::ok();
   }
 
+  /// The attention parameters of the open step (streams, q, out and workspace set by the caller).
+  [[nodiscard]] kernels::DecodeAttentionParams step_attention_params(float* sparsity) const {
+    kernels::DecodeAttentionParams prm;
+    prm.num_q_heads = step_n * step_hq;
+    prm.num_kv_heads = step_n * step_hkv;
+    prm.head_dim = config.head_dim;
+    prm.group_size = config.group_size;
+    prm.block_size = config.block_size;
+    prm.softmax_scale = step_scale;
+    prm.max_positions = step_max_positions;
+    prm.sparsity = sparsity;
+    prm.sparsity_heads = step_dev + o_flags;
+    return prm;
+  }
+
   /// Pinned host bytes for a result copied back by synchronize().
   Status result_bytes(std::size_t bytes, void** host) {
     bytes = align256(bytes);
@@ -657,12 +842,14 @@ struct CudaKvBackend::Impl {
   }
 
   void free_meta() {
-    for (void* q : {static_cast<void*>(fill), static_cast<void*>(mask), static_cast<void*>(slot_record)}) {
+    for (void* q : {static_cast<void*>(fill), static_cast<void*>(mask), static_cast<void*>(slot_record),
+                    static_cast<void*>(slot_segment)}) {
       if (q != nullptr) (void)cudaFree(q);
     }
     fill = nullptr;
     mask = nullptr;
     slot_record = nullptr;
+    slot_segment = nullptr;
     meta_blocks = 0;
     meta_synced = false;
     if (delta_dev != nullptr) (void)cudaFree(delta_dev);
@@ -877,6 +1064,7 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
     const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
     THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
+    ++m.epoch;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();
@@ -897,6 +1085,7 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
     THINKV_RETURN_IF_ERROR(
         Impl::realloc_keep(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
     m.num_records = cap;
+    ++m.epoch;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();
@@ -1280,21 +1469,23 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
   const std::size_t n = step.seqs.size();
   const auto L = static_cast<std::size_t>(step.num_layers);
   const auto hkv = static_cast<std::size_t>(step.num_kv_heads);
-  if (n == 0 || L == 0 || hkv == 0 || step.num_q_heads < 1 || step.num_q_heads % step.num_kv_heads != 0 ||
-      step.layer_commits.size() != L + 1 || step.sparsity_slot.size() != L ||
-      step.layer_commits[L] != step.commits.size()) {
+  const auto hq = static_cast<std::size_t>(step.num_q_heads);
+  if (n == 0 || L == 0 || hkv == 0 || hq == 0 || hq % hkv != 0 || step.layer_commits.size() != L + 1 ||
+      step.sparsity_slot.size() != L || step.layer_commits[L] != step.commits.size() ||
+      n * hkv > static_cast<std::size_t>(m.config.num_streams)) {
     return {StatusCode::kInvalidArgument, "prepare_step: the step's tables do not match its shape"};
   }
   if (d != 8 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported,
             "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
   }
-  if (step.num_q_heads / step.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
-    return {StatusCode::kUnsupported, std::to_string(step.num_q_heads / step.num_kv_heads) +
+  if (hq / hkv > static_cast<std::size_t>(kernels::kMaxQueryHeadsPerKv)) {
+    return {StatusCode::kUnsupported, std::to_string(hq / hkv) +
                                           " query heads per KV head: the CUDA attention kernel serves at most " +
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
   m.step_ready = false;
+  const int timer = m.time_start(0);
   // 1. The metadata mirror and the block lists, by changes.
   AttendView pools_view;
   pools_view.block_size = step.table.block_size;
@@ -1302,91 +1493,119 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
   for (int p = 0; p < kNumPrecisions; ++p) pools_view.pools[p] = step.table.pool(p);
   THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view));
   THINKV_RETURN_IF_ERROR(m.sync_lists(step.table));
-  // 2. The step area: [sequences][jobs][dest] uploaded, [streams][flags] expanded, [sparsity].
+  // 2. The step area, laid out by capacity (grown by doubling; growing it changes the epoch).
   int slots = 0;
   for (std::int8_t x : step.sparsity_slot) slots = std::max(slots, x + 1);
   const std::size_t jobs = step.commits.size();
-  const std::size_t o_jobs = align256(n * sizeof(StepSequence));
-  const std::size_t o_dest = o_jobs + align256(jobs * sizeof(kernels::QuantizeAppendJob));
-  const std::size_t up = o_dest + jobs * static_cast<std::size_t>(g) * 4;
-  const std::size_t o_streams = align256(up);
-  const std::size_t o_flags = o_streams + align256(L * n * hkv * 4);
-  const std::size_t o_sparsity = o_flags + align256(n * hkv);
-  const std::size_t sp_floats = static_cast<std::size_t>(slots) * n * static_cast<std::size_t>(step.num_q_heads);
-  const std::size_t need = o_sparsity + sp_floats * 4;
-  if (need > m.step_dev_bytes) {
+  if (n > m.cap_n || jobs > m.cap_jobs || L != m.cap_layers || m.step_dev == nullptr) {
+    m.cap_n = std::max(n, 2 * m.cap_n);
+    m.cap_jobs = std::max<std::size_t>(std::max(jobs, 2 * m.cap_jobs), 64);
+    m.cap_layers = L;
+    m.o_ranges = align256(m.cap_n * sizeof(StepSequence));
+    m.o_jobs = m.o_ranges + align256((L + 1) * 4);
+    m.o_dest = m.o_jobs + align256(m.cap_jobs * sizeof(kernels::QuantizeAppendJob));
+    m.o_streams = m.o_dest + align256(m.cap_jobs * static_cast<std::size_t>(g) * 4);
+    m.o_flags = m.o_streams + align256(L * m.cap_n * hkv * 4);
+    m.o_sparsity = m.o_flags + align256(m.cap_n * hkv);
+    const std::size_t need = m.o_sparsity + L * m.cap_n * hq * 4;
     THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));  // the previous step's kernels read the area
     if (m.step_dev != nullptr) (void)cudaFree(m.step_dev);
     m.step_dev = nullptr;
     m.step_dev_bytes = 0;
     void* p = nullptr;
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, need + need / 2, "the decode step's tables"));
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&p, need, "the decode step's tables"));
     m.step_dev = static_cast<std::uint8_t*>(p);
-    m.step_dev_bytes = need + need / 2;
+    m.step_dev_bytes = need;
+    if (m.sp_done != nullptr) THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
+    if (m.sp_pinned != nullptr) (void)cudaFreeHost(m.sp_pinned);
+    m.sp_pinned = nullptr;
+    m.sp_pinned_floats = 0;
+    THINKV_CUDA_TRY(cudaMallocHost(&p, L * m.cap_n * hq * 4));
+    m.sp_pinned = static_cast<float*>(p);
+    m.sp_pinned_floats = L * m.cap_n * hq;
+    ++m.epoch;
   }
+  if (m.sp_done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&m.sp_done, cudaEventDisableTiming));
+  // The upload: [sequences][ranges][jobs][dest], the gaps left as they are.
+  const std::size_t up = m.o_dest + jobs * static_cast<std::size_t>(g) * 4;
   m.pack.resize(up);
   std::memcpy(m.pack.data(), step.seqs.data(), n * sizeof(StepSequence));
-  auto* jp = reinterpret_cast<kernels::QuantizeAppendJob*>(m.pack.data() + o_jobs);
-  auto* dp = reinterpret_cast<std::uint32_t*>(m.pack.data() + o_dest);
-  for (std::size_t j = 0; j < jobs; ++j) {
-    const CommitPlan& plan = step.commits[j];
-    if (static_cast<int>(plan.slots.size()) != g) {
-      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
-                                         " slots, expected group_size " + std::to_string(g)};
-    }
-    kernels::QuantizeAppendJob job;
-    job.stream = plan.stream;
-    job.record = plan.record;
-    job.precision = plan.precision;
-    jp[j] = job;
-    for (int i = 0; i < g; ++i) {
-      const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
-      if (!m.has_storage(sl.block)) {
-        return {StatusCode::kInternal, "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
+  std::memcpy(m.pack.data() + m.o_ranges, step.layer_commits.data(), (L + 1) * 4);
+  auto* jp = reinterpret_cast<kernels::QuantizeAppendJob*>(m.pack.data() + m.o_jobs);
+  auto* dp = reinterpret_cast<std::uint32_t*>(m.pack.data() + m.o_dest);
+  m.step_layer_bytes.assign(L, 0);
+  for (std::size_t l = 0; l < L; ++l) {
+    for (std::uint32_t j = step.layer_commits[l]; j < step.layer_commits[l + 1]; ++j) {
+      const CommitPlan& plan = step.commits[j];
+      if (static_cast<int>(plan.slots.size()) != g) {
+        return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                           " slots, expected group_size " + std::to_string(g)};
       }
-      const int pr = static_cast<int>(m.pools.precision_of(sl.block));
-      const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
-      dp[j * g + static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
+      kernels::QuantizeAppendJob job;
+      job.stream = plan.stream;
+      job.record = plan.record;
+      job.precision = plan.precision;
+      jp[j] = job;
+      for (int i = 0; i < g; ++i) {
+        const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
+        if (!m.has_storage(sl.block)) {
+          return {StatusCode::kInternal,
+                  "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
+        }
+        const int pr = static_cast<int>(m.pools.precision_of(sl.block));
+        const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
+        dp[static_cast<std::size_t>(j) * g + static_cast<std::size_t>(i)] =
+            flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
+      }
+      m.step_layer_bytes[l] += m.layout.commit_bytes(plan.precision);
     }
   }
   THINKV_RETURN_IF_ERROR(m.upload_to(m.step_dev, m.pack.data(), up));
   const std::size_t cells = L * n * hkv;
   expand_step_kernel<<<static_cast<unsigned>((cells + 255) / 256), 256, 0, m.stream>>>(
       reinterpret_cast<const StepSequence*>(m.step_dev), static_cast<int>(n), static_cast<int>(hkv),
-      static_cast<int>(L), reinterpret_cast<std::int32_t*>(m.step_dev + o_streams), m.step_dev + o_flags);
+      static_cast<int>(L), static_cast<int>(m.cap_n), reinterpret_cast<std::int32_t*>(m.step_dev + m.o_streams),
+      m.step_dev + m.o_flags);
   THINKV_CUDA_TRY(cudaGetLastError());
-  if (sp_floats > m.sp_pinned_floats) {
-    if (m.sp_done != nullptr) THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
-    if (m.sp_pinned != nullptr) (void)cudaFreeHost(m.sp_pinned);
-    m.sp_pinned = nullptr;
-    m.sp_pinned_floats = 0;
-    void* p = nullptr;
-    THINKV_CUDA_TRY(cudaMallocHost(&p, 2 * sp_floats * 4));
-    m.sp_pinned = static_cast<float*>(p);
-    m.sp_pinned_floats = 2 * sp_floats;
-  }
-  if (m.sp_done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&m.sp_done, cudaEventDisableTiming));
-  m.o_jobs = o_jobs;
-  m.o_dest = o_dest;
-  m.o_streams = o_streams;
-  m.o_flags = o_flags;
-  m.o_sparsity = o_sparsity;
+  m.time_stop(timer);
+  // 3. The attention's launch: the split count (fixed per epoch and batch size when capturable)
+  // and its scratch, sized here so that no launch of the step allocates.
   m.step_n = static_cast<int>(n);
   m.step_layers = static_cast<int>(L);
   m.step_hkv = static_cast<int>(hkv);
-  m.step_hq = step.num_q_heads;
+  m.step_hq = static_cast<int>(hq);
   m.step_scale = step.softmax_scale;
   m.step_max_positions = step.max_positions;
+  m.step_capturable = step.capturable;
   m.step_layer_commits.assign(step.layer_commits.begin(), step.layer_commits.end());
-  m.step_layer_bytes.assign(L, 0);
-  for (std::size_t l = 0; l < L; ++l) {
-    for (std::uint32_t j = step.layer_commits[l]; j < step.layer_commits[l + 1]; ++j) {
-      m.step_layer_bytes[l] += m.layout.commit_bytes(step.commits[j].precision);
-    }
-  }
   m.step_slot.assign(step.sparsity_slot.begin(), step.sparsity_slot.end());
   m.step_sparsity = step.sparsity;
   m.step_slots = slots;
+  kernels::DecodeAttentionParams sizing = m.step_attention_params(static_cast<float*>(nullptr));
+  float marker = 0.0f;
+  sizing.sparsity = &marker;
+  if (step.capturable && (m.fixed_splits == 0 || m.fixed_splits_n != m.step_n || m.fixed_splits_epoch != m.epoch)) {
+    sizing.num_splits = 0;
+    m.fixed_splits = kernels::paged_decode_attention_splits(sizing);
+    m.fixed_splits_n = m.step_n;
+    m.fixed_splits_epoch = m.epoch;
+  }
+  if (step.capturable) sizing.num_splits = m.fixed_splits;
+  const std::size_t qn = n * hq * static_cast<std::size_t>(d);
+  const std::size_t need = 2 * align256(qn * 4) + align256(kernels::paged_decode_attention_workspace_size(sizing));
+  if (need > m.battn_bytes) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+    if (m.battn != nullptr) (void)cudaFree(m.battn);
+    m.battn = nullptr;
+    m.battn_bytes = 0;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.battn, need, "attention scratch"));
+    m.battn_bytes = need;
+    ++m.epoch;
+    if (step.capturable) m.fixed_splits_epoch = m.epoch;  // the split count was sized into it
+  }
+  // Counters for every layer of the step (a replayed graph makes no host call per layer).
+  m.stats.groups_quantized += static_cast<std::int64_t>(jobs);
+  for (std::int64_t b : m.step_layer_bytes) m.stats.page_bytes_written += b;
   m.sp_pending = false;
   m.step_ready = true;
   return Status::ok();
@@ -1401,24 +1620,29 @@ Status CudaKvBackend::append_step(int layer, TensorRef k, TensorRef v) {
   if (k.data == nullptr || v.data == nullptr) return {StatusCode::kInvalidArgument, "append_step: null k or v"};
   const int d = m.config.head_dim;
   const int threads = std::min(256, (d + 31) / 32 * 32);
+  const int timer = m.time_start(1);
   stage_step_kernel<<<static_cast<unsigned>(m.step_n * m.step_hkv), threads, 0, m.stream>>>(
       reinterpret_cast<const StepSequence*>(m.step_dev), layer, m.step_hkv, k.data, v.data, k.type, v.type, d,
       m.config.group_size, m.staging, m.bstaged, m.fault_word, m.fault_block, kFaultCap);
   THINKV_CUDA_TRY(cudaGetLastError());
   const auto l = static_cast<std::size_t>(layer);
-  const std::uint32_t first = m.step_layer_commits[l], count = m.step_layer_commits[l + 1] - first;
-  if (count == 0) return Status::ok();
+  // The layer's commits: a capturable step launches for the most the layer can have and reads its
+  // range from the device; otherwise exactly the layer's, or nothing.
+  const std::uint32_t count = m.step_layer_commits[l + 1] - m.step_layer_commits[l];
+  if (count == 0 && !m.step_capturable) {
+    m.time_stop(timer);
+    return Status::ok();
+  }
   kernels::QuantizeAppendParams prm;
   prm.cache = m.append_view();
-  prm.num_jobs = static_cast<int>(count);
-  prm.jobs = reinterpret_cast<const kernels::QuantizeAppendJob*>(m.step_dev + m.o_jobs) + first;
-  prm.dest_slots = reinterpret_cast<const std::uint32_t*>(m.step_dev + m.o_dest) +
-                   static_cast<std::size_t>(first) * static_cast<std::size_t>(m.config.group_size);
+  prm.jobs = reinterpret_cast<const kernels::QuantizeAppendJob*>(m.step_dev + m.o_jobs);
+  prm.dest_slots = reinterpret_cast<const std::uint32_t*>(m.step_dev + m.o_dest);
+  prm.job_range = reinterpret_cast<const std::uint32_t*>(m.step_dev + m.o_ranges) + l;
+  prm.num_jobs = m.step_capturable ? m.step_n * m.step_hkv : static_cast<int>(count);
   prm.scale_saturations = m.bsat;
   prm.rejected_jobs = m.brej;
   THINKV_CUDA_TRY(kernels::launch_quantize_append(prm, m.stream));
-  m.stats.groups_quantized += count;
-  m.stats.page_bytes_written += m.step_layer_bytes[l];  // what the kernel stores for the layer's jobs
+  m.time_stop(timer);
   return Status::ok();
 }
 
@@ -1430,49 +1654,26 @@ Status CudaKvBackend::attend_step(int layer, TensorRef q, MutableTensorRef out) 
   }
   if (q.data == nullptr || out.data == nullptr) return {StatusCode::kInvalidArgument, "attend_step: null q or out"};
   const int d = m.config.head_dim;
-  const std::size_t n = static_cast<std::size_t>(m.step_n);
   const int slot = m.step_slot[static_cast<std::size_t>(layer)];
-  kernels::DecodeAttentionParams prm;
-  prm.num_q_heads = m.step_n * m.step_hq;
-  prm.num_kv_heads = m.step_n * m.step_hkv;
-  prm.head_dim = d;
-  prm.group_size = m.config.group_size;
-  prm.block_size = m.config.block_size;
-  prm.softmax_scale = m.step_scale;
-  prm.max_positions = m.step_max_positions;
+  float* dsp = slot >= 0 ? reinterpret_cast<float*>(m.step_dev + m.o_sparsity) +
+                               static_cast<std::size_t>(slot) * m.cap_n * static_cast<std::size_t>(m.step_hq)
+                         : nullptr;
+  kernels::DecodeAttentionParams prm = m.step_attention_params(dsp);
+  prm.streams = reinterpret_cast<const std::int32_t*>(m.step_dev + m.o_streams) +
+                static_cast<std::size_t>(layer) * m.cap_n * static_cast<std::size_t>(m.step_hkv);
+  if (m.step_capturable) prm.num_splits = m.fixed_splits;
   const std::size_t qn = static_cast<std::size_t>(prm.num_q_heads) * d;
   const bool q32 = q.type == ElementType::kF32, o32 = out.type == ElementType::kF32;
-  const std::size_t q_bytes = q32 ? 0 : align256(qn * 4);
-  const std::size_t o_bytes = o32 ? 0 : align256(qn * 4);
-  kernels::DecodeAttentionParams sizing = prm;
-  float marker = 0.0f;
-  sizing.sparsity = &marker;
-  const std::size_t ws_bytes = align256(kernels::paged_decode_attention_workspace_size(sizing));
-  const std::size_t need = q_bytes + o_bytes + ws_bytes;
-  if (need > m.battn_bytes) {
-    if (m.battn != nullptr) (void)cudaFree(m.battn);  // waits for the launches that use it
-    m.battn = nullptr;
-    m.battn_bytes = 0;
-    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.battn, need, "attention scratch"));
-    m.battn_bytes = need;
-  }
   char* base = static_cast<char*>(m.battn);
   float* dq = q32 ? static_cast<float*>(const_cast<void*>(q.data)) : reinterpret_cast<float*>(base);
-  float* dout = o32 ? static_cast<float*>(out.data) : reinterpret_cast<float*>(base + q_bytes);
+  float* dout = o32 ? static_cast<float*>(out.data) : reinterpret_cast<float*>(base + align256(qn * 4));
   if (!q32) {
     convert_to_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(q.data, q.type, dq, qn);
     THINKV_CUDA_TRY(cudaGetLastError());
   }
-  float* dsp = slot >= 0 ? reinterpret_cast<float*>(m.step_dev + m.o_sparsity) +
-                               static_cast<std::size_t>(slot) * n * static_cast<std::size_t>(m.step_hq)
-                         : nullptr;
-  prm.streams = reinterpret_cast<const std::int32_t*>(m.step_dev + m.o_streams) +
-                static_cast<std::size_t>(layer) * n * static_cast<std::size_t>(m.step_hkv);
   prm.q = dq;
   prm.out = dout;
-  prm.sparsity = dsp;
-  prm.sparsity_heads = m.step_dev + m.o_flags;
-  prm.workspace = base + q_bytes + o_bytes;
+  prm.workspace = base + 2 * align256(qn * 4);
   kernels::PagedKvView kv = m.attention_view();
   kv.block_indptr = m.lptr;
   kv.block_indices = m.lidx;
@@ -1484,18 +1685,19 @@ Status CudaKvBackend::attend_step(int layer, TensorRef q, MutableTensorRef out) 
                                           std::to_string(prm.block_size) + ", " + std::to_string(prm.num_kv_heads) +
                                           " KV heads): " + cudaGetErrorString(e)};
   }
+  const int timer = m.time_start(2);
   THINKV_CUDA_TRY(kernels::launch_paged_decode_attention(kv, prm, m.stream));
+  m.time_stop(timer);
   if (!o32) {
     convert_from_f32<<<static_cast<unsigned>((qn + 255) / 256), 256, 0, m.stream>>>(dout, out.data, out.type, qn);
     THINKV_CUDA_TRY(cudaGetLastError());
   }
   if (dsp != nullptr) {
     // Back to the host (pinned) as soon as the layer is done; wait_sparsity waits for the last.
-    const std::size_t floats = n * static_cast<std::size_t>(m.step_hq);
+    const std::size_t floats = static_cast<std::size_t>(m.step_n) * static_cast<std::size_t>(m.step_hq);
     THINKV_CUDA_TRY(cudaMemcpyAsync(m.sp_pinned + static_cast<std::size_t>(slot) * floats, dsp, floats * 4,
                                     cudaMemcpyDeviceToHost, m.stream));
-    THINKV_CUDA_TRY(cudaEventRecord(m.sp_done, m.stream));
-    m.stats.device_to_host_bytes += static_cast<std::int64_t>(floats * 4);
+    if (!m.step_capturable) THINKV_CUDA_TRY(cudaEventRecord(m.sp_done, m.stream));
     m.sp_pending = true;
   }
   return Status::ok();
@@ -1504,12 +1706,46 @@ Status CudaKvBackend::attend_step(int layer, TensorRef q, MutableTensorRef out) 
 Status CudaKvBackend::wait_sparsity() {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
-  if (!m.sp_pending || m.step_sparsity == nullptr) return Status::ok();
-  THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));  // the last sparsity layer's copy, not the whole step
+  if (m.step_sparsity == nullptr || m.step_slots == 0) return Status::ok();
+  // A capturable step may have run from a graph (no host call recorded its copies): wait for the
+  // stream. Otherwise the last sparsity layer's copy, not the rest of the step.
+  if (m.step_capturable) {
+    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  } else {
+    if (!m.sp_pending) return Status::ok();
+    THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
+  }
   const std::size_t floats =
       static_cast<std::size_t>(m.step_slots) * static_cast<std::size_t>(m.step_n) * static_cast<std::size_t>(m.step_hq);
   std::memcpy(m.step_sparsity, m.sp_pinned, floats * 4);
+  m.stats.device_to_host_bytes += static_cast<std::int64_t>(floats * 4);
   m.sp_pending = false;
+  return Status::ok();
+}
+
+std::uint64_t CudaKvBackend::graph_epoch() const noexcept { return impl_ ? impl_->epoch : 0; }
+
+void CudaKvBackend::set_device_timing(bool on) {
+  if (impl_) impl_->timing = on;
+}
+
+Status CudaKvBackend::device_times(DeviceTimes& out) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  for (Impl::Timed& t : m.timed) {
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, t.start, t.stop) == cudaSuccess) {
+      double* part[] = {&m.times.prepare_ms, &m.times.append_ms, &m.times.attend_ms, &m.times.select_ms};
+      *part[t.part] += ms;
+    } else {
+      (void)cudaGetLastError();  // a pair whose stop was never recorded (an error path)
+    }
+    m.spare_events.push_back(t.start);
+    m.spare_events.push_back(t.stop);
+  }
+  m.timed.clear();
+  out = m.times;
   return Status::ok();
 }
 
@@ -1571,65 +1807,57 @@ Status CudaKvBackend::poll_faults(std::vector<BackendFault>& out, bool wait) {
   return Status::ok();
 }
 
-Status CudaKvBackend::select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
-                                    int max_iterations, std::vector<int>& kept, int& max_k) {
+Status CudaKvBackend::select_segments(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+                                      std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
-  const int d = m.config.head_dim;
-  max_k = 1;
-  int max_points = 1;
-  for (const KmeansJob& j : jobs) {
-    if (j.count > static_cast<std::uint32_t>(kernels::kKmeansMaxPoints) || j.keep > kernels::kKmeansMaxK ||
-        j.first + j.count > tokens.size()) {
-      return {StatusCode::kUnsupported, "select_kmeans: a segment of " + std::to_string(j.count) + " tokens keeping " +
-                                            std::to_string(j.keep) + " is beyond the K-means kernel (128, 64)"};
-    }
-    max_k = std::max(max_k, j.keep);
-    max_points = std::max(max_points, static_cast<int>(j.count));
-  }
-  kept.assign(jobs.size() * static_cast<std::size_t>(max_k), -1);
+  victims.clear();
+  offsets.assign(1, 0);
   if (jobs.empty()) return Status::ok();
+  const int d = m.config.head_dim;
   if (d != 8 && d != 64 && d != 128 && d != 256) {
-    return {StatusCode::kUnsupported, "select_kmeans: head_dim " + std::to_string(d)};
+    return {StatusCode::kUnsupported, "select_segments: head_dim " + std::to_string(d)};
   }
-  const std::size_t nj = jobs.size();
-  // Pack: [gather rows][num_points][k][seeds].
-  const std::size_t o_np = align256(tokens.size() * sizeof(GatherRow));
-  const std::size_t o_k = o_np + align256(nj * 4);
-  const std::size_t o_seed = o_k + align256(nj * 4);
-  m.pack.resize(o_seed + nj * 8);
-  auto* rows = reinterpret_cast<GatherRow*>(m.pack.data());
-  auto* np = reinterpret_cast<int*>(m.pack.data() + o_np);
-  auto* kk = reinterpret_cast<int*>(m.pack.data() + o_k);
-  auto* seeds = reinterpret_cast<std::uint64_t*>(m.pack.data() + o_seed);
-  for (std::size_t ji = 0; ji < nj; ++ji) {
-    const KmeansJob& j = jobs[ji];
-    np[ji] = static_cast<int>(j.count);
-    kk[ji] = j.keep;
-    seeds[ji] = j.seed;
-    for (std::uint32_t i = 0; i < j.count; ++i) {
-      const TokenRef& t = tokens[j.first + i];
-      if (!m.has_storage(t.slot.block) || t.stream < 0 || t.stream >= m.config.num_streams) {
-        return {StatusCode::kInternal,
-                "select_kmeans: token in block " + std::to_string(t.slot.block) + " has no device storage or owner"};
-      }
-      const Precision p = m.pools.precision_of(t.slot.block);
-      if (p != Precision::kBf16 && (t.record == kNoRecord || t.record >= m.num_records)) {
-        return {StatusCode::kInternal, "select_kmeans: token without a key-scale record"};
-      }
-      rows[j.first + i] = GatherRow{static_cast<std::uint32_t>(p),
-                                    m.pools.local_index(t.slot.block),
-                                    t.slot.slot,
-                                    t.record,
-                                    t.stream,
-                                    static_cast<std::uint32_t>(ji * max_points + i)};
+  int max_points = 1, max_k = 1;
+  for (const SegmentSelect& j : jobs) {
+    if (j.count < 1 || j.count > kernels::kKmeansMaxPoints || j.keep < 1 || j.keep > kernels::kKmeansMaxK ||
+        j.stream < 0 || j.stream >= m.config.num_streams) {
+      return {StatusCode::kUnsupported, "select_segments: a segment of " + std::to_string(j.count) +
+                                            " tokens keeping " + std::to_string(j.keep) +
+                                            " is beyond the K-means kernel (128, 64)"};
     }
+    max_points = std::max(max_points, j.count);
+    max_k = std::max(max_k, j.keep);
+  }
+  // The device's copy of the metadata and lists must be the table's (a prompt or a one-token
+  // call may have changed them since the step began).
+  const int timer = m.time_start(3);
+  AttendView pools_view;
+  pools_view.block_size = table.block_size;
+  pools_view.evict_mask_words = table.evict_mask_words;
+  for (int p = 0; p < kNumPrecisions; ++p) pools_view.pools[p] = table.pool(p);
+  THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view));
+  THINKV_RETURN_IF_ERROR(m.sync_lists(table));
+  const std::size_t nj = jobs.size();
+  m.pack.resize(nj * sizeof(SelectJob));
+  auto* hj = reinterpret_cast<SelectJob*>(m.pack.data());
+  for (std::size_t i = 0; i < nj; ++i) {
+    hj[i] = SelectJob{jobs[i].stream, jobs[i].segment, jobs[i].keep, jobs[i].count, jobs[i].seed};
   }
   void* dev = nullptr;
   THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
-  const auto* dp = static_cast<const std::uint8_t*>(dev);
-  const std::size_t points_bytes = align256(nj * static_cast<std::size_t>(max_points) * d * 4);
-  const std::size_t need = points_bytes + nj * static_cast<std::size_t>(max_k) * 4;
+  const auto* djobs = static_cast<const SelectJob*>(dev);
+  // Scratch: points, refs, found, np, kk, seeds, kept, victims, vcount.
+  const std::size_t mp = static_cast<std::size_t>(max_points);
+  const std::size_t o_refs = align256(nj * mp * static_cast<std::size_t>(d) * 4);
+  const std::size_t o_found = o_refs + align256(nj * mp * 4);
+  const std::size_t o_np = o_found + align256(nj * 4);
+  const std::size_t o_kk = o_np + align256(nj * 4);
+  const std::size_t o_seeds = o_kk + align256(nj * 4);
+  const std::size_t o_kept = o_seeds + align256(nj * 8);
+  const std::size_t o_vict = o_kept + align256(nj * static_cast<std::size_t>(max_k) * 4);
+  const std::size_t o_vcount = o_vict + align256(nj * mp * 4);
+  const std::size_t need = o_vcount + nj * 4;
   if (need > m.sel_bytes) {
     if (m.sel != nullptr) (void)cudaFree(m.sel);
     m.sel = nullptr;
@@ -1637,22 +1865,39 @@ Status CudaKvBackend::select_kmeans(std::span<const TokenRef> tokens, std::span<
     THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.sel, 2 * need, "K-means scratch"));
     m.sel_bytes = 2 * need;
   }
-  auto* points = static_cast<float*>(m.sel);
-  int* dkept = reinterpret_cast<int*>(static_cast<std::uint8_t*>(m.sel) + points_bytes);
-  GatherView gv{};
+  auto* base = static_cast<std::uint8_t*>(m.sel);
+  SelectView v{};
   for (int p = 0; p < kNumPrecisions; ++p) {
-    gv.pages[p] = m.pages[p];
-    gv.page_bytes[p] = static_cast<unsigned long long>(m.layout.page_bytes(static_cast<Precision>(p)));
-    gv.row_bytes[p] = m.layout.row_bytes(static_cast<Precision>(p));
+    v.pages[p] = m.pages[p];
+    v.page_bytes[p] = static_cast<unsigned long long>(m.layout.page_bytes(static_cast<Precision>(p)));
+    v.row_bytes[p] = m.layout.row_bytes(static_cast<Precision>(p));
+    v.dev_base[p] = m.dev_base(p);
+    v.dev_count[p] = m.cap[p];
   }
-  gv.records = m.records;
-  gv.s2 = m.s2;
-  gv.d = d;
-  if (!tokens.empty()) {
-    gather_keys_kernel<<<static_cast<unsigned>(tokens.size()), std::min(256, (d + 31) / 32 * 32), 0, m.stream>>>(
-        gv, reinterpret_cast<const GatherRow*>(dp), points);
-    THINKV_CUDA_TRY(cudaGetLastError());
-  }
+  v.records = m.records;
+  v.s2 = m.s2;
+  v.fill = m.fill;
+  v.mask = m.mask;
+  v.slot_record = m.slot_record;
+  v.slot_segment = m.slot_segment;
+  v.lidx = m.lidx;
+  v.lcount = m.lcount;
+  v.lstride = m.lstride;
+  v.d = d;
+  v.block_size = m.config.block_size;
+  v.words = m.layout.evict_mask_words();
+  auto* points = reinterpret_cast<float*>(base);
+  auto* refs = reinterpret_cast<std::uint32_t*>(base + o_refs);
+  auto* found = reinterpret_cast<int*>(base + o_found);
+  auto* np = reinterpret_cast<int*>(base + o_np);
+  auto* kk = reinterpret_cast<int*>(base + o_kk);
+  auto* seeds = reinterpret_cast<std::uint64_t*>(base + o_seeds);
+  auto* kept = reinterpret_cast<int*>(base + o_kept);
+  auto* vict = reinterpret_cast<std::uint32_t*>(base + o_vict);
+  auto* vcount = reinterpret_cast<int*>(base + o_vcount);
+  gather_segment_kernel<<<static_cast<unsigned>(nj), 128, 0, m.stream>>>(v, djobs, max_points, points, refs, found, np,
+                                                                         kk, seeds);
+  THINKV_CUDA_TRY(cudaGetLastError());
   kernels::KmeansSelectParams kp;
   kp.num_segments = static_cast<int>(nj);
   kp.max_points = max_points;
@@ -1660,21 +1905,47 @@ Status CudaKvBackend::select_kmeans(std::span<const TokenRef> tokens, std::span<
   kp.max_k = max_k;
   kp.max_iterations = max_iterations;
   kp.points = points;
-  kp.num_points = reinterpret_cast<const int*>(dp + o_np);
-  kp.k = reinterpret_cast<const int*>(dp + o_k);
-  kp.seeds = reinterpret_cast<const std::uint64_t*>(dp + o_seed);
-  kp.kept = dkept;
+  kp.num_points = np;
+  kp.k = kk;
+  kp.seeds = seeds;
+  kp.kept = kept;
   if (cudaError_t e = kernels::launch_kmeans_select(kp, m.stream); e != cudaSuccess) {
     (void)cudaGetLastError();
     if (e == cudaErrorInvalidValue) {
       return {StatusCode::kUnsupported,
-              std::string("select_kmeans: the K-means kernel refuses the launch: ") + cudaGetErrorString(e)};
+              std::string("select_segments: the K-means kernel refuses the launch: ") + cudaGetErrorString(e)};
     }
     return cuda_status(e, "launch_kmeans_select");
   }
-  THINKV_CUDA_TRY(cudaMemcpyAsync(kept.data(), dkept, kept.size() * 4, cudaMemcpyDeviceToHost, m.stream));
-  m.stats.device_to_host_bytes += static_cast<std::int64_t>(kept.size() * 4);
+  mark_victims_kernel<<<static_cast<unsigned>(nj), 32, 0, m.stream>>>(v, djobs, found, refs, kept, max_points, max_k,
+                                                                      vict, vcount);
+  THINKV_CUDA_TRY(cudaGetLastError());
+  m.time_stop(timer);
+  // Back: the counts and the victims' rows (one copy of each), then wait.
+  std::vector<int> counts(nj);
+  std::vector<std::uint32_t> ids(nj * mp);
+  THINKV_CUDA_TRY(cudaMemcpyAsync(counts.data(), vcount, nj * 4, cudaMemcpyDeviceToHost, m.stream));
+  THINKV_CUDA_TRY(cudaMemcpyAsync(ids.data(), vict, nj * mp * 4, cudaMemcpyDeviceToHost, m.stream));
+  m.stats.device_to_host_bytes += static_cast<std::int64_t>(nj * 4 + nj * mp * 4);
   THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  const int bs = m.config.block_size;
+  for (std::size_t j = 0; j < nj; ++j) {
+    if (counts[j] < 0) {
+      return {StatusCode::kInternal, "select_segments: segment " + std::to_string(jobs[j].segment) + " of stream " +
+                                         std::to_string(jobs[j].stream) + " does not hold the " +
+                                         std::to_string(jobs[j].count) + " live tokens the cache expected"};
+    }
+    for (int i = 0; i < counts[j]; ++i) {
+      const std::uint32_t id = ids[j * mp + static_cast<std::size_t>(i)];
+      const std::uint32_t fb = id / static_cast<std::uint32_t>(bs);
+      int p = 0;
+      for (int q = 0; q < kNumPrecisions; ++q) {
+        if (fb >= v.dev_base[q] && fb - v.dev_base[q] < v.dev_count[q]) p = q;
+      }
+      victims.push_back({m.pools.base[p] + (fb - v.dev_base[p]), id % static_cast<std::uint32_t>(bs)});
+    }
+    offsets.push_back(static_cast<std::uint32_t>(victims.size()));
+  }
   return Status::ok();
 }
 

@@ -309,7 +309,11 @@ template <int G>
 __global__ void __launch_bounds__(kMaxThreads, G == 32 ? 1 : kMinBlocks)
     quantize_append_kernel(const QuantizeAppendParams prm) {
   __shared__ float warp_max[kMaxThreads / 32];
-  const int job_index = static_cast<int>(blockIdx.x >> 1);
+  int job_index = static_cast<int>(blockIdx.x >> 1);
+  if (prm.job_range != nullptr) {
+    job_index += static_cast<int>(prm.job_range[0]);
+    if (job_index >= static_cast<int>(prm.job_range[1])) return;  // the whole CTA: no barrier reached
+  }
   const int kv = static_cast<int>(blockIdx.x & 1u);
   const int lane = static_cast<int>(threadIdx.x & 31u);
   // Both loads go out at once (the slot's address does not depend on the job's fields).

@@ -532,17 +532,17 @@ class BasicThinKvCache {
     // Every layer's commits, layer by layer (each layer's are what its append_step writes), made
     // with PlanClaims so that they can be recorded in order once they all fit. Nothing changes yet.
     Step& st = step_;
-    st.commits.clear();
     st.layer_commits.assign(static_cast<std::size_t>(L) + 1, 0);
     PlanClaims claims;
+    std::size_t used = 0;  // plans in st.plans (whose vectors are kept from step to step)
     for (int l = 0; l < L; ++l) {
-      st.layer_commits[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(st.commits.size());
+      st.layer_commits[static_cast<std::size_t>(l)] = static_cast<std::uint32_t>(used);
       for (std::size_t b = 0; b < seqs.size(); ++b) {
         if (completes_[b] == 0) continue;
         for (int h = 0; h < hkv; ++h) {
-          CommitPlan& plan = st.commits.emplace_back();
+          if (used == st.plans.size()) st.plans.emplace_back();
+          CommitPlan& plan = st.plans[used++];
           if (Status e = cache_.table().plan_commit(stream_of(seqs[b], l, h), types_[b], plan, &claims); !e.is_ok()) {
-            st.commits.clear();
             return {e.code(), "begin_step: sequence " + std::to_string(seqs[b]) + " at position " +
                                   std::to_string(seq_(seqs[b]).position) + ", layer " + std::to_string(l) +
                                   ", KV head " + std::to_string(h) + ": " + e.message()};
@@ -550,17 +550,11 @@ class BasicThinKvCache {
         }
       }
     }
-    st.layer_commits[static_cast<std::size_t>(L)] = static_cast<std::uint32_t>(st.commits.size());
-    if (Status e = cache_.table().check_claims(
-            claims, reserved_, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)");
-        !e.is_ok()) {
-      st.commits.clear();
-      return e;
-    }
-    if (Status e = cache_.provide_storage(st.commits); !e.is_ok()) {
-      st.commits.clear();
-      return e;
-    }
+    st.layer_commits[static_cast<std::size_t>(L)] = static_cast<std::uint32_t>(used);
+    st.commits = std::span<const CommitPlan>(st.plans.data(), used);
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
+        claims, reserved_, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)"));
+    THINKV_RETURN_IF_ERROR(cache_.provide_storage(st.commits));
     // From here on the host's records change; only the backend can still fail.
     st.seqs.assign(seqs.begin(), seqs.end());
     st.rows.resize(seqs.size());
@@ -578,14 +572,18 @@ class BasicThinKvCache {
       max_blocks = std::max<long long>(max_blocks, cache_.table().set_max_blocks(first));
     }
     if (Status e = cache_.apply_plans(st.commits); !e.is_ok()) return fail_step(e);
-    // The layers whose attention computes sparsity this step (the classifier's L*, or all).
+    // The layers whose attention computes sparsity this step (the classifier's L*, or all): when a
+    // sequence refreshes, or, capturable, on every step (the launches must not change; the
+    // sequences that do not refresh cost no sparsity pass).
     int slots = 0;
-    if (any_refresh) {
-      for (int l = 0; l < L; ++l) {
-        bool want = config_.trace_all_layers;
+    for (int l = 0; l < L; ++l) {
+      bool want = config_.trace_all_layers;
+      if (capturable_) {
+        want = want || (policy_.classifier.needs_signal() && policy_.classifier.uses_layer(l));
+      } else if (any_refresh) {
         for (std::size_t b = 0; b < seqs.size() && !want; ++b) want = wants_sparsity(seqs[b], l);
-        if (want) st.sparsity_slot[static_cast<std::size_t>(l)] = static_cast<std::int8_t>(slots++);
       }
+      if (want) st.sparsity_slot[static_cast<std::size_t>(l)] = static_cast<std::int8_t>(slots++);
     }
     if (config_.trace_all_layers) {
       for (std::size_t b = 0; b < seqs.size(); ++b) st.rows[b].sparsity = 1;
@@ -603,11 +601,61 @@ class BasicThinKvCache {
     v.sparsity_slot = st.sparsity_slot;
     v.sparsity = st.sparsity.empty() ? nullptr : st.sparsity.data();
     v.max_positions = (max_blocks + 1) * config_.block_size + g;
+    v.capturable = capturable_;
     v.table = cache_.table().table_view();
     if (Status e = cache_.backend().prepare_step(v); !e.is_ok()) return fail_step(e);
     st.appended.assign(static_cast<std::size_t>(L), 0);
     st.open = true;
     return Status::ok();
+  }
+
+  // ---- capturing a step in a CUDA graph ---------------------------------------------------
+  //
+  // With capturable steps on, the per-layer launches of a step (append_batch and attend_batch)
+  // are the same for every step of a batch size: everything a step varies is in device memory
+  // that begin_step rewrites. A runtime captures them once, inside its own capture of the layers:
+  //     cache.begin_step(seqs);                       // host: plans, uploads
+  //     cudaStreamBeginCapture(stream, ...);
+  //     for each layer: ... cache.append_batch(l, seqs, k, v); cache.attend_batch(l, seqs, q, out); ...
+  //     cudaStreamEndCapture(stream, &graph);  cudaGraphInstantiate(&exec, graph, 0);
+  //     cudaGraphLaunch(exec, stream);                // the capture itself ran nothing
+  //     cache.end_step(seqs);
+  // and then, for every later step with the same number of sequences (any of them, any order)
+  // and the same tensors:
+  //     cache.begin_step(seqs);  cudaGraphLaunch(exec, stream);  cache.replay_step();
+  //     cache.end_step(seqs);
+  // The graph is stale when graph_epoch() changes (the device storage or the step's tables
+  // grew): capture again. docs/design.md, "Capturing a step in a CUDA graph".
+
+  /// Turns capturable steps on or off (between steps).
+  [[nodiscard]] Status set_capturable_steps(bool on) {
+    if (step_.open) return {StatusCode::kInvalidArgument, "set_capturable_steps: a step is open"};
+    capturable_ = on;
+    return Status::ok();
+  }
+  [[nodiscard]] bool capturable_steps() const noexcept { return capturable_; }
+  /// The open step's per-layer launches ran from a replayed graph: every layer counts as appended
+  /// and attended (end_step follows). Only for capturable steps, before any per-layer call.
+  [[nodiscard]] Status replay_step() requires batched_kv_backend<B> {
+    if (!step_.open) return {StatusCode::kInvalidArgument, "replay_step: no step is open (begin_step first)"};
+    if (!capturable_) {
+      return {StatusCode::kInvalidArgument,
+              "replay_step: the step is not capturable (set_capturable_steps(true) before begin_step)"};
+    }
+    if (std::find(step_.appended.begin(), step_.appended.end(), 1) != step_.appended.end()) {
+      return {StatusCode::kInvalidArgument, "replay_step: layers of this step were appended by host calls"};
+    }
+    std::fill(step_.appended.begin(), step_.appended.end(), 1);
+    return Status::ok();
+  }
+  /// The backend's graph epoch (CudaKvBackend::graph_epoch): a captured step is stale once it
+  /// changes. 0 for a backend without one.
+  [[nodiscard]] std::uint64_t graph_epoch() const noexcept {
+    if constexpr (requires(const B& b) { b.graph_epoch(); }) {
+      return cache_.backend().graph_epoch();
+    } else {
+      return 0;
+    }
   }
 
   /// append() of one layer for every sequence of the step: k and v are [batch, num_kv_heads,
@@ -648,7 +696,7 @@ class BasicThinKvCache {
 
   /// end_token for every sequence of the step, in batch order, once every layer was appended:
   /// waits for the sparsity the step's refreshes need (only on refresh steps), then classifies,
-  /// relabels and evicts; with K-means on the backend, one select_kmeans call for every evicting
+  /// relabels and evicts; with K-means on the backend, one select_segments call for every evicting
   /// sequence of the step. A later error (a selector's) names its sequence, the ones before it
   /// having ended.
   [[nodiscard]] Status end_step(std::span<const int> seqs) requires batched_kv_backend<B> {
@@ -935,7 +983,8 @@ class BasicThinKvCache {
     bool open = false;
     std::vector<int> seqs;
     std::vector<StepSequence> rows;
-    std::vector<CommitPlan> commits;
+    std::vector<CommitPlan> plans;  // storage, reused: the step's are the first commits.size()
+    std::span<const CommitPlan> commits;
     std::vector<std::uint32_t> layer_commits;
     std::vector<std::int8_t> sparsity_slot;
     std::vector<float> sparsity;
@@ -1143,7 +1192,7 @@ class BasicThinKvCache {
   };
   /// K-means runs on the backend: the set's selector is K-means and the backend selects.
   static constexpr bool kBackendKmeans =
-      std::same_as<typename P::selector_type, KmeansSelector> && kmeans_selecting_backend<B>;
+      std::same_as<typename P::selector_type, KmeansSelector> && segment_selecting_backend<B>;
 
   /// Plans TBE for a sequence (counting transitions and unreachable budgets); false when nothing
   /// shrinks.
@@ -1232,52 +1281,52 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
-  /// Phase 1 through the backend's select_kmeans for several sequences at once (end_step: one
-  /// call for every evicting sequence of the batch). Works the backend declines stay unselected
-  /// (the host selects them).
-  Status select_on_backend(std::span<TbeWork* const> works) requires kmeans_selecting_backend<B> {
-    const BlockTable& table = cache_.table();
-    std::vector<TokenRef> tokens;
-    std::vector<SlotRef> slots;
-    std::vector<KmeansJob> jobs;
-    struct JobOf {
-      TbeWork* work;
-      int stream;
-      std::uint32_t segment;
-    };
-    std::vector<JobOf> job_of;
-    std::vector<SlotRef> seg_slots;
+  /// Phase 1 through the backend's select_segments for several sequences at once (end_step: one
+  /// call for every evicting sequence of the batch): the backend finds each segment's tokens,
+  /// runs K-means over their keys where it keeps them, and returns the victims. Works the backend
+  /// declines stay unselected (the host selects them).
+  Status select_on_backend(std::span<TbeWork* const> works) requires segment_selecting_backend<B> {
+    std::vector<SegmentSelect> jobs;
+    std::vector<TbeWork*> job_of;
+    std::vector<std::int32_t> counts;
     for (TbeWork* w : works) {
+      // Every stream of the sequence holds each segment's current size in live tokens.
+      const SeqState& s = seq_(w->seq);
+      counts.assign(w->targets.size(), 0);
+      for (std::size_t t = 0; t < w->targets.size(); ++t) {
+        for (const SegmentState& seg : s.segments) {
+          if (seg.id == w->targets[t].first) counts[t] = seg.size;
+        }
+      }
       for (int st = stream_of(w->seq, 0, 0); st < stream_of(w->seq + 1, 0, 0); ++st) {
-        for (const auto& [segment, size] : w->targets) {
-          KmeansJob j;
-          j.first = static_cast<std::uint32_t>(tokens.size());
-          table.live_segment_slots(st, segment, seg_slots);
-          for (SlotRef r : seg_slots) {
-            tokens.push_back(table.token_ref(r));
-            slots.push_back(r);
-          }
-          j.count = static_cast<std::uint32_t>(tokens.size()) - j.first;
-          if (static_cast<std::int32_t>(j.count) <= size) {
-            tokens.resize(j.first);
-            slots.resize(j.first);
-            continue;
-          }
+        for (std::size_t t = 0; t < w->targets.size(); ++t) {
+          const auto [segment, size] = w->targets[t];
+          const std::int32_t count = counts[t];
+          if (count <= size) continue;
+          SegmentSelect j;
+          j.stream = st;
+          j.segment = segment;
           j.keep = size;
+          j.count = count;
           std::uint64_t mix = policy_.selector.options.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
           j.seed = splitmix64(mix);  // KmeansSelector::select's seed
           jobs.push_back(j);
-          job_of.push_back({w, st, segment});
+          job_of.push_back(w);
         }
       }
     }
-    std::vector<int> kept;
-    int max_k = 0;
+    std::vector<SlotRef> victims;
+    std::vector<std::uint32_t> offsets;
     if (!jobs.empty()) {
-      if (Status e = cache_.backend().select_kmeans(tokens, jobs, policy_.selector.options.max_iterations, kept, max_k);
+      if (Status e = cache_.backend().select_segments(cache_.table().table_view(), jobs,
+                                                      policy_.selector.options.max_iterations, victims, offsets);
           !e.is_ok()) {
         if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
         return e;
+      }
+      if (offsets.size() != jobs.size() + 1) {
+        return {StatusCode::kInternal, "select_segments answered " + std::to_string(offsets.size()) + " offsets for " +
+                                           std::to_string(jobs.size()) + " jobs"};
       }
     }
     for (TbeWork* w : works) {
@@ -1285,22 +1334,17 @@ class BasicThinKvCache {
       w->selections = 0;
     }
     for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
-      const KmeansJob& j = jobs[ji];
-      const auto row = kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k));
-      const std::vector<int> k(row, row + j.keep);
-      THINKV_RETURN_IF_ERROR(
-          check_selection(k, static_cast<int>(j.count), j.keep, job_of[ji].stream, job_of[ji].segment));
-      TbeWork& w = *job_of[ji].work;
-      std::vector<SlotRef>& victims = w.victims.emplace_back(job_of[ji].stream, std::vector<SlotRef>{}).second;
-      ++w.selections;
-      std::size_t ki = 0;
-      for (std::uint32_t i = 0; i < j.count; ++i) {
-        if (ki < k.size() && k[ki] == static_cast<int>(i)) {
-          ++ki;
-        } else {
-          victims.push_back(slots[j.first + i]);
-        }
+      const std::uint32_t first = offsets[ji], last = offsets[ji + 1];
+      if (last < first || last > victims.size() ||
+          static_cast<std::int32_t>(last - first) != jobs[ji].count - jobs[ji].keep) {
+        return {StatusCode::kInternal, "select_segments: segment " + std::to_string(jobs[ji].segment) + " of stream " +
+                                           std::to_string(jobs[ji].stream) + " lost " + std::to_string(last - first) +
+                                           " of " + std::to_string(jobs[ji].count) + " tokens, keeping " +
+                                           std::to_string(jobs[ji].keep)};
       }
+      TbeWork& w = *job_of[ji];
+      w.victims.emplace_back(jobs[ji].stream, std::vector<SlotRef>(victims.begin() + first, victims.begin() + last));
+      ++w.selections;
     }
     for (TbeWork* w : works) w->selected = true;
     return Status::ok();
@@ -1338,6 +1382,7 @@ class BasicThinKvCache {
   std::vector<ThoughtType> types_;
   std::vector<std::uint8_t> completes_;
   Step step_;
+  bool capturable_ = false;
   std::vector<StageRow> rows_;
   std::vector<CommitPlan> batch_plans_;
   std::vector<std::uint32_t> meta_segments_;

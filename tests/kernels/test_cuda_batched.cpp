@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <random>
 #include <vector>
 
 #include "../unit/batched_driver.hpp"
@@ -179,4 +181,133 @@ TEST_CASE("Prefill on the GPU stores what the CPU reference stores token by toke
     CHECK(st.groups_quantized == cpu.paged().backend().stats().groups_quantized);
   }
   REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
+TEST_CASE("Capturable steps launched directly take the CPU reference's decisions", "[cuda_batched][graph]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<CudaKvBackend> gpu(config(), policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+  REQUIRE(gpu.set_capturable_steps(true).is_ok());
+  bt::RunOptions o;
+  o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 150 : 500;
+  o.finish = 0.004;
+  o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
+  const bt::TensorMemory mem = device_memory();
+  bt::RunReport r;
+  const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  CHECK(gpu.stats().refreshes > 0);
+}
+
+TEST_CASE("A step captured in a CUDA graph and replayed gives the direct launches' outputs bit for bit",
+          "[cuda_batched][graph]") {
+  TT_SEEDED_RNG();
+  const ThinKvConfig c = config();
+  const int n = c.num_sequences, L = c.num_layers, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim;
+  const int steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 450;
+  ThinKvCache<CudaKvBackend> direct(c, policy()), graphed(c, policy());
+  REQUIRE(direct.set_capturable_steps(true).is_ok());
+  REQUIRE(graphed.set_capturable_steps(true).is_ok());
+  cudaStream_t sa = nullptr, sb = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(direct.backend().set_stream(sa).is_ok());
+  REQUIRE(graphed.backend().set_stream(sb).is_ok());
+  // One buffer per layer and tensor: a graph keeps the pointers it was captured with.
+  const std::size_t kvn = static_cast<std::size_t>(n) * hkv * d, qn = static_cast<std::size_t>(n) * hq * d;
+  std::vector<float*> k(static_cast<std::size_t>(L)), v(k.size()), q(k.size()), oa(k.size()), ob(k.size());
+  for (int l = 0; l < L; ++l) {
+    for (float** p : {&k[l], &v[l], &q[l], &oa[l], &ob[l]}) {
+      REQUIRE(cudaMalloc(reinterpret_cast<void**>(p), (p == &k[l] || p == &v[l] ? kvn : qn) * 4) == cudaSuccess);
+    }
+  }
+  std::vector<int> batch(static_cast<std::size_t>(n));
+  for (int s = 0; s < n; ++s) batch[static_cast<std::size_t>(s)] = s;
+  std::normal_distribution<float> normal;
+  std::vector<float> hk(kvn), hv(kvn), hqv(qn), ra(qn), rb(qn);
+  std::vector<float> sharp(static_cast<std::size_t>(n), 1.0f);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::uint64_t captured_epoch = 0;
+  int captures = 0, replays = 0;
+  for (int t = 0; t < steps; ++t) {
+    INFO("step " << t);
+    if (t % 64 == 0) {
+      for (auto& x : sharp) x = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    }
+    for (int l = 0; l < L; ++l) {
+      for (auto& x : hk) x = normal(rng);
+      for (auto& x : hv) x = normal(rng);
+      for (std::size_t i = 0; i < qn; ++i) hqv[i] = normal(rng) * sharp[i / (static_cast<std::size_t>(hq) * d)];
+      REQUIRE(cudaMemcpy(k[l], hk.data(), kvn * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaMemcpy(v[l], hv.data(), kvn * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaMemcpy(q[l], hqv.data(), qn * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaMemset(oa[l], 0xFF, qn * 4) == cudaSuccess);  // NaN: a launch that writes nothing shows
+      REQUIRE(cudaMemset(ob[l], 0xFF, qn * 4) == cudaSuccess);
+    }
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(direct.begin_step(batch).is_ok());
+    for (int l = 0; l < L; ++l) {
+      REQUIRE(direct.append_batch(l, batch, {k[l], ElementType::kF32}, {v[l], ElementType::kF32}).is_ok());
+      REQUIRE(direct.attend_batch(l, batch, {q[l], ElementType::kF32}, {oa[l], ElementType::kF32}).is_ok());
+    }
+    REQUIRE(direct.end_step(batch).is_ok());
+    REQUIRE(graphed.begin_step(batch).is_ok());
+    const bool capture = exec == nullptr || graphed.graph_epoch() != captured_epoch;
+    if (capture) {
+      if (exec != nullptr) REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+      if (graph != nullptr) REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+      REQUIRE(cudaStreamBeginCapture(sb, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+      for (int l = 0; l < L; ++l) {
+        REQUIRE(graphed.append_batch(l, batch, {k[l], ElementType::kF32}, {v[l], ElementType::kF32}).is_ok());
+        REQUIRE(graphed.attend_batch(l, batch, {q[l], ElementType::kF32}, {ob[l], ElementType::kF32}).is_ok());
+      }
+      REQUIRE(cudaStreamEndCapture(sb, &graph) == cudaSuccess);
+      REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+      captured_epoch = graphed.graph_epoch();
+      ++captures;
+    } else {
+      REQUIRE(graphed.replay_step().is_ok());
+      ++replays;
+    }
+    REQUIRE(cudaGraphLaunch(exec, sb) == cudaSuccess);
+    REQUIRE(graphed.end_step(batch).is_ok());
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    for (int l = 0; l < L; ++l) {
+      REQUIRE(cudaMemcpy(ra.data(), oa[l], qn * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+      REQUIRE(cudaMemcpy(rb.data(), ob[l], qn * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+      INFO("layer " << l);
+      REQUIRE(std::memcmp(ra.data(), rb.data(), qn * 4) == 0);
+      for (float x : ra) REQUIRE(std::isfinite(x));
+    }
+    for (int s = 0; s < n; ++s) REQUIRE(direct.segments(s) == graphed.segments(s));
+    REQUIRE(direct.memory() == graphed.memory());
+    REQUIRE(direct.stats().tokens_evicted == graphed.stats().tokens_evicted);
+    REQUIRE(direct.stats().refreshes == graphed.stats().refreshes);
+  }
+  INFO("captures " << captures << ", replays " << replays);
+  CHECK(replays > steps / 2);
+  CHECK(direct.stats().tokens_evicted > 0);
+  CHECK(direct.stats().refreshes > 0);
+  // A replay with a layer already appended by a host call, or on a step that is not capturable,
+  // is refused.
+  REQUIRE(graphed.begin_step(batch).is_ok());
+  REQUIRE(graphed.append_batch(0, batch, {k[0], ElementType::kF32}, {v[0], ElementType::kF32}).is_ok());
+  CHECK(graphed.replay_step().code() == StatusCode::kInvalidArgument);
+  for (int l = 0; l < L; ++l) {
+    if (l > 0) REQUIRE(graphed.append_batch(l, batch, {k[l], ElementType::kF32}, {v[l], ElementType::kF32}).is_ok());
+    REQUIRE(graphed.attend_batch(l, batch, {q[l], ElementType::kF32}, {ob[l], ElementType::kF32}).is_ok());
+  }
+  REQUIRE(graphed.end_step(batch).is_ok());
+  REQUIRE(direct.set_capturable_steps(false).is_ok());
+  REQUIRE(direct.begin_step(batch).is_ok());
+  CHECK(direct.replay_step().message().find("not capturable") != std::string::npos);
+  if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  for (int l = 0; l < L; ++l) {
+    for (float* p : {k[l], v[l], q[l], oa[l], ob[l]}) (void)cudaFree(p);
+  }
+  (void)cudaStreamDestroy(sa);
+  (void)cudaStreamDestroy(sb);
 }

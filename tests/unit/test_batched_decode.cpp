@@ -112,6 +112,29 @@ TEST_CASE("Batched decode: a NaN or Inf in one sequence's K/V faults that sequen
   CHECK(r.faults > 3);
 }
 
+TEST_CASE("Capturable batched steps take the one-sequence path's decisions", "[batched][graph]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<> batched(small_config(), small_policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+  REQUIRE(batched.set_capturable_steps(true).is_ok());
+  CHECK(batched.capturable_steps());
+  bt::RunOptions o;
+  o.steps = 300;
+  bt::RunReport r;
+  const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  CHECK(batched.stats().refreshes > 0);
+  CHECK(batched.graph_epoch() == 0);  // the CPU backend has no graphs
+  // replay_step: only on an open capturable step, before any per-layer call.
+  CHECK(batched.replay_step().message().find("no step is open") != std::string::npos);
+  const std::vector<int> batch{batched.position(0) < small_config().max_tokens ? 0 : 1};
+  ThinKvCache<> fresh(small_config(), small_policy());
+  REQUIRE(fresh.begin_step(batch).is_ok());
+  CHECK(fresh.replay_step().message().find("not capturable") != std::string::npos);
+  CHECK(fresh.set_capturable_steps(true).code() == StatusCode::kInvalidArgument);  // a step is open
+}
+
 TEST_CASE("Batched decode refuses bad batches naming the sequence, changing nothing", "[batched][bad_input]") {
   ThinKvCache<> cache(small_config(), small_policy());
   const std::vector<int> twice{1, 3, 1};

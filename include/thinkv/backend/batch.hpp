@@ -113,6 +113,13 @@ struct StepView {
   /// The most slot positions (block list x block_size + staged) any stream of the step can hold:
   /// an upper bound, a planning hint for attention launches (results never depend on it).
   long long max_positions = 0;
+  /// The per-layer launches must not change from step to step for a batch of this size: a CUDA
+  /// graph captured around append_step / attend_step calls replays them (docs/design.md,
+  /// "Capturing a step in a CUDA graph"). A device backend then reads everything a step varies
+  /// (its sequences, each layer's commits, who asks for sparsity) from device memory it rewrites
+  /// at prepare_step, fixes the attention's split count, and lays out sparsity_slot as given
+  /// (the same layers every step).
+  bool capturable = false;
   TableView table;  ///< the table's streams and pools, and the list change log
 };
 
@@ -191,25 +198,34 @@ concept prompt_attending_backend = requires(const B& b, const PromptAttendArgs& 
   return Status::ok();
 }
 
-/// One K-means selection of TBE (thinkv/tbe/kmeans.hpp): keep `keep` of the `count` tokens
-/// tokens[first .. first + count) (one stream's segment, in slot order), with kmeans_select's
-/// options {max_iterations, seed}.
-struct KmeansJob {
-  std::uint32_t first = 0;
-  std::uint32_t count = 0;
+/// One selection of TBE (docs/design.md, "K-means retention"): of the live tokens of thought
+/// segment `segment` in stream `stream`, in attention order (the stream's blocks in list order,
+/// slots in order: BlockTable::live_segment_slots), keep the `keep` that kmeans_select picks from
+/// their dequantized keys with {max_iterations, seed}; the others are the victims. `count` is the
+/// number of live tokens the caller expects (the segment's size; every stream of a sequence holds
+/// the same): a backend refuses jobs beyond what it serves by it, and reports a segment found
+/// with another count as an error.
+struct SegmentSelect {
+  std::int32_t stream = kNoStream;
+  std::uint32_t segment = 0;
   std::int32_t keep = 0;
+  std::int32_t count = 0;
   std::uint64_t seed = 0;
 };
 
-/// A backend that runs TBE's K-means selections itself, over the keys it stores (a device backend:
-/// no key leaves the device). kept receives jobs.size() rows of `max_k` = the largest keep: each
-/// row the job's kept indices (ascending, into its tokens) then -1; the answers are exactly
-/// kmeans_select's on the dequantized keys. kUnsupported when a job is beyond what the backend
-/// serves (the cache then selects on the host).
+/// A backend that runs TBE's selections itself, over the keys and metadata it holds (a device: no
+/// key leaves it): for each job it finds the segment's live tokens (reading `table`, or its own
+/// copy of the metadata brought up to date from it), runs kmeans_select on their keys, marks the
+/// victims evicted in its own copy of the metadata (a device mirror; the cache then evicts them in
+/// the table, which the next sync sends again unchanged) and returns them: job j's victims are
+/// victims[offsets[j] .. offsets[j + 1]), in attention order. The answers are exactly
+/// kmeans_select's. kUnsupported when a job is beyond what the backend serves (the cache then
+/// selects on the host), with nothing marked.
 template <class B>
-concept kmeans_selecting_backend = requires(B& b, std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
-                                            int max_iterations, std::vector<int>& kept, int& max_k) {
-  { b.select_kmeans(tokens, jobs, max_iterations, kept, max_k) } -> std::same_as<Status>;
+concept segment_selecting_backend = requires(B& b, const TableView& table, std::span<const SegmentSelect> jobs,
+                                             int max_iterations, std::vector<SlotRef>& victims,
+                                             std::vector<std::uint32_t>& offsets) {
+  { b.select_segments(table, jobs, max_iterations, victims, offsets) } -> std::same_as<Status>;
 };
 
 /// Host conversion of one element of a batched tensor to FP32.

@@ -354,24 +354,38 @@ class BasicCpuKvBackend {
     return Status::ok();
   }
   [[nodiscard]] Status synchronize() { return Status::ok(); }
-  /// TBE's K-means selections on the host (batch.hpp, kmeans_selecting_backend).
-  [[nodiscard]] Status select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
-                                     int max_iterations, std::vector<int>& kept, int& max_k) const {
-    max_k = 1;
-    for (const KmeansJob& j : jobs) max_k = std::max(max_k, j.keep);
-    kept.assign(jobs.size() * static_cast<std::size_t>(max_k), -1);
+  /// TBE's selections on the host (batch.hpp, segment_selecting_backend): each segment's tokens
+  /// found through `table`, their keys dequantized (read_token), kmeans_select. Nothing to mark:
+  /// this backend reads the table's metadata itself.
+  [[nodiscard]] Status select_segments(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+                                       std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) const {
+    victims.clear();
+    offsets.assign(1, 0);
     const int d = config_.head_dim;
+    std::vector<TokenRef> tokens;
     std::vector<float> keys, v(static_cast<std::size_t>(d));
-    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
-      const KmeansJob& j = jobs[ji];
-      keys.resize(static_cast<std::size_t>(j.count) * d);
-      for (std::uint32_t i = 0; i < j.count; ++i) {
-        THINKV_RETURN_IF_ERROR(
-            read_token(tokens[j.first + i], keys.data() + static_cast<std::size_t>(i) * d, v.data()));
+    for (const SegmentSelect& j : jobs) {
+      table.segment_tokens(j.stream, j.segment, tokens);
+      if (static_cast<std::int32_t>(tokens.size()) != j.count) {
+        return {StatusCode::kInternal, "select_segments: segment " + std::to_string(j.segment) + " of stream " +
+                                           std::to_string(j.stream) + " holds " + std::to_string(tokens.size()) +
+                                           " live tokens, the cache expected " + std::to_string(j.count)};
       }
-      const std::vector<int> k =
-          kmeans_select(keys.data(), static_cast<int>(j.count), d, j.keep, KmeansOptions{max_iterations, j.seed});
-      std::copy(k.begin(), k.end(), kept.begin() + static_cast<std::ptrdiff_t>(ji * static_cast<std::size_t>(max_k)));
+      keys.resize(tokens.size() * static_cast<std::size_t>(d));
+      for (std::size_t i = 0; i < tokens.size(); ++i) {
+        THINKV_RETURN_IF_ERROR(read_token(tokens[i], keys.data() + i * d, v.data()));
+      }
+      const std::vector<int> kept =
+          kmeans_select(keys.data(), static_cast<int>(tokens.size()), d, j.keep, KmeansOptions{max_iterations, j.seed});
+      std::size_t ki = 0;
+      for (std::size_t i = 0; i < tokens.size(); ++i) {
+        if (ki < kept.size() && kept[ki] == static_cast<int>(i)) {
+          ++ki;
+        } else {
+          victims.push_back(tokens[i].slot);
+        }
+      }
+      offsets.push_back(static_cast<std::uint32_t>(victims.size()));
     }
     return Status::ok();
   }
@@ -636,6 +650,6 @@ class BasicCpuKvBackend {
 
 /// The CPU backend with the standard allocator.
 using CpuKvBackend = BasicCpuKvBackend<>;
-static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend>);
+static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend> && segment_selecting_backend<CpuKvBackend>);
 
 }  // namespace thinkv

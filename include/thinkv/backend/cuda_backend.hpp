@@ -14,23 +14,23 @@
 ///  - the batched calls (thinkv/backend/batch.hpp), which BasicThinKvCache's begin_step /
 ///    append_batch / attend_batch / end_step drive: K, V, q and out are DEVICE pointers (FP32,
 ///    FP16 or BF16), every call is enqueued on the backend's stream (set_stream: the caller's
-///    cudaStream_t) and returns without waiting. What a call needs from the host (stage rows,
-///    commit jobs, changed metadata, changed block lists, the attended streams) goes in one
-///    pinned upload per call; staged counts are kept on the device; each stream's block list is
-///    a fixed-capacity device row copied only when the list changed (StreamView::list_version).
-///    The host waits only in synchronize() (end_step calls it on refresh steps, for the
-///    sparsity), in poll_faults(wait = true), in stats(), and when storage grows or shrinks.
-///    K/V values are checked on the device: a row holding NaN, Inf or a value beyond 2^64 is
-///    staged as zeros and raises a fault for its sequence, copied back asynchronously and
-///    reported by poll_faults (see BasicThinKvCache's batched API).
+///    cudaStream_t) and returns without waiting. prepare_step (begin_step) sends what changed:
+///    the pages whose metadata changed (PoolView's change log), the block lists that changed
+///    (TableView's list log; each stream's list is a fixed-capacity device row) and the step's
+///    sequences and commit jobs, in one pinned upload into a device area laid out by capacity;
+///    the per-layer calls then only launch (a captured CUDA graph can replay them: graph_epoch).
+///    Staged counts are kept on the device. The host waits only in wait_sparsity (the last
+///    sparsity layer's copy, on refresh steps), select_segments (TBE's victims), poll_faults
+///    (wait = true), stats(), and when storage grows or shrinks. K/V values are checked on the
+///    device: a row holding NaN, Inf or a value beyond 2^64 is staged as zeros and raises a fault
+///    for its sequence, copied back asynchronously and reported by poll_faults.
 ///  - the one-token calls of kv_backend (stage, commit, attend, read_token), with HOST pointers,
 ///    each synchronous (it copies in, launches, copies out and waits): a drop-in for decoders
 ///    that run on the CPU and a reference for the device kernels.
-/// The pools' block metadata (fill, eviction masks, slot records) is mirrored on the device and
-/// kept up to date by changes: an attend sends the pages changed since the previous one
-/// (PoolView's change log, one packed upload and one scatter launch), and the whole metadata,
-/// about (2 + 8 ceil(B / 64) + 4 B) bytes per block with storage, only on the first attend, after
-/// the storage grew or shrank, or when the log no longer reaches back
+/// The pools' block metadata (fill, eviction masks, slot records and segments) is mirrored on the
+/// device and kept up to date by changes (one packed upload and one scatter launch), and the
+/// whole metadata, about (2 + 8 ceil(B / 64) + 8 B) bytes per block with storage, only on the
+/// first sync, after the storage grew or shrank, or when the log no longer reaches back
 /// (BackendStats::metadata_bytes_uploaded, metadata_full_uploads). The attended streams' block
 /// lists are sent on every one-token attend.
 ///
@@ -112,21 +112,39 @@ class CudaKvBackend {
   /// One decode-attention launch for the layer's whole batch (device q and out); on a sparsity
   /// layer of the step, the sparsity of the sequences that ask, copied back asynchronously.
   [[nodiscard]] Status attend_step(int layer, TensorRef q, MutableTensorRef out) const;
-  /// Waits for the step's last sparsity copy (not for the rest of the step) and puts the results
-  /// in place.
+  /// Waits for the step's last sparsity copy (not for the rest of the step; a capturable step, for
+  /// the stream) and puts the results in place.
   [[nodiscard]] Status wait_sparsity();
+  /// Device time of the batched calls, by part, when timing is on (set_device_timing): CUDA events
+  /// around each part's work on the stream, summed once they completed (read after the stream
+  /// is drained: device_times waits for it). Parts: prepare_step's (the metadata mirror's and the
+  /// block lists' updates, the step's tables), append_step's (staging and quantize-append), the
+  /// attention (attend_step), select_segments' (TBE: finding the tokens, K-means, marking).
+  struct DeviceTimes {
+    double prepare_ms = 0, append_ms = 0, attend_ms = 0, select_ms = 0;
+  };
+  /// Turns the timing events on or off. Not inside a stream capture: the events would be captured.
+  void set_device_timing(bool on);
+  [[nodiscard]] Status device_times(DeviceTimes& out);
+  /// Changes whenever a device buffer or launch shape that a step's per-layer launches read
+  /// changes (storage or mirror growth, the step's tables, attention scratch): a CUDA graph
+  /// captured around them replays correctly only while it is unchanged (docs/design.md,
+  /// "Capturing a step in a CUDA graph").
+  [[nodiscard]] std::uint64_t graph_epoch() const noexcept;
   /// A prompt's causal self-attention (PromptAttendArgs; device q, k, v and out): one
   /// launch_prefill_attention on stream().
   [[nodiscard]] Status attend_prompt(const PromptAttendArgs& args) const;
   /// Faults whose copy has reached the host; with `wait`, every fault raised so far.
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>& faults, bool wait);
-  /// TBE's K-means selections on the device (kmeans_selecting_backend): the segments' keys are
-  /// dequantized into device memory as read_token would, launch_kmeans_select picks the kept
-  /// tokens (bit for bit kmeans_select's answer), and only the kept indices come back (one copy;
-  /// the call waits for it). kUnsupported for a segment of more than 128 tokens, a keep above
-  /// 64 or a head_dim the kernel does not serve (the cache then selects on the host).
-  [[nodiscard]] Status select_kmeans(std::span<const TokenRef> tokens, std::span<const KmeansJob> jobs,
-                                     int max_iterations, std::vector<int>& kept, int& max_k);
+  /// TBE's selections on the device (segment_selecting_backend): brings the device's copy of the
+  /// metadata up to date, then per job one CTA finds the segment's live tokens in the stream's
+  /// block list and dequantizes their keys as read_token would, launch_kmeans_select picks the
+  /// kept tokens (bit for bit kmeans_select's answer), and a last kernel marks the others evicted
+  /// in the device's masks and lists them; only the victims come back (one copy; the call waits
+  /// for it). kUnsupported for a segment of more than 128 tokens, a keep above 64 or a head_dim the
+  /// kernel does not serve (the cache then selects on the host), with nothing marked.
+  [[nodiscard]] Status select_segments(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+                                       std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets);
   /// Waits for the stream, then puts the host results (sparsity) in place. Reports a commit job
   /// the kernel refused (kInternal) here.
   [[nodiscard]] Status synchronize();
@@ -141,6 +159,6 @@ class CudaKvBackend {
   std::unique_ptr<Impl> impl_;
 };
 static_assert(kv_backend<CudaKvBackend> && batched_kv_backend<CudaKvBackend> &&
-              kmeans_selecting_backend<CudaKvBackend>);
+              segment_selecting_backend<CudaKvBackend>);
 
 }  // namespace thinkv

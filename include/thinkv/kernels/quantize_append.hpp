@@ -98,6 +98,11 @@ struct QuantizeAppendParams {
   /// for it: stream out of range, precision unknown or with an empty pool, record >= num_records
   /// (quantized precisions), or a destination slot outside the precision's pool.
   unsigned int* rejected_jobs = nullptr;
+  /// Optional (device, [2]): the launch takes jobs[job_range[0] .. job_range[1]) (and their
+  /// dest_slots rows) instead of jobs[0 .. num_jobs); num_jobs is then the most it may take (the
+  /// grid), the rest of the grid exits at once. A launch whose parameters must not change from
+  /// call to call (a captured CUDA graph) reads its share of a batch's jobs this way.
+  const std::uint32_t* job_range = nullptr;
 };
 
 /// Checks the parameters without launching and without reading device memory: returns

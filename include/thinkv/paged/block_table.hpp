@@ -265,7 +265,8 @@ class BlockTable {
             ps.owner,
             ps.revision,
             ps.log_first,
-            ps.changed};
+            ps.changed,
+            ps.slot_segment};
   }
   /// A stream's block list, staged count and live slots.
   [[nodiscard]] StreamView stream_view(int stream) const {
@@ -467,10 +468,13 @@ class BlockTable {
     const int bs = config_.block_size;
     const Precision p = config_.precision.precision_of(thought);
     const int pi = static_cast<int>(p);
-    plan = CommitPlan{};
+    plan.slots.clear();  // kept allocated: a batch's plans reuse their vectors
+    plan.new_blocks.clear();
     plan.stream = stream;
     plan.thought = thought;
     plan.precision = p;
+    plan.record = kNoRecord;
+    plan.reused_slots = 0;
     plan.slots.reserve(static_cast<std::size_t>(g));
     const StreamState& s = stream_(stream);
     const int words = layout_.evict_mask_words();

@@ -23,6 +23,7 @@ struct FlatBlockTable {
   std::vector<std::uint16_t> block_fill;          ///< [N] written slots of each block (0..B)
   std::vector<std::uint64_t> evict_mask;          ///< [N, words] bit i of word i/64: slot i evicted
   std::vector<std::uint32_t> slot_record;         ///< [N, B] key-scale record of each slot (kNoRecord: none)
+  std::vector<std::uint32_t> slot_segment;        ///< [N, B] thought segment of each written slot
   std::vector<std::int32_t> block_indptr;         ///< [S + 1] CSR row pointers into block_indices
   std::vector<std::uint32_t> block_indices;       ///< each stream's blocks in list order (>= 1 entry:
                                                   ///< a dummy 0 when no stream holds a block)
@@ -93,6 +94,7 @@ inline void flatten_pools(const AttendView& view, FlatBlockTable& out, const std
   out.block_fill.assign(n, 0);
   out.evict_mask.assign(n * words, 0);
   out.slot_record.assign(n * bs, kNoRecord);
+  out.slot_segment.assign(n * bs, 0);
   for (int p = 0; p < kNumPrecisions; ++p) {
     const PoolView& pv = view.pools[p];
     const std::size_t have = std::min(out.pool_count[p], pv.blocks);
@@ -100,6 +102,9 @@ inline void flatten_pools(const AttendView& view, FlatBlockTable& out, const std
     std::copy_n(pv.fill.begin(), have, out.block_fill.begin() + static_cast<std::ptrdiff_t>(f));
     std::copy_n(pv.evict_mask.begin(), have * words, out.evict_mask.begin() + static_cast<std::ptrdiff_t>(f * words));
     std::copy_n(pv.slot_record.begin(), have * bs, out.slot_record.begin() + static_cast<std::ptrdiff_t>(f * bs));
+    if (!pv.slot_segment.empty()) {
+      std::copy_n(pv.slot_segment.begin(), have * bs, out.slot_segment.begin() + static_cast<std::ptrdiff_t>(f * bs));
+    }
   }
 }
 
@@ -115,16 +120,17 @@ inline void flatten_attend_view(const AttendView& view, int num_streams, FlatBlo
 /// by changes (its log starts after synced[p]): the mirror must copy everything
 /// (flatten_attend_view). `out` must hold the numbering (flat_numbering) the mirror uses.
 struct FlatBlockDelta {
-  std::vector<std::uint32_t> ids;          ///< [n] flat block ids
-  std::vector<std::uint16_t> fill;         ///< [n]
-  std::vector<std::uint64_t> evict_mask;   ///< [n, words]
-  std::vector<std::uint32_t> slot_record;  ///< [n, B]
-  std::vector<std::uint32_t> seen;         ///< scratch: per flat block, the pass that took it
+  std::vector<std::uint32_t> ids;           ///< [n] flat block ids
+  std::vector<std::uint16_t> fill;          ///< [n]
+  std::vector<std::uint64_t> evict_mask;    ///< [n, words]
+  std::vector<std::uint32_t> slot_record;   ///< [n, B]
+  std::vector<std::uint32_t> slot_segment;  ///< [n, B]
+  std::vector<std::uint32_t> seen;          ///< scratch: per flat block, the pass that took it
   std::uint32_t pass = 0;
   [[nodiscard]] std::size_t size() const noexcept { return ids.size(); }
   /// Bytes of the packed metadata (what a device upload of it moves, ids included).
   [[nodiscard]] std::size_t bytes() const noexcept {
-    return ids.size() * 4 + fill.size() * 2 + evict_mask.size() * 8 + slot_record.size() * 4;
+    return ids.size() * 4 + fill.size() * 2 + evict_mask.size() * 8 + slot_record.size() * 4 + slot_segment.size() * 4;
   }
 };
 
@@ -136,6 +142,7 @@ inline bool flat_changes(const AttendView& view, const FlatBlockTable& numbering
   out.fill.clear();
   out.evict_mask.clear();
   out.slot_record.clear();
+  out.slot_segment.clear();
   std::span<const std::uint32_t> pages[kNumPrecisions];
   for (int p = 0; p < kNumPrecisions; ++p) {
     if (!view.pools[p].changes_since(synced[p], pages[p])) return false;
@@ -158,6 +165,12 @@ inline bool flat_changes(const AttendView& view, const FlatBlockTable& numbering
       out.evict_mask.insert(out.evict_mask.end(), m.begin(), m.end());
       const auto r = pv.slot_record.subspan(static_cast<std::size_t>(local) * bs, static_cast<std::size_t>(bs));
       out.slot_record.insert(out.slot_record.end(), r.begin(), r.end());
+      if (!pv.slot_segment.empty()) {
+        const auto g = pv.slot_segment.subspan(static_cast<std::size_t>(local) * bs, static_cast<std::size_t>(bs));
+        out.slot_segment.insert(out.slot_segment.end(), g.begin(), g.end());
+      } else {
+        out.slot_segment.insert(out.slot_segment.end(), static_cast<std::size_t>(bs), 0u);
+      }
     }
   }
   return true;

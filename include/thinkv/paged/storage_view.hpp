@@ -79,7 +79,7 @@ struct TokenRef {
 /// storage (0 .. blocks - 1). Spans into the cache's metadata, valid until its next change.
 ///
 /// The change log lets a backend that mirrors the metadata (a device) send only what changed:
-/// every change of a page's fill, eviction mask, slot records or owner raises `revision` by one
+/// every change of a page's fill, eviction mask, slot records (and segments) or owner raises `revision` by one
 /// and appends the page index to `changed`, so changed[i] is the page of revision
 /// log_first + i + 1. A mirror synced at revision r with log_first <= r <= revision is brought
 /// up to date by copying pages changed[r - log_first ..] (a page may repeat; a page at or past
@@ -87,15 +87,16 @@ struct TokenRef {
 /// changed. One synced before log_first (the log was trimmed when it outgrew twice the pool)
 /// copies the whole pool.
 struct PoolView {
-  std::uint32_t base = 0;                      ///< global id of page 0
-  std::uint32_t blocks = 0;                    ///< pages with storage
-  std::span<const std::uint16_t> fill;         ///< [blocks] written slots (0..block_size)
-  std::span<const std::uint64_t> evict_mask;   ///< [blocks * evict_mask_words] bit s: slot s evicted
-  std::span<const std::uint32_t> slot_record;  ///< [blocks * block_size] key-scale record per slot
-  std::span<const std::int32_t> owner;         ///< [blocks] owning stream (kNoStream: free)
-  std::uint64_t revision = 0;                  ///< changes so far
-  std::uint64_t log_first = 0;                 ///< revision before changed[0]
-  std::span<const std::uint32_t> changed;      ///< pages changed after log_first, in order
+  std::uint32_t base = 0;                       ///< global id of page 0
+  std::uint32_t blocks = 0;                     ///< pages with storage
+  std::span<const std::uint16_t> fill;          ///< [blocks] written slots (0..block_size)
+  std::span<const std::uint64_t> evict_mask;    ///< [blocks * evict_mask_words] bit s: slot s evicted
+  std::span<const std::uint32_t> slot_record;   ///< [blocks * block_size] key-scale record per slot
+  std::span<const std::int32_t> owner;          ///< [blocks] owning stream (kNoStream: free)
+  std::uint64_t revision = 0;                   ///< changes so far
+  std::uint64_t log_first = 0;                  ///< revision before changed[0]
+  std::span<const std::uint32_t> changed;       ///< pages changed after log_first, in order
+  std::span<const std::uint32_t> slot_segment;  ///< [blocks * block_size] thought segment of each written slot
 
   /// The pages a mirror synced at `synced` must copy, or false when it must copy every page.
   [[nodiscard]] bool changes_since(std::uint64_t synced, std::span<const std::uint32_t>& pages) const noexcept {
@@ -177,6 +178,31 @@ struct TableView {
     if (synced < list_log_first || synced > list_revision) return false;
     streams = list_changed.subspan(static_cast<std::size_t>(synced - list_log_first));
     return true;
+  }
+  /// The live slots of `stream` holding thought segment `segment`, in attention order (the
+  /// stream's blocks in list order, then slot order: what BlockTable::live_segment_slots lists),
+  /// as the tokens they hold, into `out` (cleared).
+  void segment_tokens(int stream, std::uint32_t segment, std::vector<TokenRef>& out) const {
+    out.clear();
+    PoolView pv[kNumPrecisions];
+    for (int p = 0; p < kNumPrecisions; ++p) pv[p] = pool(p);
+    const StreamView sv = this->stream(stream);
+    const auto bs = static_cast<std::size_t>(block_size);
+    for (std::uint32_t b : sv.blocks) {
+      for (int p = 0; p < kNumPrecisions; ++p) {
+        if (b < pv[p].base || b - pv[p].base >= pv[p].blocks) continue;
+        const std::size_t i = b - pv[p].base;
+        const int n = pv[p].fill[i];
+        for (int sl = 0; sl < n; ++sl) {
+          const std::uint64_t w =
+              pv[p].evict_mask[i * static_cast<std::size_t>(evict_mask_words) + static_cast<std::size_t>(sl / 64)];
+          if (pv[p].slot_segment[i * bs + static_cast<std::size_t>(sl)] != segment || ((w >> (sl % 64)) & 1u) != 0) {
+            continue;
+          }
+          out.push_back({{b, static_cast<std::uint32_t>(sl)}, pv[p].owner[i], pv[p].slot_record[i * bs + sl]});
+        }
+      }
+    }
   }
   /// An AttendView of `streams` (their views into `out`, reused) and every pool, as now.
   [[nodiscard]] AttendView attend_view(std::span<const std::int32_t> streams, std::vector<StreamView>& out) const {
