@@ -209,6 +209,8 @@ struct SelectJob {
   std::int32_t keep;
   std::int32_t count;
   std::uint64_t seed;
+  std::uint32_t victims;  // where its count - keep victims go in the compact victims list
+  std::uint32_t pad;
 };
 
 /// Finds job blockIdx.x's tokens (the live slots of its stream holding its segment, in attention
@@ -288,16 +290,39 @@ __global__ void gather_segment_kernel(SelectView v, const SelectJob* jobs, int m
   }
 }
 
-/// One warp per job: the tokens K-means did not keep, in order, into victims[job, ..] (their flat
-/// slot ids) with their count in vcount[job], each marked evicted in the device's masks. A job
-/// whose segment held another number of tokens than the host expected marks nothing: vcount -1.
+/// A selection's victims in a launch-time numbering, marked again in the current one.
+struct RenumberView {
+  std::uint32_t old_base[kNumPrecisions], old_count[kNumPrecisions], new_base[kNumPrecisions];
+};
+__global__ void remark_victims_kernel(const std::uint32_t* victims, std::size_t n, RenumberView rv, std::uint64_t* mask,
+                                      int words, int block_size) {
+  const std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const std::uint32_t id = victims[i];
+  if (id == 0xFFFFFFFFu) return;  // a job that found another count marked nothing
+  const std::uint32_t fb = id / static_cast<std::uint32_t>(block_size),
+                      sl = id % static_cast<std::uint32_t>(block_size);
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    if (fb >= rv.old_base[p] && fb - rv.old_base[p] < rv.old_count[p]) {
+      const std::size_t nb = rv.new_base[p] + (fb - rv.old_base[p]);
+      atomicOr(reinterpret_cast<unsigned long long*>(&mask[nb * words + sl / 64]), 1ull << (sl % 64));
+      return;
+    }
+  }
+}
+
+/// One warp per job: the tokens K-means did not keep, in order, into victims[job.victims ..] (their
+/// flat slot ids: count - keep of them) with their count in vcount[job], each marked evicted in
+/// the device's masks. A job whose segment held another number of tokens than the host expected
+/// marks and writes nothing: vcount -1.
 __global__ void mark_victims_kernel(SelectView v, const SelectJob* jobs, const int* found, const std::uint32_t* refs,
                                     const int* kept, int max_points, int max_k, std::uint32_t* victims, int* vcount) {
   const int j = static_cast<int>(blockIdx.x);
   const int lane = static_cast<int>(threadIdx.x);
   const SelectJob job = jobs[j];
   const int n = found[j];
-  if (n != job.count || n > max_points) {
+  if (n != job.count || n > max_points || job.keep > n) {
+    for (int i = lane; i < job.count - job.keep; i += 32) victims[job.victims + static_cast<std::uint32_t>(i)] = ~0u;
     if (lane == 0) vcount[j] = -1;
     return;
   }
@@ -320,7 +345,8 @@ __global__ void mark_victims_kernel(SelectView v, const SelectJob* jobs, const i
     const unsigned ballot = __ballot_sync(0xFFFFFFFFu, victim);
     if (victim) {
       const std::uint32_t id = refs[static_cast<std::size_t>(j) * max_points + i];
-      victims[static_cast<std::size_t>(j) * max_points + v_n + __popc(ballot & ((1u << lane) - 1u))] = id;
+      const int at = v_n + __popc(ballot & ((1u << lane) - 1u));
+      if (at < job.count - job.keep) victims[job.victims + static_cast<std::uint32_t>(at)] = id;
       const std::uint32_t fb = id / static_cast<std::uint32_t>(v.block_size);
       const std::uint32_t sl = id % static_cast<std::uint32_t>(v.block_size);
       atomicOr(reinterpret_cast<unsigned long long*>(&v.mask[static_cast<std::size_t>(fb) * v.words + sl / 64]),
@@ -431,6 +457,21 @@ struct CudaKvBackend::Impl {
   // K-means scratch (points, kept).
   void* sel = nullptr;
   std::size_t sel_bytes = 0;
+  // TBE's selections launched and not yet collected (launch_selection / collect_selection).
+  struct Selection {
+    std::uint64_t id = 0;
+    bool live = false;
+    std::vector<SelectJob> jobs;
+    std::size_t total = 0;                                                // victims, compact
+    std::uint32_t base[kNumPrecisions] = {}, count[kNumPrecisions] = {};  // the flat numbering at launch
+    void* dev = nullptr;                                                  // [victims][counts]
+    std::size_t dev_bytes = 0;
+    void* pinned = nullptr;  // [counts][victims]
+    std::size_t pinned_bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  std::deque<Selection> selections;  // stable addresses
+  std::uint64_t selection_clock = 0;
   // ---- the open decode step (prepare_step) ---------------------------------------------------
   // One device area, laid out by capacity (so a captured graph's launches find everything where
   // they found it), rewritten by each step's upload (stream-ordered after the previous step's
@@ -537,6 +578,15 @@ struct CudaKvBackend::Impl {
     sp_pending = false;
     lists_synced = false;
     lseen.clear();
+    for (Selection& x : selections) {
+      if (x.done != nullptr) {
+        (void)cudaEventSynchronize(x.done);
+        (void)cudaEventDestroy(x.done);
+      }
+      if (x.dev != nullptr) (void)cudaFree(x.dev);
+      if (x.pinned != nullptr) (void)cudaFreeHost(x.pinned);
+    }
+    selections.clear();
     for (Timed& t : timed) {
       spare_events.push_back(t.start);
       spare_events.push_back(t.stop);
@@ -580,6 +630,47 @@ struct CudaKvBackend::Impl {
     return Status::ok();
   }
 
+  /// An upload split in two: stage() copies the bytes into the next pinned slot (host work),
+  /// issue() enqueues the copy to the device (to `dst`, or the slot's own device part) and marks
+  /// the slot busy until it is done. A caller stages everything first, then issues back to back.
+  struct Staged {
+    UploadSlot* slot = nullptr;
+    std::size_t bytes = 0;
+  };
+  Status stage(const void* src, std::size_t bytes, Staged& out) {
+    out = {};
+    if (bytes == 0) return Status::ok();
+    if (ring.empty()) ring.resize(64);
+    UploadSlot& u = ring[ring_next++ % ring.size()];
+    if (u.done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&u.done, cudaEventDisableTiming));
+    THINKV_CUDA_TRY(cudaEventSynchronize(u.done));
+    if (u.cap < bytes) {
+      const std::size_t cap = std::max<std::size_t>(4096, 2 * bytes);
+      if (u.host != nullptr) (void)cudaFreeHost(u.host);
+      if (u.dev != nullptr) (void)cudaFree(u.dev);
+      u.host = nullptr;
+      u.dev = nullptr;
+      u.cap = 0;
+      THINKV_CUDA_TRY(cudaMallocHost(&u.host, cap));
+      THINKV_RETURN_IF_ERROR(raw_alloc(&u.dev, cap, "upload buffers"));
+      u.cap = cap;
+    }
+    std::memcpy(u.host, src, bytes);
+    out = {&u, bytes};
+    return Status::ok();
+  }
+  /// Enqueues a staged upload; returns the device copy (`dst` when given).
+  Status issue(const Staged& st, void* dst, void** dev) {
+    if (dev != nullptr) *dev = nullptr;
+    if (st.slot == nullptr) return Status::ok();
+    void* to = dst != nullptr ? dst : st.slot->dev;
+    stats.host_to_device_bytes += static_cast<std::int64_t>(st.bytes);
+    THINKV_CUDA_TRY(cudaMemcpyAsync(to, st.slot->host, st.bytes, cudaMemcpyHostToDevice, stream));
+    THINKV_CUDA_TRY(cudaEventRecord(st.slot->done, stream));
+    if (dev != nullptr) *dev = to;
+    return Status::ok();
+  }
+
   /// Copies `bytes` of host data into the device buffer `dst` on `stream` through the next pinned
   /// slot (its host part only).
   Status upload_to(void* dst, const void* src, std::size_t bytes) {
@@ -606,11 +697,50 @@ struct CudaKvBackend::Impl {
     return Status::ok();
   }
 
+  /// The metadata updates of a sync whose upload is deferred: where their parts lie in `dpack`.
+  struct Deferred {
+    std::size_t pages = 0, o_ids = 0, o_fill = 0, o_mask = 0, o_rec = 0, o_seg = 0;
+    std::size_t lists = 0, o_head = 0, o_blocks = 0;
+  };
+  std::vector<std::uint8_t> dpack;  // deferred updates, packed
+  void scatter_pages(const std::uint8_t* d, std::size_t n, std::size_t o_ids, std::size_t o_fill, std::size_t o_mask,
+                     std::size_t o_rec, std::size_t o_seg) {
+    scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, stream>>>(
+        reinterpret_cast<const std::uint32_t*>(d + o_ids), reinterpret_cast<const std::uint16_t*>(d + o_fill),
+        reinterpret_cast<const std::uint64_t*>(d + o_mask), reinterpret_cast<const std::uint32_t*>(d + o_rec),
+        reinterpret_cast<const std::uint32_t*>(d + o_seg), layout.evict_mask_words(), config.block_size, fill, mask,
+        slot_record, slot_segment);
+  }
+  void scatter_lists(const std::uint8_t* d, std::size_t n, std::size_t o_head, std::size_t o_blocks) {
+    scatter_block_lists<<<static_cast<unsigned>(n), 128, 0, stream>>>(
+        reinterpret_cast<const std::int32_t*>(d + o_head), reinterpret_cast<const std::uint32_t*>(d + o_blocks),
+        lstride, lidx, lcount);
+  }
+  /// Issues the staged `dpack` (one copy; staged with stage_deferred) and launches the scatters
+  /// `d` recorded.
+  Status stage_deferred(const Deferred& d, Staged& st) {
+    st = {};
+    if (d.pages == 0 && d.lists == 0) return Status::ok();
+    return stage(dpack.data(), dpack.size(), st);
+  }
+  Status launch_deferred(const Deferred& d, const Staged& st) {
+    if (d.pages == 0 && d.lists == 0) return Status::ok();
+    void* dev = nullptr;
+    THINKV_RETURN_IF_ERROR(issue(st, nullptr, &dev));
+    const auto* base = static_cast<const std::uint8_t*>(dev);
+    if (d.pages > 0) scatter_pages(base, d.pages, d.o_ids, d.o_fill, d.o_mask, d.o_rec, d.o_seg);
+    if (d.lists > 0) scatter_lists(base, d.lists, d.o_head, d.o_blocks);
+    THINKV_CUDA_TRY(cudaGetLastError());
+    return Status::ok();
+  }
+
   /// Brings the device mirror of the pools' metadata (fill, masks, slot records, in the compact
   /// numbering over cap[]) up to date on `stream`: the pages changed since the last sync (one
   /// upload, one scatter launch), or everything on the first sync, after the storage changed, or
   /// when a pool's change log no longer reaches back.
-  Status sync_pools(const AttendView& view) {
+  /// With `deferred`, the changed pages are appended to `dpack` (and the scatter recorded) for
+  /// launch_deferred to send with the rest of a step's upload.
+  Status sync_pools(const AttendView& view, Deferred* deferred = nullptr) {
     flat_numbering(view, flat, cap);
     const std::size_t nb = std::max<std::size_t>(flat.total_blocks, 1);
     if (nb > meta_blocks) {
@@ -642,6 +772,20 @@ struct CudaKvBackend::Impl {
                                       cudaMemcpyHostToDevice, stream));
       THINKV_CUDA_TRY(cudaMemcpyAsync(slot_segment, flat.slot_segment.data(), flat.slot_segment.size() * 4,
                                       cudaMemcpyHostToDevice, stream));
+      // Victims the device marked for selections the cache has not collected yet are not in the
+      // host's masks: mark them again in the copy (their flat ids renumbered).
+      for (const Selection& x : selections) {
+        if (!x.live || x.total == 0) continue;
+        RenumberView rv{};
+        for (int p = 0; p < kNumPrecisions; ++p) {
+          rv.old_base[p] = x.base[p];
+          rv.old_count[p] = x.count[p];
+          rv.new_base[p] = dev_base(p);
+        }
+        remark_victims_kernel<<<static_cast<unsigned>((x.total + 255) / 256), 256, 0, stream>>>(
+            static_cast<const std::uint32_t*>(x.dev), x.total, rv, mask, layout.evict_mask_words(), config.block_size);
+        THINKV_CUDA_TRY(cudaGetLastError());
+      }
       THINKV_CUDA_TRY(cudaStreamSynchronize(stream));  // pageable sources: wait before the host reuses them
       const auto bytes = static_cast<std::int64_t>(flat.block_fill.size() * 2 + flat.evict_mask.size() * 8 +
                                                    flat.slot_record.size() * 4 + flat.slot_segment.size() * 4);
@@ -652,27 +796,33 @@ struct CudaKvBackend::Impl {
       // One upload of the packed pages ([ids][fill][mask][records], 256-byte aligned parts), one
       // scatter launch.
       const std::size_t n = delta.size();
-      const std::size_t o_fill = align256(n * 4);
+      std::vector<std::uint8_t>& out = deferred != nullptr ? dpack : pack;
+      const std::size_t o_ids = deferred != nullptr ? align256(out.size()) : 0;
+      const std::size_t o_fill = o_ids + align256(n * 4);
       const std::size_t o_mask = o_fill + align256(n * 2);
       const std::size_t o_rec = o_mask + align256(delta.evict_mask.size() * 8);
       const std::size_t o_seg = o_rec + align256(delta.slot_record.size() * 4);
       const std::size_t bytes = o_seg + delta.slot_segment.size() * 4;
-      pack.resize(bytes);
-      std::memcpy(pack.data(), delta.ids.data(), n * 4);
-      std::memcpy(pack.data() + o_fill, delta.fill.data(), n * 2);
-      std::memcpy(pack.data() + o_mask, delta.evict_mask.data(), delta.evict_mask.size() * 8);
-      std::memcpy(pack.data() + o_rec, delta.slot_record.data(), delta.slot_record.size() * 4);
-      std::memcpy(pack.data() + o_seg, delta.slot_segment.data(), delta.slot_segment.size() * 4);
-      void* dev = nullptr;
-      THINKV_RETURN_IF_ERROR(upload(pack.data(), bytes, &dev));
-      auto* dbase = static_cast<const std::uint8_t*>(dev);
-      scatter_block_meta<<<static_cast<unsigned>(n), 64, 0, stream>>>(
-          reinterpret_cast<const std::uint32_t*>(dbase), reinterpret_cast<const std::uint16_t*>(dbase + o_fill),
-          reinterpret_cast<const std::uint64_t*>(dbase + o_mask), reinterpret_cast<const std::uint32_t*>(dbase + o_rec),
-          reinterpret_cast<const std::uint32_t*>(dbase + o_seg), layout.evict_mask_words(), config.block_size, fill,
-          mask, slot_record, slot_segment);
-      THINKV_CUDA_TRY(cudaGetLastError());
+      out.resize(bytes);
+      std::memcpy(out.data() + o_ids, delta.ids.data(), n * 4);
+      std::memcpy(out.data() + o_fill, delta.fill.data(), n * 2);
+      std::memcpy(out.data() + o_mask, delta.evict_mask.data(), delta.evict_mask.size() * 8);
+      std::memcpy(out.data() + o_rec, delta.slot_record.data(), delta.slot_record.size() * 4);
+      std::memcpy(out.data() + o_seg, delta.slot_segment.data(), delta.slot_segment.size() * 4);
       stats.metadata_bytes_uploaded += static_cast<std::int64_t>(delta.bytes());
+      if (deferred != nullptr) {
+        deferred->pages = n;
+        deferred->o_ids = o_ids;
+        deferred->o_fill = o_fill;
+        deferred->o_mask = o_mask;
+        deferred->o_rec = o_rec;
+        deferred->o_seg = o_seg;
+      } else {
+        void* dev = nullptr;
+        THINKV_RETURN_IF_ERROR(upload(pack.data(), bytes, &dev));
+        scatter_pages(static_cast<const std::uint8_t*>(dev), n, o_ids, o_fill, o_mask, o_rec, o_seg);
+        THINKV_CUDA_TRY(cudaGetLastError());
+      }
     }
     for (int p = 0; p < kNumPrecisions; ++p) {
       meta_rev[p] = view.pools[p].revision;
@@ -686,7 +836,7 @@ struct CudaKvBackend::Impl {
   /// date on `stream`: the lists the table's change log names since the last sync (one upload,
   /// one scatter launch), or every list on the first sync, after the numbering changed (storage
   /// grew or shrank), when a row must grow, or when the log no longer reaches back.
-  Status sync_lists(const TableView& t) {
+  Status sync_lists(const TableView& t, Deferred* deferred = nullptr) {
     const auto S = static_cast<std::size_t>(config.num_streams);
     bool all = !lists_synced || lptr == nullptr;
     for (int p = 0; p < kNumPrecisions; ++p) all = all || lcap[p] != cap[p];
@@ -766,23 +916,53 @@ struct CudaKvBackend::Impl {
       }
     }
     if (!head.empty()) {
-      const std::size_t o_blocks = align256(head.size() * 4);
-      pack.resize(o_blocks + blocks.size() * 4);
-      std::memcpy(pack.data(), head.data(), head.size() * 4);
-      std::memcpy(pack.data() + o_blocks, blocks.data(), blocks.size() * 4);
-      void* dev = nullptr;
-      THINKV_RETURN_IF_ERROR(upload(pack.data(), pack.size(), &dev));
-      const auto* dpack = static_cast<const std::uint8_t*>(dev);
-      scatter_block_lists<<<static_cast<unsigned>(head.size() / 3), 128, 0, stream>>>(
-          reinterpret_cast<const std::int32_t*>(dpack), reinterpret_cast<const std::uint32_t*>(dpack + o_blocks),
-          lstride, lidx, lcount);
-      THINKV_CUDA_TRY(cudaGetLastError());
+      std::vector<std::uint8_t>& out = deferred != nullptr ? dpack : pack;
+      const std::size_t o_head = deferred != nullptr ? align256(out.size()) : 0;
+      const std::size_t o_blocks = o_head + align256(head.size() * 4);
+      out.resize(o_blocks + blocks.size() * 4);
+      std::memcpy(out.data() + o_head, head.data(), head.size() * 4);
+      std::memcpy(out.data() + o_blocks, blocks.data(), blocks.size() * 4);
       stats.metadata_bytes_uploaded += static_cast<std::int64_t>(head.size() * 4 + blocks.size() * 4);
+      if (deferred != nullptr) {
+        deferred->lists = head.size() / 3;
+        deferred->o_head = o_head;
+        deferred->o_blocks = o_blocks;
+      } else {
+        void* dev = nullptr;
+        THINKV_RETURN_IF_ERROR(upload(pack.data(), pack.size(), &dev));
+        scatter_lists(static_cast<const std::uint8_t*>(dev), head.size() / 3, o_head, o_blocks);
+        THINKV_CUDA_TRY(cudaGetLastError());
+      }
     }
     list_rev = t.list_revision;
     lists_synced = true;
     for (int p = 0; p < kNumPrecisions; ++p) lcap[p] = cap[p];
     return Status::ok();
+  }
+
+  /// What TBE's selection kernels read, in the current numbering.
+  [[nodiscard]] SelectView select_view() const {
+    SelectView v{};
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      v.pages[p] = pages[p];
+      v.page_bytes[p] = static_cast<unsigned long long>(layout.page_bytes(static_cast<Precision>(p)));
+      v.row_bytes[p] = layout.row_bytes(static_cast<Precision>(p));
+      v.dev_base[p] = dev_base(p);
+      v.dev_count[p] = cap[p];
+    }
+    v.records = records;
+    v.s2 = s2;
+    v.fill = fill;
+    v.mask = mask;
+    v.slot_record = slot_record;
+    v.slot_segment = slot_segment;
+    v.lidx = lidx;
+    v.lcount = lcount;
+    v.lstride = lstride;
+    v.d = config.head_dim;
+    v.block_size = config.block_size;
+    v.words = layout.evict_mask_words();
+    return v;
   }
 
   /// The attention parameters of the open step (streams, q, out and workspace set by the caller).
@@ -1485,14 +1665,15 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
                                           std::to_string(kernels::kMaxQueryHeadsPerKv)};
   }
   m.step_ready = false;
-  const int timer = m.time_start(0);
-  // 1. The metadata mirror and the block lists, by changes.
+  // 1. The metadata mirror's and the block lists' changes, packed (sent below with the step).
   AttendView pools_view;
   pools_view.block_size = step.table.block_size;
   pools_view.evict_mask_words = step.table.evict_mask_words;
   for (int p = 0; p < kNumPrecisions; ++p) pools_view.pools[p] = step.table.pool(p);
-  THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view));
-  THINKV_RETURN_IF_ERROR(m.sync_lists(step.table));
+  Impl::Deferred updates;
+  m.dpack.clear();
+  THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view, &updates));
+  THINKV_RETURN_IF_ERROR(m.sync_lists(step.table, &updates));
   // 2. The step area, laid out by capacity (grown by doubling; growing it changes the epoch).
   int slots = 0;
   for (std::int8_t x : step.sparsity_slot) slots = std::max(slots, x + 1);
@@ -1560,7 +1741,14 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
       m.step_layer_bytes[l] += m.layout.commit_bytes(plan.precision);
     }
   }
-  THINKV_RETURN_IF_ERROR(m.upload_to(m.step_dev, m.pack.data(), up));
+  // The device's work, back to back once the host has staged it: the updates' copy and
+  // scatters, the step's tables, their expansion.
+  Impl::Staged st_updates, st_tables;
+  THINKV_RETURN_IF_ERROR(m.stage_deferred(updates, st_updates));
+  THINKV_RETURN_IF_ERROR(m.stage(m.pack.data(), up, st_tables));
+  const int timer = m.time_start(0);
+  THINKV_RETURN_IF_ERROR(m.launch_deferred(updates, st_updates));
+  THINKV_RETURN_IF_ERROR(m.issue(st_tables, m.step_dev, nullptr));
   const std::size_t cells = L * n * hkv;
   expand_step_kernel<<<static_cast<unsigned>((cells + 255) / 256), 256, 0, m.stream>>>(
       reinterpret_cast<const StepSequence*>(m.step_dev), static_cast<int>(n), static_cast<int>(hkv),
@@ -1697,7 +1885,14 @@ Status CudaKvBackend::attend_step(int layer, TensorRef q, MutableTensorRef out) 
     const std::size_t floats = static_cast<std::size_t>(m.step_n) * static_cast<std::size_t>(m.step_hq);
     THINKV_CUDA_TRY(cudaMemcpyAsync(m.sp_pinned + static_cast<std::size_t>(slot) * floats, dsp, floats * 4,
                                     cudaMemcpyDeviceToHost, m.stream));
-    if (!m.step_capturable) THINKV_CUDA_TRY(cudaEventRecord(m.sp_done, m.stream));
+    // Captured, an external record: a node of the graph the host can wait on after a replay.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    THINKV_CUDA_TRY(cudaStreamIsCapturing(m.stream, &capture));
+    if (capture == cudaStreamCaptureStatusActive) {
+      THINKV_CUDA_TRY(cudaEventRecordWithFlags(m.sp_done, m.stream, cudaEventRecordExternal));
+    } else {
+      THINKV_CUDA_TRY(cudaEventRecord(m.sp_done, m.stream));
+    }
     m.sp_pending = true;
   }
   return Status::ok();
@@ -1707,14 +1902,10 @@ Status CudaKvBackend::wait_sparsity() {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
   if (m.step_sparsity == nullptr || m.step_slots == 0) return Status::ok();
-  // A capturable step may have run from a graph (no host call recorded its copies): wait for the
-  // stream. Otherwise the last sparsity layer's copy, not the rest of the step.
-  if (m.step_capturable) {
-    THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
-  } else {
-    if (!m.sp_pending) return Status::ok();
-    THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
-  }
+  // The last sparsity layer's copy, not the rest of the step. A capturable step has sparsity
+  // layers on every step, recorded in its graph when it was replayed (no host call then).
+  if (!m.sp_pending && !m.step_capturable) return Status::ok();
+  THINKV_CUDA_TRY(cudaEventSynchronize(m.sp_done));
   const std::size_t floats =
       static_cast<std::size_t>(m.step_slots) * static_cast<std::size_t>(m.step_n) * static_cast<std::size_t>(m.step_hq);
   std::memcpy(m.step_sparsity, m.sp_pinned, floats * 4);
@@ -1809,11 +2000,17 @@ Status CudaKvBackend::poll_faults(std::vector<BackendFault>& out, bool wait) {
 
 Status CudaKvBackend::select_segments(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
                                       std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) {
+  std::uint64_t ticket = 0;
+  THINKV_RETURN_IF_ERROR(launch_selection(table, jobs, max_iterations, ticket));
+  bool ready = false;
+  return collect_selection(ticket, true, ready, victims, offsets);
+}
+
+Status CudaKvBackend::launch_selection(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+                                       std::uint64_t& ticket) {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
-  victims.clear();
-  offsets.assign(1, 0);
-  if (jobs.empty()) return Status::ok();
+  ticket = 0;
   const int d = m.config.head_dim;
   if (d != 8 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported, "select_segments: head_dim " + std::to_string(d)};
@@ -1829,25 +2026,90 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
     max_points = std::max(max_points, j.count);
     max_k = std::max(max_k, j.keep);
   }
+  // A selection's state lives until it is collected: its victims (on the device, for marking
+  // them again after a whole copy of the metadata) and their copy back.
+  Impl::Selection* sel = nullptr;
+  for (Impl::Selection& x : m.selections) {
+    if (!x.live) sel = &x;
+  }
+  if (sel == nullptr) sel = &m.selections.emplace_back();
+  sel->id = ++m.selection_clock;
+  sel->jobs.clear();
+  sel->total = 0;
+  sel->live = true;
+  ticket = sel->id;
+  if (jobs.empty()) return Status::ok();
   // The device's copy of the metadata and lists must be the table's (a prompt or a one-token
   // call may have changed them since the step began).
-  const int timer = m.time_start(3);
   AttendView pools_view;
   pools_view.block_size = table.block_size;
   pools_view.evict_mask_words = table.evict_mask_words;
   for (int p = 0; p < kNumPrecisions; ++p) pools_view.pools[p] = table.pool(p);
-  THINKV_RETURN_IF_ERROR(m.sync_pools(pools_view));
-  THINKV_RETURN_IF_ERROR(m.sync_lists(table));
-  const std::size_t nj = jobs.size();
-  m.pack.resize(nj * sizeof(SelectJob));
-  auto* hj = reinterpret_cast<SelectJob*>(m.pack.data());
-  for (std::size_t i = 0; i < nj; ++i) {
-    hj[i] = SelectJob{jobs[i].stream, jobs[i].segment, jobs[i].keep, jobs[i].count, jobs[i].seed};
+  Impl::Deferred updates;
+  m.dpack.clear();
+  if (Status e = m.sync_pools(pools_view, &updates); !e.is_ok()) {
+    sel->live = false;
+    return e;
   }
+  if (Status e = m.sync_lists(table, &updates); !e.is_ok()) {
+    sel->live = false;
+    return e;
+  }
+  const std::size_t nj = jobs.size();
+  sel->jobs.resize(nj);
+  std::size_t total = 0;  // victims of every job, compact (each job's count is count - keep)
+  for (std::size_t i = 0; i < nj; ++i) {
+    sel->jobs[i] = SelectJob{jobs[i].stream,
+                             jobs[i].segment,
+                             jobs[i].keep,
+                             jobs[i].count,
+                             jobs[i].seed,
+                             static_cast<std::uint32_t>(total),
+                             0};
+    total += static_cast<std::size_t>(std::max(0, jobs[i].count - jobs[i].keep));
+  }
+  sel->total = total;
+  for (int p = 0; p < kNumPrecisions; ++p) {
+    sel->base[p] = m.dev_base(p);
+    sel->count[p] = m.cap[p];
+  }
+  // The selection's own buffers: victims and counts on the device, their copy back pinned.
+  const std::size_t own = align256(std::max<std::size_t>(total, 1) * 4) + nj * 4;  // [victims][counts]
+  const std::size_t back = align256(nj * 4) + total * 4;                           // [counts][victims]
+  if (own > sel->dev_bytes) {
+    if (sel->dev != nullptr) (void)cudaFree(sel->dev);
+    sel->dev = nullptr;
+    sel->dev_bytes = 0;
+    if (Status e = Impl::raw_alloc(&sel->dev, 2 * own, "TBE's selection results"); !e.is_ok()) {
+      sel->live = false;
+      return e;
+    }
+    sel->dev_bytes = 2 * own;
+  }
+  if (back > sel->pinned_bytes) {
+    if (sel->pinned != nullptr) (void)cudaFreeHost(sel->pinned);
+    sel->pinned = nullptr;
+    sel->pinned_bytes = 0;
+    if (cudaError_t e = cudaMallocHost(&sel->pinned, 2 * back); e != cudaSuccess) {
+      sel->live = false;
+      return cuda_status(e, "cudaMallocHost (selection results)");
+    }
+    sel->pinned_bytes = 2 * back;
+  }
+  if (sel->done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&sel->done, cudaEventDisableTiming));
+  auto* vict = static_cast<std::uint32_t*>(sel->dev);
+  auto* vcount =
+      reinterpret_cast<int*>(static_cast<std::uint8_t*>(sel->dev) + align256(std::max<std::size_t>(total, 1) * 4));
+  Impl::Staged st_updates, st_jobs;
+  THINKV_RETURN_IF_ERROR(m.stage_deferred(updates, st_updates));
+  THINKV_RETURN_IF_ERROR(m.stage(sel->jobs.data(), nj * sizeof(SelectJob), st_jobs));
+  const int timer = m.time_start(3);
+  THINKV_RETURN_IF_ERROR(m.launch_deferred(updates, st_updates));
   void* dev = nullptr;
-  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
+  THINKV_RETURN_IF_ERROR(m.issue(st_jobs, nullptr, &dev));
   const auto* djobs = static_cast<const SelectJob*>(dev);
-  // Scratch: points, refs, found, np, kk, seeds, kept, victims, vcount.
+  // Scratch (used in stream order by one selection at a time): points, refs, found, np, kk,
+  // seeds, kept.
   const std::size_t mp = static_cast<std::size_t>(max_points);
   const std::size_t o_refs = align256(nj * mp * static_cast<std::size_t>(d) * 4);
   const std::size_t o_found = o_refs + align256(nj * mp * 4);
@@ -1855,9 +2117,7 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
   const std::size_t o_kk = o_np + align256(nj * 4);
   const std::size_t o_seeds = o_kk + align256(nj * 4);
   const std::size_t o_kept = o_seeds + align256(nj * 8);
-  const std::size_t o_vict = o_kept + align256(nj * static_cast<std::size_t>(max_k) * 4);
-  const std::size_t o_vcount = o_vict + align256(nj * mp * 4);
-  const std::size_t need = o_vcount + nj * 4;
+  const std::size_t need = o_kept + nj * static_cast<std::size_t>(max_k) * 4;
   if (need > m.sel_bytes) {
     if (m.sel != nullptr) (void)cudaFree(m.sel);
     m.sel = nullptr;
@@ -1866,26 +2126,7 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
     m.sel_bytes = 2 * need;
   }
   auto* base = static_cast<std::uint8_t*>(m.sel);
-  SelectView v{};
-  for (int p = 0; p < kNumPrecisions; ++p) {
-    v.pages[p] = m.pages[p];
-    v.page_bytes[p] = static_cast<unsigned long long>(m.layout.page_bytes(static_cast<Precision>(p)));
-    v.row_bytes[p] = m.layout.row_bytes(static_cast<Precision>(p));
-    v.dev_base[p] = m.dev_base(p);
-    v.dev_count[p] = m.cap[p];
-  }
-  v.records = m.records;
-  v.s2 = m.s2;
-  v.fill = m.fill;
-  v.mask = m.mask;
-  v.slot_record = m.slot_record;
-  v.slot_segment = m.slot_segment;
-  v.lidx = m.lidx;
-  v.lcount = m.lcount;
-  v.lstride = m.lstride;
-  v.d = d;
-  v.block_size = m.config.block_size;
-  v.words = m.layout.evict_mask_words();
+  const SelectView v = m.select_view();
   auto* points = reinterpret_cast<float*>(base);
   auto* refs = reinterpret_cast<std::uint32_t*>(base + o_refs);
   auto* found = reinterpret_cast<int*>(base + o_found);
@@ -1893,8 +2134,6 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
   auto* kk = reinterpret_cast<int*>(base + o_kk);
   auto* seeds = reinterpret_cast<std::uint64_t*>(base + o_seeds);
   auto* kept = reinterpret_cast<int*>(base + o_kept);
-  auto* vict = reinterpret_cast<std::uint32_t*>(base + o_vict);
-  auto* vcount = reinterpret_cast<int*>(base + o_vcount);
   gather_segment_kernel<<<static_cast<unsigned>(nj), 128, 0, m.stream>>>(v, djobs, max_points, points, refs, found, np,
                                                                          kk, seeds);
   THINKV_CUDA_TRY(cudaGetLastError());
@@ -1911,6 +2150,7 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
   kp.kept = kept;
   if (cudaError_t e = kernels::launch_kmeans_select(kp, m.stream); e != cudaSuccess) {
     (void)cudaGetLastError();
+    sel->live = false;
     if (e == cudaErrorInvalidValue) {
       return {StatusCode::kUnsupported,
               std::string("select_segments: the K-means kernel refuses the launch: ") + cudaGetErrorString(e)};
@@ -1921,28 +2161,63 @@ Status CudaKvBackend::select_segments(const TableView& table, std::span<const Se
                                                                       vict, vcount);
   THINKV_CUDA_TRY(cudaGetLastError());
   m.time_stop(timer);
-  // Back: the counts and the victims' rows (one copy of each), then wait.
-  std::vector<int> counts(nj);
-  std::vector<std::uint32_t> ids(nj * mp);
-  THINKV_CUDA_TRY(cudaMemcpyAsync(counts.data(), vcount, nj * 4, cudaMemcpyDeviceToHost, m.stream));
-  THINKV_CUDA_TRY(cudaMemcpyAsync(ids.data(), vict, nj * mp * 4, cudaMemcpyDeviceToHost, m.stream));
-  m.stats.device_to_host_bytes += static_cast<std::int64_t>(nj * 4 + nj * mp * 4);
-  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
-  const int bs = m.config.block_size;
-  for (std::size_t j = 0; j < nj; ++j) {
-    if (counts[j] < 0) {
-      return {StatusCode::kInternal, "select_segments: segment " + std::to_string(jobs[j].segment) + " of stream " +
-                                         std::to_string(jobs[j].stream) + " does not hold the " +
-                                         std::to_string(jobs[j].count) + " live tokens the cache expected"};
+  // Back, asynchronously: the counts, then the victims (compact), into pinned memory.
+  auto* hcounts = static_cast<int*>(sel->pinned);
+  auto* hids = reinterpret_cast<std::uint32_t*>(static_cast<std::uint8_t*>(sel->pinned) + align256(nj * 4));
+  THINKV_CUDA_TRY(cudaMemcpyAsync(hcounts, vcount, nj * 4, cudaMemcpyDeviceToHost, m.stream));
+  if (total > 0) THINKV_CUDA_TRY(cudaMemcpyAsync(hids, vict, total * 4, cudaMemcpyDeviceToHost, m.stream));
+  THINKV_CUDA_TRY(cudaEventRecord(sel->done, m.stream));
+  m.stats.device_to_host_bytes += static_cast<std::int64_t>(nj * 4 + total * 4);
+  return Status::ok();
+}
+
+Status CudaKvBackend::collect_selection(std::uint64_t ticket, bool wait, bool& ready, std::vector<SlotRef>& victims,
+                                        std::vector<std::uint32_t>& offsets) {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  ready = false;
+  victims.clear();
+  offsets.assign(1, 0);
+  Impl::Selection* sel = nullptr;
+  for (Impl::Selection& x : m.selections) {
+    if (x.live && x.id == ticket) sel = &x;
+  }
+  if (sel == nullptr) {
+    return {StatusCode::kInvalidArgument, "collect_selection: no selection " + std::to_string(ticket) + " is pending"};
+  }
+  const std::size_t nj = sel->jobs.size();
+  if (nj > 0) {
+    if (wait) {
+      THINKV_CUDA_TRY(cudaEventSynchronize(sel->done));
+    } else {
+      const cudaError_t q = cudaEventQuery(sel->done);
+      if (q == cudaErrorNotReady) return Status::ok();
+      THINKV_CUDA_TRY(q);
     }
-    for (int i = 0; i < counts[j]; ++i) {
-      const std::uint32_t id = ids[j * mp + static_cast<std::size_t>(i)];
+  }
+  ready = true;
+  sel->live = false;
+  const auto* hcounts = static_cast<const int*>(sel->pinned);
+  const auto* hids =
+      reinterpret_cast<const std::uint32_t*>(static_cast<const std::uint8_t*>(sel->pinned) + align256(nj * 4));
+  const int bs = m.config.block_size;
+  victims.reserve(sel->total);
+  for (std::size_t j = 0; j < nj; ++j) {
+    const SelectJob& job = sel->jobs[j];
+    if (hcounts[j] != std::max(0, job.count - job.keep)) {
+      return {StatusCode::kInternal, "select_segments: segment " + std::to_string(job.segment) + " of stream " +
+                                         std::to_string(job.stream) + " does not hold the " +
+                                         std::to_string(job.count) + " live tokens the cache expected"};
+    }
+    for (int i = 0; i < hcounts[j]; ++i) {
+      // Flat ids in the numbering of the launch (the pages keep their index in their pool).
+      const std::uint32_t id = hids[job.victims + static_cast<std::size_t>(i)];
       const std::uint32_t fb = id / static_cast<std::uint32_t>(bs);
       int p = 0;
       for (int q = 0; q < kNumPrecisions; ++q) {
-        if (fb >= v.dev_base[q] && fb - v.dev_base[q] < v.dev_count[q]) p = q;
+        if (fb >= sel->base[q] && fb - sel->base[q] < sel->count[q]) p = q;
       }
-      victims.push_back({m.pools.base[p] + (fb - v.dev_base[p]), id % static_cast<std::uint32_t>(bs)});
+      victims.push_back({m.pools.base[p] + (fb - sel->base[p]), id % static_cast<std::uint32_t>(bs)});
     }
     offsets.push_back(static_cast<std::uint32_t>(victims.size()));
   }

@@ -221,6 +221,7 @@ class BasicThinKvCache {
         cache_(config_.paged_config(map_), std::move(backend)) {
     seqs_.resize(static_cast<std::size_t>(config_.num_sequences));
     for (auto& s : seqs_) reset_state(s);
+    seq_pending_.assign(static_cast<std::size_t>(config_.num_sequences), 0);
   }
 
   [[nodiscard]] const ThinKvConfig& config() const noexcept { return config_; }
@@ -311,6 +312,7 @@ class BasicThinKvCache {
   /// sees nothing): sequence out of range, a token already open, max_tokens reached,
   /// kPoolExhausted naming the pool.
   [[nodiscard]] Status begin_token(int seq, const TokenHint& hint = {}) {
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
     PlanClaims need;
     ThoughtType type{};
     THINKV_RETURN_IF_ERROR(plan_begin(seq, need, type));
@@ -475,6 +477,7 @@ class BasicThinKvCache {
       return {StatusCode::kInvalidArgument,
               "reset_sequence(" + std::to_string(seq) + "): the sequence is in the open step (end_step it first)"};
     }
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
     for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
       THINKV_RETURN_IF_ERROR(cache_.reset_stream(st));
     }
@@ -529,6 +532,15 @@ class BasicThinKvCache {
       THINKV_RETURN_IF_ERROR(plan_begin(seqs[b], unused, types_[b], /*count_commits=*/false));
       completes_[b] = cache_.table().staged_count(stream_of(seqs[b], 0, 0)) + 1 == g ? 1 : 0;
     }
+    // Evictions still pending: those that reached the host, and those of sequences that commit
+    // now (their holes are placed), waiting for them.
+    if (!pending_.empty()) {
+      std::vector<int> need;
+      for (std::size_t b = 0; b < seqs.size(); ++b) {
+        if (completes_[b] != 0 && seq_pending_[static_cast<std::size_t>(seqs[b])] != 0) need.push_back(seqs[b]);
+      }
+      THINKV_RETURN_IF_ERROR(collect_selections(false, need));
+    }
     // Every layer's commits, layer by layer (each layer's are what its append_step writes), made
     // with PlanClaims so that they can be recorded in order once they all fit. Nothing changes yet.
     Step& st = step_;
@@ -552,8 +564,16 @@ class BasicThinKvCache {
     }
     st.layer_commits[static_cast<std::size_t>(L)] = static_cast<std::uint32_t>(used);
     st.commits = std::span<const CommitPlan>(st.plans.data(), used);
-    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
-        claims, reserved_, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)"));
+    if (Status e = cache_.table().check_claims(
+            claims, reserved_, "begin_step of " + std::to_string(seqs.size()) + " sequences (their commits)");
+        !e.is_ok()) {
+      // Pending evictions may free what is missing: collect them and plan again.
+      if (e.code() == StatusCode::kPoolExhausted && !pending_.empty()) {
+        THINKV_RETURN_IF_ERROR(collect_selections(true));
+        return begin_step(seqs, hints);
+      }
+      return e;
+    }
     THINKV_RETURN_IF_ERROR(cache_.provide_storage(st.commits));
     // From here on the host's records change; only the backend can still fail.
     st.seqs.assign(seqs.begin(), seqs.end());
@@ -726,6 +746,22 @@ class BasicThinKvCache {
     }
     step_.open = false;
     for (int seq : step_.seqs) std::fill(seq_(seq).appended.begin(), seq_(seq).appended.end(), 1);
+    if constexpr (kEvicts && kAsyncSelect) {
+      // Every evicting sequence's selections in one backend launch, not waited for: their victims
+      // are marked on the device before the next step reads anything, and evicted in the table
+      // when collected (the next begin_step or end_step at the latest, before any plan).
+      THINKV_RETURN_IF_ERROR(collect_selections(true));
+      std::vector<TbeWork> works;
+      works.reserve(step_.seqs.size());
+      for (int seq : step_.seqs) {
+        bool new_transition = false;
+        THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
+        TbeWork w;
+        if (plan_tbe(seq, new_transition, w)) works.push_back(std::move(w));
+      }
+      if (!works.empty()) THINKV_RETURN_IF_ERROR(launch_selections(works));
+      return poll_faults(false);
+    }
     if constexpr (kEvicts && kBackendKmeans) {
       // Every evicting sequence's K-means in one backend call; evictions applied in batch order.
       std::vector<TbeWork> works;
@@ -788,6 +824,7 @@ class BasicThinKvCache {
   [[nodiscard]] Status begin_prompt(int seq, int tokens) requires batched_kv_backend<B> && prompt_attending_backend<B> {
     THINKV_RETURN_IF_ERROR(poll_faults(false));
     THINKV_RETURN_IF_ERROR(check_seq(seq));
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
     SeqState& s = seq_(seq);
     if (s.faulted) return fault_status(seq);
     if (s.in_token || s.prompt > 0) {
@@ -1193,6 +1230,105 @@ class BasicThinKvCache {
   /// K-means runs on the backend: the set's selector is K-means and the backend selects.
   static constexpr bool kBackendKmeans =
       std::same_as<typename P::selector_type, KmeansSelector> && segment_selecting_backend<B>;
+  /// ... and the backend's selections can run while the host goes on.
+  static constexpr bool kAsyncSelect = kBackendKmeans && async_selecting_backend<B>;
+
+  /// A step's selections launched and not yet collected: their jobs and each job's sequence.
+  struct PendingSelection {
+    std::uint64_t ticket = 0;
+    std::vector<SegmentSelect> jobs;
+    std::vector<int> job_seq;
+  };
+
+  /// Launches the selections of works (their plan state recorded at once) and keeps them
+  /// pending; a backend that declines them (kUnsupported) leaves them to the host, at once.
+  Status launch_selections(std::vector<TbeWork>& works) requires async_selecting_backend<B> {
+    std::vector<TbeWork*> ptrs;
+    for (TbeWork& w : works) ptrs.push_back(&w);
+    PendingSelection pend;
+    std::vector<TbeWork*> job_of;
+    selection_jobs(ptrs, pend.jobs, job_of);
+    if (!pend.jobs.empty()) {
+      const Status e = cache_.backend().launch_selection(cache_.table().table_view(), pend.jobs,
+                                                         policy_.selector.options.max_iterations, pend.ticket);
+      if (e.code() == StatusCode::kUnsupported) {
+        for (TbeWork& w : works) {
+          THINKV_RETURN_IF_ERROR(select_host(w));
+          THINKV_RETURN_IF_ERROR(apply_tbe(w));
+        }
+        return Status::ok();
+      }
+      THINKV_RETURN_IF_ERROR(e);
+    }
+    for (TbeWork* w : job_of) ++w->selections;
+    for (TbeWork& w : works) apply_tbe_state(w);
+    if (pend.jobs.empty()) return Status::ok();
+    for (TbeWork* w : job_of) {
+      pend.job_seq.push_back(w->seq);
+      seq_pending_[static_cast<std::size_t>(w->seq)] = 1;
+    }
+    pending_.push_back(std::move(pend));
+    return Status::ok();
+  }
+
+ public:
+  /// Evicts in the table every selection still pending (waiting for the backend when it must):
+  /// afterwards memory(), report() and the table hold every eviction decided so far. The batched
+  /// calls collect them themselves (a step's by the next step at the latest); call it before
+  /// reading a sequence's memory or slots between steps.
+  [[nodiscard]] Status settle() { return collect_selections(true); }
+
+ private:
+  /// Collects the pending selections that reached the host and evicts their victims; with
+  /// `wait`, every one; otherwise also, waiting for them, those holding a sequence `need` names.
+  Status collect_selections(bool wait, std::span<const int> need = {}) {
+    if constexpr (kAsyncSelect) {
+      std::vector<SlotRef> victims;
+      std::vector<std::uint32_t> offsets;
+      std::size_t kept = 0;
+      for (std::size_t i = 0; i < pending_.size(); ++i) {
+        PendingSelection& pend = pending_[i];
+        bool must = wait;
+        for (std::size_t j = 0; !must && j < pend.job_seq.size(); ++j) {
+          must = std::find(need.begin(), need.end(), pend.job_seq[j]) != need.end();
+        }
+        bool ready = false;
+        THINKV_RETURN_IF_ERROR(cache_.backend().collect_selection(pend.ticket, must, ready, victims, offsets));
+        if (!ready) {
+          if (kept != i) pending_[kept] = std::move(pend);
+          ++kept;
+          continue;
+        }
+        THINKV_RETURN_IF_ERROR(check_victims(pend.jobs, victims, offsets));
+        for (std::size_t j = 0; j < pend.jobs.size();) {  // one evict per stream (its jobs are adjacent)
+          const int st = pend.jobs[j].stream;
+          const int seq = pend.job_seq[j];
+          evict_scratch_.clear();
+          for (; j < pend.jobs.size() && pend.jobs[j].stream == st; ++j) {
+            evict_scratch_.insert(evict_scratch_.end(), victims.begin() + offsets[j], victims.begin() + offsets[j + 1]);
+          }
+          THINKV_RETURN_IF_ERROR(evict_stream(seq, st, evict_scratch_));
+        }
+      }
+      pending_.resize(kept);
+      std::fill(seq_pending_.begin(), seq_pending_.end(), 0);
+      for (const PendingSelection& pend : pending_) {
+        for (int seq : pend.job_seq) seq_pending_[static_cast<std::size_t>(seq)] = 1;
+      }
+    } else {
+      (void)wait;
+      (void)need;
+    }
+    return Status::ok();
+  }
+  /// A sequence's pending selections collected (waiting), before anything reads its slots.
+  Status settle_sequence(int seq) {
+    if (seq < 0 || seq >= config_.num_sequences || seq_pending_[static_cast<std::size_t>(seq)] == 0) {
+      return Status::ok();
+    }
+    const int one[] = {seq};
+    return collect_selections(false, one);
+  }
 
   /// Plans TBE for a sequence (counting transitions and unreachable budgets); false when nothing
   /// shrinks.
@@ -1259,12 +1395,30 @@ class BasicThinKvCache {
   /// Phase 2: evicts the chosen victims (cannot fail on a consistent table) and records the new
   /// levels and sizes.
   Status apply_tbe(TbeWork& w) {
-    SeqState& s = seq_(w.seq);
-    for (const auto& [st, victims] : w.victims) {
-      THINKV_RETURN_IF_ERROR(cache_.evict(st, victims));
-      stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
-      s.tokens_evicted += static_cast<std::int64_t>(victims.size());
+    // One evict call per stream (its segments' victims are adjacent: selections are made stream
+    // by stream).
+    for (std::size_t i = 0; i < w.victims.size();) {
+      const int st = w.victims[i].first;
+      evict_scratch_.clear();
+      for (; i < w.victims.size() && w.victims[i].first == st; ++i) {
+        evict_scratch_.insert(evict_scratch_.end(), w.victims[i].second.begin(), w.victims[i].second.end());
+      }
+      THINKV_RETURN_IF_ERROR(evict_stream(w.seq, st, evict_scratch_));
     }
+    apply_tbe_state(w);
+    return Status::ok();
+  }
+  /// A selection's victims of one stream of a sequence, evicted in the table and counted.
+  Status evict_stream(int seq, int stream, std::span<const SlotRef> victims) {
+    THINKV_RETURN_IF_ERROR(cache_.evict(stream, victims));
+    stats_.tokens_evicted += static_cast<std::int64_t>(victims.size());
+    seq_(seq).tokens_evicted += static_cast<std::int64_t>(victims.size());
+    return Status::ok();
+  }
+  /// The plan's part of phase 2 (levels, sizes, counters): what the victims' eviction does not
+  /// decide, recorded as soon as the selections are launched.
+  void apply_tbe_state(const TbeWork& w) {
+    SeqState& s = seq_(w.seq);
     stats_.selections += w.selections;
     ++stats_.eviction_calls;
     ++s.eviction_calls;
@@ -1278,7 +1432,6 @@ class BasicThinKvCache {
         }
       }
     }
-    return Status::ok();
   }
 
   /// Phase 1 through the backend's select_segments for several sequences at once (end_step: one
@@ -1288,6 +1441,56 @@ class BasicThinKvCache {
   Status select_on_backend(std::span<TbeWork* const> works) requires segment_selecting_backend<B> {
     std::vector<SegmentSelect> jobs;
     std::vector<TbeWork*> job_of;
+    selection_jobs(works, jobs, job_of);
+    std::vector<SlotRef> victims;
+    std::vector<std::uint32_t> offsets;
+    if (!jobs.empty()) {
+      if (Status e = cache_.backend().select_segments(cache_.table().table_view(), jobs,
+                                                      policy_.selector.options.max_iterations, victims, offsets);
+          !e.is_ok()) {
+        if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
+        return e;
+      }
+    }
+    for (TbeWork* w : works) {
+      w->victims.clear();
+      w->selections = 0;
+    }
+    THINKV_RETURN_IF_ERROR(check_victims(jobs, victims, offsets));
+    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
+      TbeWork& w = *job_of[ji];
+      w.victims.emplace_back(jobs[ji].stream,
+                             std::vector<SlotRef>(victims.begin() + offsets[ji], victims.begin() + offsets[ji + 1]));
+      ++w.selections;
+    }
+    for (TbeWork* w : works) w->selected = true;
+    return Status::ok();
+  }
+  /// A backend's answer to a selection: one range of victims per job, count - keep each.
+  Status check_victims(std::span<const SegmentSelect> jobs, std::span<const SlotRef> victims,
+                       std::span<const std::uint32_t> offsets) const {
+    if (jobs.empty()) return Status::ok();
+    if (offsets.size() != jobs.size() + 1) {
+      return {StatusCode::kInternal, "select_segments answered " + std::to_string(offsets.size()) + " offsets for " +
+                                         std::to_string(jobs.size()) + " jobs"};
+    }
+    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
+      const std::uint32_t first = offsets[ji], last = offsets[ji + 1];
+      if (last < first || last > victims.size() ||
+          static_cast<std::int32_t>(last - first) != jobs[ji].count - jobs[ji].keep) {
+        return {StatusCode::kInternal, "select_segments: segment " + std::to_string(jobs[ji].segment) + " of stream " +
+                                           std::to_string(jobs[ji].stream) + " lost " + std::to_string(last - first) +
+                                           " of " + std::to_string(jobs[ji].count) + " tokens, keeping " +
+                                           std::to_string(jobs[ji].keep)};
+      }
+    }
+    return Status::ok();
+  }
+  /// The selection jobs of works (stream by stream, then segment), each with its work.
+  void selection_jobs(std::span<TbeWork* const> works, std::vector<SegmentSelect>& jobs,
+                      std::vector<TbeWork*>& job_of) const {
+    jobs.clear();
+    job_of.clear();
     std::vector<std::int32_t> counts;
     for (TbeWork* w : works) {
       // Every stream of the sequence holds each segment's current size in live tokens.
@@ -1315,39 +1518,6 @@ class BasicThinKvCache {
         }
       }
     }
-    std::vector<SlotRef> victims;
-    std::vector<std::uint32_t> offsets;
-    if (!jobs.empty()) {
-      if (Status e = cache_.backend().select_segments(cache_.table().table_view(), jobs,
-                                                      policy_.selector.options.max_iterations, victims, offsets);
-          !e.is_ok()) {
-        if (e.code() == StatusCode::kUnsupported) return Status::ok();  // the host selects
-        return e;
-      }
-      if (offsets.size() != jobs.size() + 1) {
-        return {StatusCode::kInternal, "select_segments answered " + std::to_string(offsets.size()) + " offsets for " +
-                                           std::to_string(jobs.size()) + " jobs"};
-      }
-    }
-    for (TbeWork* w : works) {
-      w->victims.clear();
-      w->selections = 0;
-    }
-    for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
-      const std::uint32_t first = offsets[ji], last = offsets[ji + 1];
-      if (last < first || last > victims.size() ||
-          static_cast<std::int32_t>(last - first) != jobs[ji].count - jobs[ji].keep) {
-        return {StatusCode::kInternal, "select_segments: segment " + std::to_string(jobs[ji].segment) + " of stream " +
-                                           std::to_string(jobs[ji].stream) + " lost " + std::to_string(last - first) +
-                                           " of " + std::to_string(jobs[ji].count) + " tokens, keeping " +
-                                           std::to_string(jobs[ji].keep)};
-      }
-      TbeWork& w = *job_of[ji];
-      w.victims.emplace_back(jobs[ji].stream, std::vector<SlotRef>(victims.begin() + first, victims.begin() + last));
-      ++w.selections;
-    }
-    for (TbeWork* w : works) w->selected = true;
-    return Status::ok();
   }
 
   /// A selector's answer must be `keep` distinct indices into the segment, ascending.
@@ -1383,6 +1553,9 @@ class BasicThinKvCache {
   std::vector<std::uint8_t> completes_;
   Step step_;
   bool capturable_ = false;
+  std::vector<SlotRef> evict_scratch_;
+  std::vector<PendingSelection> pending_;  // launched selections, not yet collected
+  std::vector<std::uint8_t> seq_pending_;  // [num_sequences] 1: a pending selection holds the sequence
   std::vector<StageRow> rows_;
   std::vector<CommitPlan> batch_plans_;
   std::vector<std::uint32_t> meta_segments_;

@@ -281,6 +281,8 @@ TEST_CASE("A step captured in a CUDA graph and replayed gives the direct launche
       REQUIRE(std::memcmp(ra.data(), rb.data(), qn * 4) == 0);
       for (float x : ra) REQUIRE(std::isfinite(x));
     }
+    REQUIRE(direct.settle().is_ok());
+    REQUIRE(graphed.settle().is_ok());
     for (int s = 0; s < n; ++s) REQUIRE(direct.segments(s) == graphed.segments(s));
     REQUIRE(direct.memory() == graphed.memory());
     REQUIRE(direct.stats().tokens_evicted == graphed.stats().tokens_evicted);

@@ -228,6 +228,21 @@ concept segment_selecting_backend = requires(B& b, const TableView& table, std::
   { b.select_segments(table, jobs, max_iterations, victims, offsets) } -> std::same_as<Status>;
 };
 
+/// A backend whose selections can run while the host goes on: launch_selection enqueues them
+/// (the victims marked in the backend's own copy of the metadata before anything enqueued later
+/// reads it) and returns a ticket; collect_selection returns their victims once they reached the
+/// host (ready = false without waiting, when `wait` is false and they have not), each ticket once.
+/// The cache evicts them in its table when it collects them (docs/design.md, "Batched decode on
+/// the device": the evictions of a step are recorded on the host by the next step at the latest).
+template <class B>
+concept async_selecting_backend =
+    segment_selecting_backend<B> && requires(B& b, const TableView& table, std::span<const SegmentSelect> jobs,
+                                             int max_iterations, std::uint64_t& ticket, bool wait, bool& ready,
+                                             std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) {
+  { b.launch_selection(table, jobs, max_iterations, ticket) } -> std::same_as<Status>;
+  { b.collect_selection(ticket, wait, ready, victims, offsets) } -> std::same_as<Status>;
+};
+
 /// Host conversion of one element of a batched tensor to FP32.
 [[nodiscard]] float load_element(const void* data, ElementType type, std::size_t i) noexcept;
 /// Host conversion of an FP32 value into a batched tensor (round to nearest even).

@@ -652,7 +652,10 @@ class BlockTable {
         return {StatusCode::kOutOfRange,
                 "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} does not exist"};
       }
-      if (block_owner(r.block) != stream || !is_live(r)) {
+      const Loc l = loc(r.block);
+      const bool live = l.ok && l.pool->owner[l.local] == stream && static_cast<int>(r.slot) < l.pool->fill[l.local] &&
+                        ((l.pool->mask[mask_index(l, r.slot)] >> (r.slot % 64)) & 1u) == 0;
+      if (!live) {
         return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(r.block) + ", slot " +
                                                   std::to_string(r.slot) + "} is not a live slot of stream " +
                                                   std::to_string(stream)};
@@ -794,14 +797,17 @@ class BlockTable {
     std::uint64_t last_op = 0;  // the call that logged changed.back()
   };
   /// Logs a change of page `local` of pool `ps`. Within one mutating call (no mirror can sync in
-  /// the middle of one) consecutive changes of a page log once. The log is trimmed when it
-  /// outgrows the pool (a mirror that far behind copies the whole pool).
+  /// the middle of one) consecutive changes of a page log once. The log drops its older half when
+  /// it outgrows twice the pool (a mirror that far behind copies the whole pool).
   void touch(PoolState& ps, std::uint32_t local) {
     if (ps.last_op == op_ && !ps.changed.empty() && ps.changed.back() == local) return;
     ps.last_op = op_;
     if (ps.changed.size() >= std::max<std::size_t>(1024, 2 * static_cast<std::size_t>(ps.grown))) {
-      ps.changed.clear();
-      ps.log_first = ps.revision;
+      // Drop the older half: a mirror that syncs often never falls behind the log (it would copy
+      // every page), one that does is told to copy everything.
+      const std::size_t drop = ps.changed.size() / 2;
+      ps.changed.erase(ps.changed.begin(), ps.changed.begin() + static_cast<std::ptrdiff_t>(drop));
+      ps.log_first += drop;
     }
     ps.changed.push_back(local);
     ++ps.revision;
@@ -810,8 +816,9 @@ class BlockTable {
   /// pools' logs, when it outgrows twice the streams: a mirror that far behind copies every list).
   std::uint64_t list_changed(int stream) {
     if (list_log_.size() >= std::max<std::size_t>(1024, 2 * streams_.size())) {
-      list_log_.clear();
-      list_log_first_ = list_clock_;
+      const std::size_t drop = list_log_.size() / 2;  // the older half, as the pools' logs
+      list_log_.erase(list_log_.begin(), list_log_.begin() + static_cast<std::ptrdiff_t>(drop));
+      list_log_first_ += drop;
     }
     list_log_.push_back(stream);
     return ++list_clock_;
