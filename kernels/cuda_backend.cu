@@ -607,27 +607,9 @@ struct CudaKvBackend::Impl {
   /// Copies `bytes` of host data into device memory on `stream` through the next pinned slot;
   /// returns the device copy (valid for the kernels enqueued after it).
   Status upload(const void* src, std::size_t bytes, void** dev) {
-    if (ring.empty()) ring.resize(64);
-    UploadSlot& u = ring[ring_next++ % ring.size()];
-    if (u.done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&u.done, cudaEventDisableTiming));
-    THINKV_CUDA_TRY(cudaEventSynchronize(u.done));  // its previous copy (long done, normally)
-    if (u.cap < bytes) {
-      const std::size_t cap = std::max<std::size_t>(4096, 2 * bytes);
-      if (u.host != nullptr) (void)cudaFreeHost(u.host);
-      if (u.dev != nullptr) (void)cudaFree(u.dev);  // waits for the kernels that read it
-      u.host = nullptr;
-      u.dev = nullptr;
-      u.cap = 0;
-      THINKV_CUDA_TRY(cudaMallocHost(&u.host, cap));
-      THINKV_RETURN_IF_ERROR(raw_alloc(&u.dev, cap, "upload buffers"));
-      u.cap = cap;
-    }
-    std::memcpy(u.host, src, bytes);
-    stats.host_to_device_bytes += static_cast<std::int64_t>(bytes);
-    THINKV_CUDA_TRY(cudaMemcpyAsync(u.dev, u.host, bytes, cudaMemcpyHostToDevice, stream));
-    THINKV_CUDA_TRY(cudaEventRecord(u.done, stream));
-    *dev = u.dev;
-    return Status::ok();
+    Staged st;
+    THINKV_RETURN_IF_ERROR(stage(src, bytes, st));
+    return issue(st, nullptr, dev);
   }
 
   /// An upload split in two: stage() copies the bytes into the next pinned slot (host work),
@@ -674,27 +656,9 @@ struct CudaKvBackend::Impl {
   /// Copies `bytes` of host data into the device buffer `dst` on `stream` through the next pinned
   /// slot (its host part only).
   Status upload_to(void* dst, const void* src, std::size_t bytes) {
-    if (bytes == 0) return Status::ok();
-    if (ring.empty()) ring.resize(64);
-    UploadSlot& u = ring[ring_next++ % ring.size()];
-    if (u.done == nullptr) THINKV_CUDA_TRY(cudaEventCreateWithFlags(&u.done, cudaEventDisableTiming));
-    THINKV_CUDA_TRY(cudaEventSynchronize(u.done));
-    if (u.cap < bytes) {
-      const std::size_t cap = std::max<std::size_t>(4096, 2 * bytes);
-      if (u.host != nullptr) (void)cudaFreeHost(u.host);
-      if (u.dev != nullptr) (void)cudaFree(u.dev);
-      u.host = nullptr;
-      u.dev = nullptr;
-      u.cap = 0;
-      THINKV_CUDA_TRY(cudaMallocHost(&u.host, cap));
-      THINKV_RETURN_IF_ERROR(raw_alloc(&u.dev, cap, "upload buffers"));
-      u.cap = cap;
-    }
-    std::memcpy(u.host, src, bytes);
-    stats.host_to_device_bytes += static_cast<std::int64_t>(bytes);
-    THINKV_CUDA_TRY(cudaMemcpyAsync(dst, u.host, bytes, cudaMemcpyHostToDevice, stream));
-    THINKV_CUDA_TRY(cudaEventRecord(u.done, stream));
-    return Status::ok();
+    Staged st;
+    THINKV_RETURN_IF_ERROR(stage(src, bytes, st));
+    return issue(st, dst, nullptr);
   }
 
   /// The metadata updates of a sync whose upload is deferred: where their parts lie in `dpack`.
@@ -937,6 +901,30 @@ struct CudaKvBackend::Impl {
     list_rev = t.list_revision;
     lists_synced = true;
     for (int p = 0; p < kNumPrecisions; ++p) lcap[p] = cap[p];
+    return Status::ok();
+  }
+
+  /// A commit plan as a quantize-append job and its group_size destination slots (flat ids in
+  /// the device's numbering).
+  Status pack_job(const CommitPlan& plan, kernels::QuantizeAppendJob& job, std::uint32_t* dest) const {
+    const int g = config.group_size;
+    if (static_cast<int>(plan.slots.size()) != g) {
+      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
+                                         " slots, expected group_size " + std::to_string(g)};
+    }
+    job = kernels::QuantizeAppendJob{};
+    job.stream = plan.stream;
+    job.record = plan.record;
+    job.precision = plan.precision;
+    for (int i = 0; i < g; ++i) {
+      const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
+      if (!has_storage(sl.block)) {
+        return {StatusCode::kInternal, "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
+      }
+      const int pr = static_cast<int>(pools.precision_of(sl.block));
+      const std::uint32_t flat = dev_base(pr) + pools.local_index(sl.block);
+      dest[i] = flat * static_cast<std::uint32_t>(config.block_size) + sl.slot;
+    }
     return Status::ok();
   }
 
@@ -1308,25 +1296,9 @@ Status CudaKvBackend::read_staged(int stream, int row, float* k, float* v) const
 Status CudaKvBackend::commit(const CommitPlan& plan) {
   THINKV_ONE_TOKEN_CALL();
   Impl& m = *impl_;
-  const int g = m.config.group_size;
-  if (static_cast<int>(plan.slots.size()) != g) {
-    return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
-                                       " slots, expected group_size " + std::to_string(g)};
-  }
   kernels::QuantizeAppendJob job;
-  job.stream = plan.stream;
-  job.record = plan.record;
-  job.precision = plan.precision;
-  std::vector<std::uint32_t> dest(static_cast<std::size_t>(g));
-  for (int i = 0; i < g; ++i) {
-    const SlotRef s = plan.slots[static_cast<std::size_t>(i)];
-    if (!m.has_storage(s.block)) {
-      return {StatusCode::kInternal, "commit to block " + std::to_string(s.block) + ", which has no device storage"};
-    }
-    const int pr = static_cast<int>(m.pools.precision_of(s.block));
-    const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(s.block);
-    dest[static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + s.slot;
-  }
+  std::vector<std::uint32_t> dest(static_cast<std::size_t>(m.config.group_size));
+  THINKV_RETURN_IF_ERROR(m.pack_job(plan, job, dest.data()));
   THINKV_CUDA_TRY(cudaMemcpy(m.job, &job, sizeof(job), cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(cudaMemcpy(m.dest, dest.data(), dest.size() * 4, cudaMemcpyHostToDevice));
   THINKV_CUDA_TRY(cudaMemset(m.saturations, 0, sizeof(unsigned long long)));
@@ -1580,25 +1552,7 @@ Status CudaKvBackend::commit_batch(std::span<const CommitPlan> plans) {
   auto* jobs = reinterpret_cast<kernels::QuantizeAppendJob*>(m.pack.data());
   auto* dest = reinterpret_cast<std::uint32_t*>(m.pack.data() + o_dest);
   for (std::size_t j = 0; j < n; ++j) {
-    const CommitPlan& plan = plans[j];
-    if (static_cast<int>(plan.slots.size()) != g) {
-      return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
-                                         " slots, expected group_size " + std::to_string(g)};
-    }
-    kernels::QuantizeAppendJob job;
-    job.stream = plan.stream;
-    job.record = plan.record;
-    job.precision = plan.precision;
-    jobs[j] = job;
-    for (int i = 0; i < g; ++i) {
-      const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
-      if (!m.has_storage(sl.block)) {
-        return {StatusCode::kInternal, "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
-      }
-      const int pr = static_cast<int>(m.pools.precision_of(sl.block));
-      const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
-      dest[j * g + static_cast<std::size_t>(i)] = flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
-    }
+    THINKV_RETURN_IF_ERROR(m.pack_job(plans[j], jobs[j], dest + j * static_cast<std::size_t>(g)));
   }
   void* dev = nullptr;
   THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
@@ -1718,26 +1672,7 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
   for (std::size_t l = 0; l < L; ++l) {
     for (std::uint32_t j = step.layer_commits[l]; j < step.layer_commits[l + 1]; ++j) {
       const CommitPlan& plan = step.commits[j];
-      if (static_cast<int>(plan.slots.size()) != g) {
-        return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
-                                           " slots, expected group_size " + std::to_string(g)};
-      }
-      kernels::QuantizeAppendJob job;
-      job.stream = plan.stream;
-      job.record = plan.record;
-      job.precision = plan.precision;
-      jp[j] = job;
-      for (int i = 0; i < g; ++i) {
-        const SlotRef sl = plan.slots[static_cast<std::size_t>(i)];
-        if (!m.has_storage(sl.block)) {
-          return {StatusCode::kInternal,
-                  "commit to block " + std::to_string(sl.block) + ", which has no device storage"};
-        }
-        const int pr = static_cast<int>(m.pools.precision_of(sl.block));
-        const std::uint32_t flat = m.dev_base(pr) + m.pools.local_index(sl.block);
-        dp[static_cast<std::size_t>(j) * g + static_cast<std::size_t>(i)] =
-            flat * static_cast<std::uint32_t>(m.config.block_size) + sl.slot;
-      }
+      THINKV_RETURN_IF_ERROR(m.pack_job(plan, jp[j], dp + static_cast<std::size_t>(j) * static_cast<std::size_t>(g)));
       m.step_layer_bytes[l] += m.layout.commit_bytes(plan.precision);
     }
   }

@@ -110,15 +110,8 @@ class PagedKvCache {
  private:
   [[nodiscard]] Status append_impl(int stream, std::span<const float> k, std::span<const float> v, ThoughtType thought,
                                    std::uint32_t segment, const CommitPlan* given) {
-    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     THINKV_RETURN_IF_ERROR(check_own_staging("append"));
-    const int d = config().head_dim;
-    if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
-      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
-                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
-                                              " values; expected head_dim = " + std::to_string(d)};
-    }
-    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
+    THINKV_RETURN_IF_ERROR(check_token_kv(stream, k, v));
     THINKV_RETURN_IF_ERROR(table_.check_stage(stream, thought));
     const bool fills_group = table_.staged_count(stream) + 1 == config().group_size;
     if (given != nullptr && (!fills_group || given->stream != stream || given->thought != thought ||
@@ -292,14 +285,7 @@ class PagedKvCache {
   /// the backend's.
   [[nodiscard]] Status append_pushed(int stream, std::span<const float> k, std::span<const float> v,
                                      const CommitPlan* given = nullptr) {
-    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
-    const int d = config().head_dim;
-    if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
-      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
-                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
-                                              " values; expected head_dim = " + std::to_string(d)};
-    }
-    THINKV_RETURN_IF_ERROR(check_kv_values(k, v, "stream " + std::to_string(stream)));
+    THINKV_RETURN_IF_ERROR(check_token_kv(stream, k, v));
     const int staged = table_.staged_count(stream);
     if (staged == 0) {
       return {StatusCode::kInvalidArgument,
@@ -586,6 +572,17 @@ class PagedKvCache {
       backend_records_ = records;
     }
     return Status::ok();
+  }
+  /// One token's K and V for a stream: the stream exists, head_dim values each, all finite.
+  [[nodiscard]] Status check_token_kv(int stream, std::span<const float> k, std::span<const float> v) const {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    const int d = config().head_dim;
+    if (static_cast<int>(k.size()) != d || static_cast<int>(v.size()) != d) {
+      return {StatusCode::kShapeMismatch, "append to stream " + std::to_string(stream) + ": k has " +
+                                              std::to_string(k.size()) + " and v has " + std::to_string(v.size()) +
+                                              " values; expected head_dim = " + std::to_string(d)};
+    }
+    return check_kv_values(k, v, "stream " + std::to_string(stream));
   }
   /// The per-stream appends stage each stream on its own: they need stage_set_streams 1.
   [[nodiscard]] Status check_own_staging(const char* call) const {

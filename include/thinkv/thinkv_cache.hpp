@@ -752,26 +752,14 @@ class BasicThinKvCache {
       // when collected (the next begin_step or end_step at the latest, before any plan).
       THINKV_RETURN_IF_ERROR(collect_selections(true));
       std::vector<TbeWork> works;
-      works.reserve(step_.seqs.size());
-      for (int seq : step_.seqs) {
-        bool new_transition = false;
-        THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
-        TbeWork w;
-        if (plan_tbe(seq, new_transition, w)) works.push_back(std::move(w));
-      }
+      THINKV_RETURN_IF_ERROR(end_step_plans(works));
       if (!works.empty()) THINKV_RETURN_IF_ERROR(launch_selections(works));
       return poll_faults(false);
     }
     if constexpr (kEvicts && kBackendKmeans) {
       // Every evicting sequence's K-means in one backend call; evictions applied in batch order.
       std::vector<TbeWork> works;
-      works.reserve(step_.seqs.size());
-      for (int seq : step_.seqs) {
-        bool new_transition = false;
-        THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
-        TbeWork w;
-        if (plan_tbe(seq, new_transition, w)) works.push_back(std::move(w));
-      }
+      THINKV_RETURN_IF_ERROR(end_step_plans(works));
       std::vector<TbeWork*> ptrs;
       for (TbeWork& w : works) ptrs.push_back(&w);
       if (!ptrs.empty()) THINKV_RETURN_IF_ERROR(select_on_backend(ptrs));
@@ -1227,6 +1215,18 @@ class BasicThinKvCache {
     std::int64_t selections = 0;
     bool selected = false;
   };
+  /// end_token's checks, refresh and position for every sequence of the closing step, in batch
+  /// order, and the TBE plan of each that evicts (into `works`).
+  Status end_step_plans(std::vector<TbeWork>& works) {
+    works.reserve(step_.seqs.size());
+    for (int seq : step_.seqs) {
+      bool new_transition = false;
+      THINKV_RETURN_IF_ERROR(end_token_core(seq, new_transition));
+      TbeWork w;
+      if (plan_tbe(seq, new_transition, w)) works.push_back(std::move(w));
+    }
+    return Status::ok();
+  }
   /// K-means runs on the backend: the set's selector is K-means and the backend selects.
   static constexpr bool kBackendKmeans =
       std::same_as<typename P::selector_type, KmeansSelector> && segment_selecting_backend<B>;

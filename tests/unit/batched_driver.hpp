@@ -27,7 +27,7 @@ namespace bt {
 using namespace thinkv;
 
 /// K-means selection on the host through the policy's selector (a type other than KmeansSelector,
-/// so the cache never hands the selection to the backend's select_kmeans): the reference path.
+/// so the cache never hands the selection to the backend's select_segments): the reference path.
 struct HostKmeans : KmeansSelector {};
 struct HostKmeansPolicy : CachePolicy<ThoughtClassifier, PrecisionMap, RetentionSchedule, HostKmeans> {};
 

@@ -65,22 +65,6 @@ struct BackendFault {
   friend bool operator==(const BackendFault&, const BackendFault&) = default;
 };
 
-/// One attention launch for a batch: sequence b's KV head h attends stream
-/// kv_streams[b * num_kv_heads + h] and serves query rows b * num_q_heads + h * G .. + G - 1
-/// (G = num_q_heads / num_kv_heads), q and out being [batch, num_q_heads, head_dim].
-struct BatchAttendArgs {
-  int batch = 0;
-  int num_q_heads = 0;                       ///< per sequence
-  int num_kv_heads = 0;                      ///< per sequence
-  const std::int32_t* kv_streams = nullptr;  ///< HOST [batch * num_kv_heads]
-  TensorRef q;                               ///< [batch, num_q_heads, head_dim]
-  MutableTensorRef out;                      ///< [batch, num_q_heads, head_dim]
-  float softmax_scale = 0.0f;                ///< 0 means 1/sqrt(head_dim)
-  /// HOST [batch * num_q_heads] or null: each query row's sparsity, in place after
-  /// synchronize() (the memory must stay valid until then).
-  float* sparsity = nullptr;
-};
-
 /// One sequence of a decode step (StepView): its stream of layer l, KV head h is first_stream +
 /// l * num_kv_heads + h (ThinKvCache's numbering), and the step's token goes into staging row
 /// `row` of every one of them.
@@ -235,10 +219,10 @@ concept segment_selecting_backend = requires(B& b, const TableView& table, std::
 /// The cache evicts them in its table when it collects them (docs/design.md, "Batched decode on
 /// the device": the evictions of a step are recorded on the host by the next step at the latest).
 template <class B>
-concept async_selecting_backend =
-    segment_selecting_backend<B> && requires(B& b, const TableView& table, std::span<const SegmentSelect> jobs,
-                                             int max_iterations, std::uint64_t& ticket, bool wait, bool& ready,
-                                             std::vector<SlotRef>& victims, std::vector<std::uint32_t>& offsets) {
+concept async_selecting_backend = segment_selecting_backend<B> &&
+    requires(B& b, const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+             std::uint64_t& ticket, bool wait, bool& ready, std::vector<SlotRef>& victims,
+             std::vector<std::uint32_t>& offsets) {
   { b.launch_selection(table, jobs, max_iterations, ticket) } -> std::same_as<Status>;
   { b.collect_selection(ticket, wait, ready, victims, offsets) } -> std::same_as<Status>;
 };

@@ -296,32 +296,6 @@ class BasicCpuKvBackend {
   }
   /// The step's sparsity is in place as soon as attend_step returns.
   [[nodiscard]] Status wait_sparsity() { return Status::ok(); }
-  /// Attends each sequence of the batch in turn (host q and out of their element type).
-  [[nodiscard]] Status attend_batch(const AttendView& view, const BatchAttendArgs& a) const {
-    if (a.batch < 0 || a.num_kv_heads < 1 || a.q.data == nullptr || a.out.data == nullptr ||
-        view.streams.size() != static_cast<std::size_t>(a.batch) * a.num_kv_heads) {
-      return {StatusCode::kInvalidArgument, "attend_batch: bad arguments"};
-    }
-    const std::size_t rows = static_cast<std::size_t>(a.num_q_heads) * config_.head_dim;
-    std::vector<float> q(rows), out(rows);
-    for (int b = 0; b < a.batch; ++b) {
-      for (std::size_t i = 0; i < rows; ++i) q[i] = load_element(a.q.data, a.q.type, b * rows + i);
-      AttendView one = view;
-      one.streams =
-          view.streams.subspan(static_cast<std::size_t>(b) * a.num_kv_heads, static_cast<std::size_t>(a.num_kv_heads));
-      DecodeAttentionArgs args;
-      args.num_q_heads = a.num_q_heads;
-      args.num_kv_heads = a.num_kv_heads;
-      args.kv_streams = a.kv_streams + static_cast<std::ptrdiff_t>(b) * a.num_kv_heads;
-      args.q = q.data();
-      args.out = out.data();
-      args.softmax_scale = a.softmax_scale;
-      args.sparsity = a.sparsity != nullptr ? a.sparsity + static_cast<std::ptrdiff_t>(b) * a.num_q_heads : nullptr;
-      THINKV_RETURN_IF_ERROR(attend(one, args));
-      for (std::size_t i = 0; i < rows; ++i) store_element(a.out.data, a.out.type, b * rows + i, out[i]);
-    }
-    return Status::ok();
-  }
   /// A prompt's causal self-attention (PromptAttendArgs) over host tensors, by
   /// reference::attend_tokens on each query row's prefix of the prompt.
   [[nodiscard]] Status attend_prompt(const PromptAttendArgs& a) const {

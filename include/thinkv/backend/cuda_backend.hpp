@@ -149,8 +149,8 @@ class CudaKvBackend {
   /// victims marked in the device's masks in stream order, before any later launch reads them)
   /// and the copy back of the victims; `ticket` names them for collect_selection. Until they are
   /// collected, a whole copy of the metadata to the device marks their victims again.
-  [[nodiscard]] Status launch_selection(const TableView& table, std::span<const SegmentSelect> jobs,
-                                        int max_iterations, std::uint64_t& ticket);
+  [[nodiscard]] Status launch_selection(const TableView& table, std::span<const SegmentSelect> jobs, int max_iterations,
+                                        std::uint64_t& ticket);
   /// The victims of a launched selection, as select_segments returns them: ready = false (and
   /// nothing else) when `wait` is false and they have not reached the host yet.
   [[nodiscard]] Status collect_selection(std::uint64_t ticket, bool wait, bool& ready, std::vector<SlotRef>& victims,
@@ -169,7 +169,6 @@ class CudaKvBackend {
   std::unique_ptr<Impl> impl_;
 };
 static_assert(kv_backend<CudaKvBackend> && batched_kv_backend<CudaKvBackend> &&
-              segment_selecting_backend<CudaKvBackend> &&
-              async_selecting_backend<CudaKvBackend>);
+              segment_selecting_backend<CudaKvBackend> && async_selecting_backend<CudaKvBackend>);
 
 }  // namespace thinkv
