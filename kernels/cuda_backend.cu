@@ -385,6 +385,7 @@ struct CudaKvBackend::Impl {
   std::uint32_t cap[kNumPrecisions] = {};
   std::uint8_t* records = nullptr;
   std::uint32_t num_records = 0;  // records' buffer capacity
+  bool reserved = false;          // reserve_storage(): every range allocated whole, never shrunk
   std::uint16_t* staging = nullptr;
   float* s2 = nullptr;
   // Device mirror of the block table (uploaded by attend), in the compact numbering of
@@ -1226,7 +1227,7 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
     return {StatusCode::kOutOfRange, "resize_pool(" + std::string(to_string(p)) + ", " + std::to_string(blocks) +
                                          "): the pool's range holds " + std::to_string(m.pools.count[i]) + " blocks"};
   }
-  const std::uint32_t cap = Impl::next_capacity(m.cap[i], blocks, m.pools.count[i]);
+  const std::uint32_t cap = m.reserved ? m.cap[i] : Impl::next_capacity(m.cap[i], blocks, m.pools.count[i]);
   if (cap != m.cap[i]) {
     THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));  // batched work still reading or writing pages
     const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
@@ -1238,6 +1239,32 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
   return Status::ok();
 }
 
+Status CudaKvBackend::reserve_storage() {
+  THINKV_BACKEND_READY();
+  Impl& m = *impl_;
+  THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
+  for (Precision p : kAllPrecisions) {
+    const int i = static_cast<int>(p);
+    const std::uint32_t cap = m.pools.count[i];
+    if (cap == m.cap[i]) continue;
+    const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
+    THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
+    m.cap[i] = cap;
+    ++m.epoch;
+  }
+  const auto limit = static_cast<std::uint32_t>(effective_record_capacity(m.config));
+  if (limit != m.num_records) {
+    const auto d = static_cast<std::size_t>(m.config.head_dim);
+    THINKV_RETURN_IF_ERROR(
+        Impl::realloc_keep(&m.records, std::min(limit, m.num_records) * d, limit * d, "key-scale records"));
+    m.num_records = limit;
+    ++m.epoch;
+  }
+  m.reserved = true;
+  m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
+  return Status::ok();
+}
+
 Status CudaKvBackend::resize_records(std::uint32_t records) {
   THINKV_BACKEND_READY();
   Impl& m = *impl_;
@@ -1246,7 +1273,7 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
     return {StatusCode::kOutOfRange,
             "resize_records(" + std::to_string(records) + "): the record range holds " + std::to_string(limit)};
   }
-  const std::uint32_t cap = Impl::next_capacity(m.num_records, records, limit);
+  const std::uint32_t cap = m.reserved ? m.num_records : Impl::next_capacity(m.num_records, records, limit);
   if (cap != m.num_records) {
     THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
     const auto d = static_cast<std::size_t>(m.config.head_dim);
@@ -1395,9 +1422,9 @@ Status CudaKvBackend::attend(const AttendView& streams, const DecodeAttentionArg
   THINKV_RETURN_IF_ERROR(check_attention_args(args, m.config.num_streams));
   THINKV_RETURN_IF_ERROR(check_attend_view(streams, args));
   const int d = m.config.head_dim;
-  if (d != 8 && d != 64 && d != 128 && d != 256) {
+  if (d != 8 && d != 32 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported,
-            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
+            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 32, 64, 128 and 256"};
   }
   if (args.num_q_heads / args.num_kv_heads > kernels::kMaxQueryHeadsPerKv) {
     return {StatusCode::kUnsupported, std::to_string(args.num_q_heads / args.num_kv_heads) +
@@ -1609,9 +1636,9 @@ Status CudaKvBackend::prepare_step(const StepView& step) {
       n * hkv > static_cast<std::size_t>(m.config.num_streams)) {
     return {StatusCode::kInvalidArgument, "prepare_step: the step's tables do not match its shape"};
   }
-  if (d != 8 && d != 64 && d != 128 && d != 256) {
+  if (d != 8 && d != 32 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported,
-            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 64, 128 and 256"};
+            "head_dim " + std::to_string(d) + ": the CUDA attention kernel serves head_dim 8, 32, 64, 128 and 256"};
   }
   if (hq / hkv > static_cast<std::size_t>(kernels::kMaxQueryHeadsPerKv)) {
     return {StatusCode::kUnsupported, std::to_string(hq / hkv) +
@@ -1947,7 +1974,7 @@ Status CudaKvBackend::launch_selection(const TableView& table, std::span<const S
   Impl& m = *impl_;
   ticket = 0;
   const int d = m.config.head_dim;
-  if (d != 8 && d != 64 && d != 128 && d != 256) {
+  if (d != 8 && d != 32 && d != 64 && d != 128 && d != 256) {
     return {StatusCode::kUnsupported, "select_segments: head_dim " + std::to_string(d)};
   }
   int max_points = 1, max_k = 1;

@@ -397,7 +397,7 @@ cudaError_t launch_for(const KmeansSelectParams& p, std::size_t bytes, int optin
 }  // namespace
 
 cudaError_t check_kmeans_select(const KmeansSelectParams& p) noexcept {
-  const bool d_ok = p.head_dim == 8 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+  const bool d_ok = p.head_dim == 8 || p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
   if (!d_ok || p.num_segments < 0 || p.max_points < 1 || p.max_points > kKmeansMaxPoints || p.max_k < 1 ||
       p.max_k > kKmeansMaxK || p.max_iterations < 0) {
     return cudaErrorInvalidValue;
@@ -430,6 +430,7 @@ cudaError_t launch_kmeans_select(const KmeansSelectParams& p, cudaStream_t strea
   if (bytes > static_cast<std::size_t>(optin)) return cudaErrorInvalidValue;
   switch (p.head_dim) {
     case 8: return launch_for<8>(p, bytes, optin, stream);
+    case 32: return launch_for<32>(p, bytes, optin, stream);
     case 64: return launch_for<64>(p, bytes, optin, stream);
     case 128: return launch_for<128>(p, bytes, optin, stream);
     default: return launch_for<256>(p, bytes, optin, stream);

@@ -745,8 +745,8 @@ namespace {
 /// runs (occupancy API, cached per device; 0 when it cannot be queried).
 int main_pass_ctas_per_sm(int dev, int d, int group) noexcept {
   constexpr int kDevs = 16;
-  static std::atomic<int> cache[kDevs][4][4] = {};  // [device][D 8/64/128/256][G bound 1/2/4/8]
-  const int di = d == 8 ? 0 : d == 64 ? 1 : d == 128 ? 2 : d == 256 ? 3 : -1;
+  static std::atomic<int> cache[kDevs][5][4] = {};  // [device][D 8/32/64/128/256][G bound 1/2/4/8]
+  const int di = d == 8 ? 0 : d == 32 ? 4 : d == 64 ? 1 : d == 128 ? 2 : d == 256 ? 3 : -1;
   const int gi = group <= 1 ? 0 : group <= 2 ? 1 : group <= 4 ? 2 : 3;
   if (di < 0) return 0;
   std::atomic<int>* slot = dev >= 0 && dev < kDevs ? &cache[dev][di][gi] : nullptr;
@@ -760,6 +760,13 @@ int main_pass_ctas_per_sm(int dev, int d, int group) noexcept {
       static constexpr void (*kKernels[4])(PagedKvView, DecodeAttentionParams, Workspace, int) = {
           paged_decode_partial_kernel<8, 1>, paged_decode_partial_kernel<8, 2>, paged_decode_partial_kernel<8, 4>,
           paged_decode_partial_kernel<8, 8>};
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernels[gi], kThreads, 0);
+      break;
+    }
+    case 4: {
+      static constexpr void (*kKernels[4])(PagedKvView, DecodeAttentionParams, Workspace, int) = {
+          paged_decode_partial_kernel<32, 1>, paged_decode_partial_kernel<32, 2>, paged_decode_partial_kernel<32, 4>,
+          paged_decode_partial_kernel<32, 8>};
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernels[gi], kThreads, 0);
       break;
     }
@@ -807,7 +814,7 @@ std::size_t paged_decode_attention_workspace_size(const DecodeAttentionParams& p
 }
 
 cudaError_t check_paged_decode_attention(const PagedKvView& v, const DecodeAttentionParams& p) noexcept {
-  const bool dim_ok = p.head_dim == 8 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+  const bool dim_ok = p.head_dim == 8 || p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
   const bool group_ok =
       (p.group_size == 8 || p.group_size == 16 || p.group_size == 32) && p.head_dim % p.group_size == 0;
   if (!dim_ok || !group_ok || p.block_size < 1 || p.block_size > 4096) return cudaErrorInvalidValue;
@@ -843,6 +850,7 @@ cudaError_t launch_paged_decode_attention(const PagedKvView& view, const DecodeA
   const int splits = paged_decode_attention_splits(p);
   switch (p.head_dim) {
     case 8: return launch_for<8>(view, p, splits, stream);
+    case 32: return launch_for<32>(view, p, splits, stream);
     case 64: return launch_for<64>(view, p, splits, stream);
     case 128: return launch_for<128>(view, p, splits, stream);
     case 256: return launch_for<256>(view, p, splits, stream);

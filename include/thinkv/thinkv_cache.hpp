@@ -874,6 +874,8 @@ class BasicThinKvCache {
   /// One layer of the open prompt: appends its K/V (k, v: [tokens, num_kv_heads, head_dim] in the
   /// backend's memory), one stage and at most one commit call per group of group_size tokens,
   /// then its causal attention (q, out: [tokens, num_q_heads, head_dim]) in one backend call.
+  /// q and out both null: the K/V are stored and nothing is attended (a runtime that computes its
+  /// prompt's attention itself, over its own copy of the K/V, hands the cache the K/V only).
   /// K/V values are checked by the backend as in append_batch (a bad value faults the sequence).
   /// Errors before anything is enqueued: no open prompt, layer out of range or already done, null
   /// tensors. A backend error after the first group leaves the layer part-appended: free the
@@ -894,8 +896,11 @@ class BasicThinKvCache {
       return {StatusCode::kInvalidArgument, "prefill: layer " + std::to_string(layer) + " of sequence " +
                                                 std::to_string(seq) + " was already filled (each layer once)"};
     }
-    if (q.data == nullptr || k.data == nullptr || v.data == nullptr || out.data == nullptr) {
-      return {StatusCode::kInvalidArgument, "prefill: q, k, v and out must not be null"};
+    // q and out both null: store the prompt's K/V only (a runtime that attends its prompt itself).
+    const bool attend = q.data != nullptr || out.data != nullptr;
+    if (k.data == nullptr || v.data == nullptr || (attend && (q.data == nullptr || out.data == nullptr))) {
+      return {StatusCode::kInvalidArgument,
+              "prefill: k and v must not be null, and q and out both given or both null (store only)"};
     }
     PromptAttendArgs a;
     a.tokens = s.prompt;
@@ -907,6 +912,11 @@ class BasicThinKvCache {
     a.v = v;
     a.out = out;
     a.softmax_scale = config_.softmax_scale;
+    if (!attend) {  // the checks need tensors: stand k in for q and v for out (never written)
+      a.q = k;
+      a.out = MutableTensorRef{const_cast<void*>(v.data), v.type};
+      a.num_q_heads = config_.num_kv_heads;
+    }
     THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
     const int hkv = config_.num_kv_heads, g = config_.group_size;
     for (int first = 0; first < s.prompt; first += g) {
@@ -941,7 +951,7 @@ class BasicThinKvCache {
       s.reserved = s.reserved - used;
       reserved_ = reserved_ - used;
     }
-    THINKV_RETURN_IF_ERROR(cache_.backend().attend_prompt(a));
+    if (attend) THINKV_RETURN_IF_ERROR(cache_.backend().attend_prompt(a));
     s.appended[static_cast<std::size_t>(layer)] = 1;
     return Status::ok();
   }

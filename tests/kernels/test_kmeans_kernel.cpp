@@ -239,7 +239,7 @@ const std::vector<int> kAllK = {1, 4, 8, 16, 32, 64};
 TEST_CASE("kmeans kernel equals kmeans_select: Gaussian points, (n, K) edges, every head_dim", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   const bool small = small_run();
-  for (int d : {8, 64, 128, 256}) {
+  for (int d : {8, 32, 64, 128, 256}) {
     Batch b;
     b.d = d;
     const bool big_d = d >= 128;
@@ -254,7 +254,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, gri
   TT_SEEDED_RNG();
   const bool small = small_run();
   for (Data data : {Data::kDuplicates, Data::kIdentical, Data::kGrid}) {
-    for (int d : {8, 64, 128}) {
+    for (int d : {8, 32, 64, 128}) {
       if (small && d == 128) continue;
       Batch b;
       b.d = d;

@@ -396,7 +396,7 @@ void check_refusals() {
     }
   };
   refuse("head_dim 96", [](auto& p, auto&) { p.head_dim = 96; });
-  refuse("head_dim 32", [](auto& p, auto&) { p.head_dim = 32; });
+  refuse("head_dim 48", [](auto& p, auto&) { p.head_dim = 48; });
   refuse("group_size 4", [](auto& p, auto&) { p.group_size = 4; });
   refuse("group_size 16 with head_dim 8", [](auto& p, auto&) { p.head_dim = 8; });
   refuse("block_size 0", [](auto& p, auto&) { p.block_size = 0; });
@@ -449,6 +449,9 @@ int main() {
     // name, D, g, B, Hq, Hkv, layers, map, tokens min..max, q spread
     run_case({"stories260K D=8 g=8 8q/4kv B=16", 8, 8, 16, 8, 4, 2, map, 200, 600, 1.0f, 0.0f}, rng);
     run_case({"stories260K D=8 g=8 8q/4kv B=64", 8, 8, 64, 8, 4, 1, map, 50, 300, 3.0f, 0.0f}, rng);
+    // The testbed model's shape (head_dim 32, GQA 3:1; the CUDA-core pass, G = 3 padded to 4).
+    run_case({"testbed D=32 g=16 6q/2kv B=16", 32, 16, 16, 6, 2, 3, map, 200, 900, 1.0f, 0.0f}, rng);
+    run_case({"D=32 g=8 4q/4kv B=32", 32, 8, 32, 4, 4, 1, map, 100, 500, 2.0f, 0.0f}, rng);
     run_case({"Llama-3-8B D=128 g=16 32q/8kv B=16", 128, 16, 16, 32, 8, 2, map, 300, 1200, 1.0f, 0.0f}, rng);
     run_case({"Llama-3-8B D=128 g=16 32q/8kv B=128", 128, 16, 128, 32, 8, 1, map, 300, 900, 2.0f, 0.0f}, rng);
     run_case({"D=64 g=32 16q/2kv B=32", 64, 32, 32, 16, 2, 2, map, 100, 500, 1.5f, 0.0f}, rng);

@@ -5,7 +5,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "thinkv/thinkv_cache.hpp"
@@ -270,4 +272,59 @@ TEST_CASE("Prefill of a prompt the pools cannot hold is refused whole", "[batche
   CHECK(cache.segments(0).empty());
   CHECK(cache.allocated_bytes() == before);
   CHECK(cache.begin_prompt(0, 48).is_ok());  // 3 blocks each = 12
+}
+
+TEST_CASE("Prefill with q and out null stores the prompt's K/V only", "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  ThinKvConfig c = small_config();
+  ThinKvCache<> attended(c, small_policy()), stored(c, small_policy());
+  const int T = 53, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto fresh = [&](std::size_t n) {
+    std::vector<float> x(n);
+    for (float& y : x) y = nd(rng);
+    return x;
+  };
+  const std::vector<float> q = fresh(static_cast<std::size_t>(T) * hq * d);
+  std::vector<float> out(q.size(), -1.0f);
+  const MutableTensorRef outr{out.data(), ElementType::kF32};
+  std::vector<std::vector<float>> ks, vs;
+  for (int l = 0; l < c.num_layers; ++l) {
+    ks.push_back(fresh(static_cast<std::size_t>(T) * hkv * d));
+    vs.push_back(fresh(ks.back().size()));
+  }
+  REQUIRE(attended.begin_prompt(2, T).is_ok());
+  REQUIRE(stored.begin_prompt(2, T).is_ok());
+  // Half a store-only call is refused, before anything is stored.
+  const TensorRef k0{ks[0].data(), ElementType::kF32}, v0{vs[0].data(), ElementType::kF32};
+  CHECK(stored.prefill(0, 2, {q.data(), ElementType::kF32}, k0, v0, {nullptr, ElementType::kF32}).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(stored.prefill(0, 2, {nullptr, ElementType::kF32}, k0, v0, outr).message().find("both null") !=
+        std::string::npos);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const TensorRef k{ks[static_cast<std::size_t>(l)].data(), ElementType::kF32},
+        v{vs[static_cast<std::size_t>(l)].data(), ElementType::kF32};
+    REQUIRE(attended.prefill(l, 2, {q.data(), ElementType::kF32}, k, v, outr).is_ok());
+    REQUIRE(stored.prefill(l, 2, {nullptr, ElementType::kF32}, k, v, {nullptr, ElementType::kF32}).is_ok());
+  }
+  REQUIRE(attended.end_prompt(2).is_ok());
+  REQUIRE(stored.end_prompt(2).is_ok());
+  CHECK(stored.position(2) == T);
+  CHECK(stored.live_tokens(2) == attended.live_tokens(2));
+  CHECK(stored.memory(2).physical_bytes() == attended.memory(2).physical_bytes());
+  // The same next step on both: the same output bits (the same K/V were stored).
+  const std::vector<int> seqs{2};
+  const std::vector<float> kn = fresh(static_cast<std::size_t>(hkv) * d), vn = fresh(kn.size()),
+                           qn = fresh(static_cast<std::size_t>(hq) * d);
+  std::vector<float> oa(qn.size()), ob(qn.size());
+  for (auto* cache : {&attended, &stored}) {
+    std::vector<float>& o = cache == &attended ? oa : ob;
+    REQUIRE(cache->begin_step(seqs).is_ok());
+    for (int l = 0; l < c.num_layers; ++l) {
+      REQUIRE(cache->append_batch(l, seqs, {kn.data(), ElementType::kF32}, {vn.data(), ElementType::kF32}).is_ok());
+      REQUIRE(cache->attend_batch(l, seqs, {qn.data(), ElementType::kF32}, {o.data(), ElementType::kF32}).is_ok());
+    }
+    REQUIRE(cache->end_step(seqs).is_ok());
+  }
+  CHECK(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) == 0);
 }

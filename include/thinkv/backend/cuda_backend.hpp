@@ -34,7 +34,7 @@
 /// (BackendStats::metadata_bytes_uploaded, metadata_full_uploads). The attended streams' block
 /// lists are sent on every one-token attend.
 ///
-/// Shapes: everything StorageConfig accepts is stored; attend needs head_dim 8, 64, 128 or 256 and
+/// Shapes: everything StorageConfig accepts is stored; attend needs head_dim 8, 32, 64, 128 or 256 and
 /// at most 8 query heads per KV head (the attention kernel's limits) and says so otherwise.
 /// Errors: CUDA failures come back as StatusCode::kCudaError naming the call and the CUDA error;
 /// an allocation failure at init as kPoolExhausted naming the bytes asked for.
@@ -77,6 +77,11 @@ class CudaKvBackend {
   [[nodiscard]] Status resize_pool(Precision p, std::uint32_t blocks);
   /// The same for the key-scale records.
   [[nodiscard]] Status resize_records(std::uint32_t records);
+  /// Allocates every pool's whole block range and the whole record range now, once, and keeps
+  /// them (resize_pool / resize_records no longer grow or shrink anything): a runtime that sizes
+  /// its KV arena up front (ThinKvConfig::pool_blocks, or the worst case) pays no growth copy,
+  /// whose peak is the old and the new buffer together. kPoolExhausted when it does not fit.
+  [[nodiscard]] Status reserve_storage();
   /// Converts one token (host floats) to BF16 and writes it into staging row `row` on the device.
   [[nodiscard]] Status stage(int stream, int row, const float* k, const float* v);
   /// Quantizes the stream's full staging group into plan.slots (launch_quantize_append, one job).

@@ -30,7 +30,7 @@ inline constexpr int kKmeansMaxK = 64;
 
 /// num_segments independent selections in one launch. All pointers are device pointers.
 ///
-/// Limits (checked on the host, cudaErrorInvalidValue otherwise): head_dim 8, 64, 128 or 256;
+/// Limits (checked on the host, cudaErrorInvalidValue otherwise): head_dim 8, 32, 64, 128 or 256;
 /// 1 <= max_points <= 128; 1 <= max_k <= 64; max_iterations >= 0; num_segments >= 0.
 /// Shared memory per CTA is kmeans_select_shared_bytes(p): ~200 KiB at head_dim 256,
 /// max_points 128, max_k 64 (fits the 227 KiB of sm_90; ~106 KiB at head_dim 128, two CTAs per
@@ -41,7 +41,7 @@ inline constexpr int kKmeansMaxK = 64;
 struct KmeansSelectParams {
   int num_segments = 0;
   int max_points = kKmeansMaxPoints;                    ///< row capacity per segment (1..128)
-  int head_dim = 128;                                   ///< d: 8, 64, 128 or 256
+  int head_dim = 128;                                   ///< d: 8, 32, 64, 128 or 256
   int max_k = kKmeansMaxK;                              ///< columns of `kept` (1..64); every k[s] <= max_k
   int max_iterations = KmeansOptions{}.max_iterations;  ///< Lloyd iterations, as KmeansOptions
   const float* points = nullptr;                        ///< [num_segments, max_points, head_dim]; rows >= n unread

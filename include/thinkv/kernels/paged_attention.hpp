@@ -55,7 +55,7 @@ struct PagedKvView {
 struct DecodeAttentionParams {
   int num_q_heads = 0;                    ///< Hq, a multiple of num_kv_heads, Hq / Hkv <= kMaxQueryHeadsPerKv
   int num_kv_heads = 0;                   ///< Hkv
-  int head_dim = 128;                     ///< D: 8, 64, 128 or 256
+  int head_dim = 128;                     ///< D: 8, 32, 64, 128 or 256
   int group_size = 16;                    ///< g: 8, 16 or 32, dividing head_dim
   int block_size = 16;                    ///< B: 1..4096
   const std::int32_t* streams = nullptr;  // [Hkv] cache stream of each KV head (0..S-1)
