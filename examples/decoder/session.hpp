@@ -96,6 +96,22 @@ inline Status make_session_cache(const CacheSpec& spec, const BackendFactory& ba
   return Status::ok();
 }
 
+/// A forward pass that runs elsewhere than the CPU Transformer over a session cache (the CLI's
+/// --backend cuda: the GPU decoder, gpu_transformer.hpp), one sequence: forward() takes the
+/// token at the next position and writes the next-token logits, as Transformer::forward does.
+class ForwardEngine {
+ public:
+  virtual ~ForwardEngine() = default;
+  [[nodiscard]] virtual Status forward(int token, std::span<float> logits) = 0;
+  [[nodiscard]] virtual std::string method_name() const = 0;
+  [[nodiscard]] virtual CacheReport report() const = 0;
+  [[nodiscard]] virtual std::int32_t position() const = 0;
+  /// ThinKV's cache state (the engine's cache is always ThinKV's).
+  [[nodiscard]] virtual const ThinKvState& state() const = 0;
+};
+/// Builds the engine of one run for a ThinKV cache spec.
+using EngineFactory = std::function<Status(const ThinKvSpec& spec, std::unique_ptr<ForwardEngine>& out)>;
+
 struct RunOptions {
   int steps = 0;             ///< tokens to generate
   float temperature = 0.0f;  ///< 0 = greedy
@@ -115,8 +131,13 @@ struct RunOptions {
   /// Called after every forward pass that produced logits for generated token `step`
   /// (thinkv_of(cache) gives ThinKV's own state).
   std::function<Status(int step, const DecodeCache& cache)> after_step;
+  /// Called after every forward pass that produced logits, on either path (after after_step).
+  std::function<void(int step)> on_step;
   /// Backend of the ThinKV caches the run builds (empty: CpuKvBackend; baselines need it empty).
   BackendFactory backend;
+  /// When set, run_sequence runs the model through this engine instead of the CPU Transformer
+  /// (ThinKV specs only; after_step and kv_hook are not called, on_step is).
+  EngineFactory engine;
 };
 
 struct RunStats {
@@ -157,9 +178,18 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
                            const RunOptions& opt, RunStats& out) {
   if (prompt.empty()) return {StatusCode::kInvalidArgument, "the prompt has no tokens (it needs at least BOS)"};
   std::unique_ptr<DecodeCache> cache;
-  THINKV_RETURN_IF_ERROR(make_session_cache(spec, opt.backend, cache));
+  std::unique_ptr<ForwardEngine> engine;
+  if (opt.engine) {
+    const auto* t = std::get_if<ThinKvSpec>(&spec);
+    if (t == nullptr) return {StatusCode::kInvalidArgument, "this engine runs ThinKV's cache, not a baseline"};
+    THINKV_RETURN_IF_ERROR(opt.engine(*t, engine));
+  } else {
+    THINKV_RETURN_IF_ERROR(make_session_cache(spec, opt.backend, cache));
+  }
   Transformer tf(model, opt.threads);
   if (opt.kv_hook) tf.set_kv_hook(opt.kv_hook);
+  auto report = [&] { return engine ? engine->report() : cache->report(0); };
+  const ThinKvState* state = engine ? &engine->state() : thinkv_of(*cache);
   const int steps = opt.forced != nullptr ? static_cast<int>(opt.forced->size()) : opt.steps;
   const int P = static_cast<int>(prompt.size());
   const int max_tokens = spec_max_tokens(spec);
@@ -169,7 +199,7 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
   }
   RunStats st;
   st.prompt_tokens = P;
-  st.method = cache->method_name();
+  st.method = engine ? engine->method_name() : cache->method_name();
   std::vector<float> logits(static_cast<std::size_t>(model.config.vocab_size));
   Sampler sampler(opt.temperature, opt.seed);
   int budget = 0;
@@ -178,7 +208,7 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
   const auto t0 = std::chrono::steady_clock::now();
   int token = prompt[0];
   for (int pos = 0; steps > 0; ++pos) {
-    THINKV_RETURN_IF_ERROR(tf.forward(*cache, 0, token, logits));
+    THINKV_RETURN_IF_ERROR(engine ? engine->forward(token, logits) : tf.forward(*cache, 0, token, logits));
     ++st.forward_passes;
     if (pos < P - 1) {
       token = prompt[static_cast<std::size_t>(pos + 1)];
@@ -187,11 +217,12 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
     const int step = pos - (P - 1);
     if (step == 0) st.prompt_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (opt.on_logits) opt.on_logits(step, logits);
-    st.peak_physical_bytes = std::max(st.peak_physical_bytes, cache->report(0).held_bytes);
-    const std::int64_t live = stream_live_tokens(*cache);
+    st.peak_physical_bytes = std::max(st.peak_physical_bytes, report().held_bytes);
+    const std::int64_t live = engine ? state->live_tokens(0) : stream_live_tokens(*cache);
     st.max_live_tokens = std::max(st.max_live_tokens, live);
     if (budget > 0 && live > budget) ++st.steps_over_budget;
-    if (opt.after_step) THINKV_RETURN_IF_ERROR(opt.after_step(step, *cache));
+    if (opt.after_step && cache) THINKV_RETURN_IF_ERROR(opt.after_step(step, *cache));
+    if (opt.on_step) opt.on_step(step);
     const int next = opt.forced != nullptr ? (*opt.forced)[static_cast<std::size_t>(step)] : sampler.sample(logits);
     if (opt.forced == nullptr && opt.stop_at_bos_eos && (next == opt.bos_id || next == opt.eos_id)) break;
     st.tokens.push_back(next);
@@ -200,15 +231,16 @@ inline Status run_sequence(const Model& model, const CacheSpec& spec, const std:
     if (static_cast<int>(st.tokens.size()) >= steps) break;
   }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  st.report = cache->report(0);
-  if (const ThinKvState* t = thinkv_of(*cache)) {
+  st.report = report();
+  if (const ThinKvState* t = state) {
     st.final_memory = t->memory(0);
     st.cache_stats = t->stats();
     st.table_stats = t->table_stats();
     st.thought_stats = t->thought_stats(0);
     st.segments = t->segments(0);
   }
-  st.fullkv_fp16_bytes_all_positions = fullkv_fp16_bytes(model.config, cache->position(0));
+  st.fullkv_fp16_bytes_all_positions =
+      fullkv_fp16_bytes(model.config, engine ? engine->position() : cache->position(0));
   out = std::move(st);
   return Status::ok();
 }

@@ -24,6 +24,9 @@
 #include "cache_flags.hpp"
 #if defined(THINKV_HAVE_KERNELS)
 #include "thinkv/backend/cuda_backend.hpp"
+#if defined(THINKV_HAVE_GPU_DECODER)
+#include "../decoder/gpu_transformer.hpp"
+#endif
 #endif
 #include "thinkv/thought/calibration_file.hpp"
 
@@ -91,10 +94,11 @@ constexpr const char* kGenerateHelp =
     "                       FullKV tokens, first divergent step\n"
     "  -t, --threads N      threads for the matrix products (default: all cores, or "
     "$THINKV_THREADS)\n"
-    "  --backend B          where the KV cache lives and attention runs: cpu (default, the\n"
-    "                       reference) or cuda (CudaKvBackend on the current GPU: pages in device\n"
-    "                       memory, quantize-append and decode-attention kernels; needs a CUDA\n"
-    "                       build and a GPU). The model itself runs on the CPU either way.\n"
+    "  --backend B          where the model and the KV cache run: cpu (default, the reference)\n"
+    "                       or cuda (the GPU decoder: weights on the GPU, FP32 for an F32 model\n"
+    "                       file, else BF16; cuBLAS GEMMs; ThinKV's cache in device memory with\n"
+    "                       its quantize-append, attention and K-means kernels; needs a CUDA build\n"
+    "                       and a GPU). --compare's FullKV reference runs on the CPU.\n"
     "  --json               print one JSON object as the last line of stdout\n"
     "  --progress           progress line on stderr, always (default: while decoding, only when\n"
     "                       stderr is a terminal and stdout is not, so the line never tears the\n"
@@ -377,7 +381,12 @@ int run_generate(int argc, char** argv) {
                              std::string(to_string(a.method)) + " is a CPU baseline");
     }
 #if defined(THINKV_HAVE_KERNELS)
+    // --compare's teacher-forced run keeps the CPU model over the device cache.
     ro.backend = [] { return std::make_unique<BackendModel<CudaKvBackend>>(); };
+#if defined(THINKV_HAVE_GPU_DECODER)
+    ro.engine = gpu_engine(
+        model, GpuDecoderOptions{model.weight_type == WeightType::kF32 ? GpuWeightType::kF32 : GpuWeightType::kBF16});
+#endif
 #else
     std::fprintf(stderr,
                  "thinkv generate: --backend cuda: this thinkv was built without CUDA kernels "
@@ -401,13 +410,12 @@ int run_generate(int argc, char** argv) {
     std::fflush(stdout);
     if (!piece.empty()) at_line_start = piece.back() == '\n';
   };
-  ro.after_step = [&](int step, const thinkv::DecodeCache&) {
+  ro.on_step = [&](int step) {
     if (progress.enabled() && (!shared_terminal || at_line_start)) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       progress.update("step " + std::to_string(step + 1) + "/" + std::to_string(a.steps) + ", " +
                       fmt("%.1f", s > 0 ? (step + 1) / s : 0.0) + " tok/s");
     }
-    return Status::ok();
   };
   RunStats st;
   if (Status s = run_sequence(model, spec, prompt, ro, st); !s.is_ok()) {
@@ -429,7 +437,7 @@ int run_generate(int argc, char** argv) {
   for (int r = 1; r < a.repeat; ++r) {
     RunOptions rr = ro;
     rr.on_token = nullptr;
-    rr.after_step = nullptr;
+    rr.on_step = nullptr;
     RunStats again;
     if (Status s = run_sequence(model, spec, prompt, rr, again); !s.is_ok()) {
       std::fprintf(stderr, "thinkv generate: repeat %d: %s\n", r + 1, s.to_string().c_str());
@@ -457,7 +465,8 @@ int run_generate(int argc, char** argv) {
     }
     RunOptions mo = ro;  // the backend serves the method's cache; FullKV FP16 runs on the CPU
     mo.on_token = nullptr;
-    mo.after_step = nullptr;
+    mo.on_step = nullptr;
+    mo.engine = nullptr;
     // The text is complete (and ended by its newline), so a status line cannot tear it: this
     // phase shows one whenever stderr is a terminal, even where the decode phase left the
     // terminal to the text (stdout and stderr on the same terminal).

@@ -1,0 +1,377 @@
+/// \file bench_decode_throughput.cpp
+/// End-to-end decoding throughput of the GPU decoder (examples/decoder/gpu_transformer.hpp):
+/// a Llama model with random BF16 weights (throughput does not depend on their values), every
+/// sequence of a batch decoding greedily, ThinKV's device cache for attention. One configuration
+/// per run; one JSON object per run on stdout (and a table line on stderr).
+///
+///   bench_decode_throughput --method full   --context 16384            [--batch N]
+///   bench_decode_throughput --method thinkv --budget 1024 [--warmup W] [--batch N]
+///
+/// FullKV (BF16 pages, no eviction): every sequence is given `context - 1` random keys and values
+/// (stored without attention: GpuTransformer::fill) and then decodes `--steps` steps at that
+/// context. A step's time grows linearly with the context, so the mean over a generation of
+/// 0..2C tokens is the time at C: --context 16384 gives the average of a 32K-token generation.
+/// ThinKV (R4E4T2, TBE with K-means, at --budget): sequences join one by one over the first 128
+/// steps (continuous batching; their refreshes fall on different steps), decode --warmup steps
+/// (default budget + 5 segments: past the budget, evicting), then --steps timed steps. Past the
+/// budget a step no longer depends on the position: the timed steps are the generation's steady
+/// state. The thought of each 128-token window is drawn i.i.d. R 55% / E 24% / T 21%, the shares
+/// ThinKV's calibrated classifier gave on the testbed model's chain-of-thought traces at budget
+/// 1024 (docs/results-data/2026-12-02-testbed/main.md: R/E/T 72,089 / 31,531 / 26,630 tokens;
+/// a new transition at 18.5% of refreshes, 16.6% with this draw); the classifier still asks the
+/// attention for its sparsity on layers 0-3 at every refresh, as the calibrated one does.
+/// --batch 0 (default): the largest batch whose worst-case cache (max_sequences) fits the device
+/// memory left after the weights and the step buffers, capped by --max-batch.
+/// --check: runs the configuration twice from the same seed and requires the same tokens.
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "decoder/gpu_transformer.hpp"
+#include "thinkv/policy/cache_policy.hpp"
+
+using namespace thinkv;
+using namespace thinkv::decoder;
+
+namespace {
+
+/// Draws each refresh window's thought i.i.d. from fixed shares, mixing the tokens the window
+/// decoded (TokenHint) into its state so that sequences draw differently. Asks for the attention
+/// sparsity of layers 0..3 like a calibrated classifier (the signal is read and ignored).
+class ScheduledClassifier {
+ public:
+  [[nodiscard]] Status check(int num_layers) const {
+    if (num_layers < 1) return {StatusCode::kInvalidArgument, "ScheduledClassifier: no layer"};
+    return Status::ok();
+  }
+  [[nodiscard]] int tau() const noexcept { return 128; }
+  [[nodiscard]] bool emits(ThoughtType) const noexcept { return true; }
+  [[nodiscard]] bool needs_signal() const noexcept { return true; }
+  [[nodiscard]] bool uses_layer(int l) const noexcept { return l < 4; }
+  void observe(std::int64_t position, const TokenHint& hint) {
+    state_ =
+        (state_ ^ static_cast<std::uint64_t>(hint.token + 1)) * 0x100000001B3ull + static_cast<std::uint64_t>(position);
+  }
+  [[nodiscard]] ThoughtType decide(std::int64_t, std::span<const float>) {
+    std::uint64_t s = state_;
+    const double u = static_cast<double>(splitmix64(s) >> 11) * 0x1p-53;
+    return u < 0.55 ? ThoughtType::kReasoning : u < 0.79 ? ThoughtType::kExecution : ThoughtType::kTransition;
+  }
+  [[nodiscard]] std::string to_string() const { return "scheduled{R .55, E .24, T .21, tau 128}"; }
+
+ private:
+  std::uint64_t state_ = 0x6a09e667f3bcc908ull;
+};
+static_assert(thought_classifier<ScheduledClassifier>);
+
+struct ScheduledThinKvPolicy : CachePolicy<ScheduledClassifier, PrecisionMap, RetentionSchedule, KmeansSelector> {
+  static constexpr std::string_view kName = "thinkv";
+};
+
+struct Args {
+  std::string method = "thinkv";
+  std::string shape = "llama3-8b";
+  int budget = 1024;
+  int batch = 0;
+  int max_batch = 1024;
+  int context = 16384;
+  int warmup = -1;
+  int steps = 32;
+  std::uint64_t seed = 1;
+  bool check = false;
+};
+
+bool parse(int argc, char** argv, Args& a) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto val = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    const char* v = nullptr;
+    if (k == "--check") {
+      a.check = true;
+      continue;
+    }
+    if ((v = val()) == nullptr) {
+      std::fprintf(stderr, "bench_decode_throughput: %s needs a value\n", k.c_str());
+      return false;
+    }
+    if (k == "--method")
+      a.method = v;
+    else if (k == "--shape")
+      a.shape = v;
+    else if (k == "--budget")
+      a.budget = std::atoi(v);
+    else if (k == "--batch")
+      a.batch = std::atoi(v);
+    else if (k == "--max-batch")
+      a.max_batch = std::atoi(v);
+    else if (k == "--context")
+      a.context = std::atoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::atoi(v);
+    else if (k == "--steps")
+      a.steps = std::atoi(v);
+    else if (k == "--seed")
+      a.seed = std::strtoull(v, nullptr, 10);
+    else {
+      std::fprintf(stderr, "bench_decode_throughput: unknown option %s\n", k.c_str());
+      return false;
+    }
+  }
+  if (a.method != "full" && a.method != "thinkv") {
+    std::fprintf(stderr, "bench_decode_throughput: --method %s: allowed full, thinkv\n", a.method.c_str());
+    return false;
+  }
+  if (a.steps < 1 || a.budget < 128 || a.context < 2 || a.max_batch < 1 || a.batch < 0) {
+    std::fprintf(stderr, "bench_decode_throughput: --steps >= 1, --budget >= 128, --context >= 2, --batch >= 0\n");
+    return false;
+  }
+  return true;
+}
+
+ModelConfig shape_config(const std::string& s) {
+  ModelConfig c;
+  if (s == "tiny") {  // the smoke test's
+    c.dim = 256, c.hidden_dim = 512, c.n_layers = 4, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 64,
+    c.vocab_size = 1000;
+  } else {  // Llama-3-8B / R1-Llama-8B
+    c.dim = 4096, c.hidden_dim = 14336, c.n_layers = 32, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128,
+    c.vocab_size = 128256, c.rope_theta = 500000.0f;
+  }
+  c.rope_dim = c.head_dim;
+  c.seq_len = 32768;
+  return c;
+}
+
+ThinKvConfig cache_config(const ModelConfig& m, const Args& a, int sequences) {
+  ThinKvConfig c;
+  c.num_sequences = sequences;
+  c.num_layers = m.n_layers;
+  c.num_kv_heads = m.n_kv_heads;
+  c.num_q_heads = m.n_heads;
+  c.head_dim = m.head_dim;
+  c.group_size = 16;
+  c.block_size = 16;
+  c.segment_len = 128;
+  if (a.method == "full") {
+    c.max_tokens = a.context + a.steps + 16;
+    c.token_budget = 0;
+  } else {
+    c.max_tokens = 32768;
+    c.token_budget = a.budget;
+  }
+  return c;
+}
+
+ScheduledThinKvPolicy thinkv_policy() {
+  ScheduledThinKvPolicy p;
+  p.precision = kR4E4T2;
+  return p;
+}
+
+/// Device bytes a step's buffers take per sequence (gpu_transformer.cpp's layout, rounded up).
+std::int64_t act_bytes_per_seq(const ModelConfig& c) {
+  const std::int64_t f32 = 4LL * (c.dim + (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() + 2 * c.kv_dim() + c.q_dim() +
+                                  2 * c.hidden_dim + c.vocab_size);
+  return f32 + 2LL * (c.dim + c.q_dim() + c.hidden_dim) + 64;
+}
+std::int64_t weight_bytes(const ModelConfig& c) {
+  const std::int64_t per_layer =
+      (std::int64_t{c.q_dim() + 2 * c.kv_dim()} * c.dim + std::int64_t{c.dim} * c.q_dim() + 3LL * c.hidden_dim * c.dim);
+  return 2 * (2LL * c.vocab_size * c.dim + c.n_layers * per_layer) + 4LL * c.dim * (2 * c.n_layers + 1);
+}
+
+struct Result {
+  int batch = 0;
+  double step_ms = 0, tokens_per_s = 0, fill_s = 0, warmup_s = 0;
+  std::int64_t held_bytes = 0, allocated_bytes = 0, weights = 0, live_tokens = 0;
+  GpuStepTimes times;
+  CudaKvBackend::DeviceTimes dev;
+  ThinKvStats stats;
+  std::uint64_t token_hash = 0;
+  std::string error;
+};
+
+Result run(const Args& a, const ModelConfig& mc, int batch) {
+  Result r;
+  r.batch = batch;
+  std::unique_ptr<GpuCache> cache;
+  const ThinKvConfig cc = cache_config(mc, a, batch);
+  try {
+    if (a.method == "full") {
+      cache = std::make_unique<GpuCacheModel<FullKvPolicy>>(cc, FullKvPolicy{});
+    } else {
+      cache = std::make_unique<GpuCacheModel<ScheduledThinKvPolicy>>(cc, thinkv_policy());
+    }
+  } catch (const ConfigError& e) {
+    r.error = e.status().to_string();
+    return r;
+  } catch (const BackendError& e) {
+    r.error = e.status().to_string();
+    return r;
+  }
+  GpuCache* cp = cache.get();
+  std::unique_ptr<GpuTransformer> g;
+  GpuDecoderOptions o;
+  o.weights = GpuWeightType::kBF16;
+  o.reserve = a.method == "full";
+  if (Status s = GpuTransformer::create_random(mc, a.seed, std::move(cache), o, g); !s.is_ok()) {
+    r.error = s.to_string();
+    return r;
+  }
+  r.weights = g->weight_bytes();
+  std::vector<int> seqs, tokens(static_cast<std::size_t>(batch)), next(static_cast<std::size_t>(batch));
+  std::vector<int> last(static_cast<std::size_t>(batch));
+  for (int b = 0; b < batch; ++b) last[static_cast<std::size_t>(b)] = 1 + b % (mc.vocab_size - 1);
+  std::uint64_t hash = 1469598103934665603ull;
+  auto step = [&](const std::vector<int>& batch_seqs) -> Status {
+    tokens.resize(batch_seqs.size());
+    next.resize(batch_seqs.size());
+    for (std::size_t i = 0; i < batch_seqs.size(); ++i) tokens[i] = last[static_cast<std::size_t>(batch_seqs[i])];
+    THINKV_RETURN_IF_ERROR(g->step(batch_seqs, tokens, next));
+    for (std::size_t i = 0; i < batch_seqs.size(); ++i) {
+      last[static_cast<std::size_t>(batch_seqs[i])] = next[i];
+      hash = (hash ^ static_cast<std::uint64_t>(next[i] + 1)) * 1099511628211ull;
+    }
+    return Status::ok();
+  };
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  std::vector<int> all(static_cast<std::size_t>(batch));
+  for (int b = 0; b < batch; ++b) all[static_cast<std::size_t>(b)] = b;
+  if (a.method == "full") {
+    const auto t0 = now();
+    for (int b = 0; b < batch; ++b) {
+      if (Status s = g->fill(b, a.context - 1, a.seed * 7919 + static_cast<std::uint64_t>(b)); !s.is_ok()) {
+        r.error = "fill of sequence " + std::to_string(b) + ": " + s.to_string();
+        return r;
+      }
+    }
+    r.fill_s = std::chrono::duration<double>(now() - t0).count();
+  } else {
+    const int warm = a.warmup >= 0 ? a.warmup : a.budget + 5 * 128;
+    const auto t0 = now();
+    for (int t = 0; t < warm; ++t) {
+      seqs.clear();
+      for (int b = 0; b < batch; ++b) {
+        if (t >= b * 128 / batch) seqs.push_back(b);  // joins spread over the first 128 steps
+      }
+      if (Status s = step(seqs); !s.is_ok()) {
+        r.error = "warm-up step " + std::to_string(t) + ": " + s.to_string();
+        return r;
+      }
+    }
+    r.warmup_s = std::chrono::duration<double>(now() - t0).count();
+  }
+  const ThinKvStats before = g->stats();
+  g->set_timing(true);
+  // The backend's device timing (append / attention / TBE selection) on the timed steps.
+  auto* backend = [&]() -> CudaKvBackend* {
+    if (auto* f = dynamic_cast<GpuCacheModel<FullKvPolicy>*>(cp)) return &f->get().backend();
+    if (auto* t = dynamic_cast<GpuCacheModel<ScheduledThinKvPolicy>*>(cp)) return &t->get().backend();
+    return nullptr;
+  }();
+  backend->set_device_timing(true);
+  CudaKvBackend::DeviceTimes d0;
+  (void)backend->device_times(d0);
+  const auto t1 = now();
+  for (int t = 0; t < a.steps; ++t) {
+    if (Status s = step(all); !s.is_ok()) {
+      r.error = "timed step " + std::to_string(t) + ": " + s.to_string();
+      return r;
+    }
+  }
+  const double secs = std::chrono::duration<double>(now() - t1).count();
+  CudaKvBackend::DeviceTimes d1;
+  (void)backend->device_times(d1);
+  r.dev.prepare_ms = (d1.prepare_ms - d0.prepare_ms) / a.steps;
+  r.dev.append_ms = (d1.append_ms - d0.append_ms) / a.steps;
+  r.dev.attend_ms = (d1.attend_ms - d0.attend_ms) / a.steps;
+  r.dev.select_ms = (d1.select_ms - d0.select_ms) / a.steps;
+  r.times = g->times();
+  r.step_ms = 1e3 * secs / a.steps;
+  r.tokens_per_s = batch / (secs / a.steps);
+  const ThinKvStats after = g->stats();
+  r.stats.eviction_calls = after.eviction_calls - before.eviction_calls;
+  r.stats.tokens_evicted = after.tokens_evicted - before.tokens_evicted;
+  r.stats.selections = after.selections - before.selections;
+  r.stats.transition_events = after.transition_events - before.transition_events;
+  const MemoryUsage m = g->memory();
+  r.held_bytes = m.physical_bytes();
+  r.allocated_bytes = g->cache_device_bytes();
+  r.live_tokens = m.live_tokens;
+  r.token_hash = hash;
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  if (!parse(argc, argv, a)) return 2;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: bench_decode_throughput skipped\n");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  (void)cudaGetDeviceProperties(&prop, 0);
+  const ModelConfig mc = shape_config(a.shape);
+  int batch = a.batch;
+  if (batch == 0) {  // the largest batch whose worst-case cache fits beside the weights and buffers
+    std::size_t free = 0, total = 0;
+    (void)cudaMemGetInfo(&free, &total);
+    const std::int64_t margin = std::int64_t{3} << 30;  // cuBLAS, attention workspaces, the context
+    std::int64_t left = static_cast<std::int64_t>(free) - weight_bytes(mc) - margin;
+    batch = 1;
+    for (int it = 0; it < 3; ++it) {
+      const std::int64_t kv = left - std::int64_t{batch} * act_bytes_per_seq(mc);
+      const ThinKvConfig cc = cache_config(mc, a, 1);
+      const int n = a.method == "full" ? max_sequences(cc, FullKvPolicy{}, kv) : max_sequences(cc, thinkv_policy(), kv);
+      batch = std::max(1, std::min(a.max_batch, n));
+    }
+  }
+  const Result r = run(a, mc, batch);
+  if (!r.error.empty()) {
+    std::fprintf(stderr, "bench_decode_throughput: %s (batch %d)\n", r.error.c_str(), batch);
+    return 1;
+  }
+  bool same = true;
+  if (a.check) {
+    const Result again = run(a, mc, batch);
+    same = again.error.empty() && again.token_hash == r.token_hash;
+    if (!same) std::fprintf(stderr, "bench_decode_throughput: a second run with the same seed gave other tokens\n");
+  }
+  const double per_seq_held = static_cast<double>(r.held_bytes) / batch;
+  const double per_seq_alloc = static_cast<double>(r.allocated_bytes) / batch;
+  const double steps = std::max(1, a.steps);
+  const double layers = r.times.layers_ms / steps, attn = r.times.attention_ms / steps, head = r.times.head_ms / steps;
+  std::fprintf(stderr,
+               "%s budget %d context %d batch %d: %.2f ms/step, %.0f tokens/s; KV per sequence held %.1f MiB, "
+               "allocated %.1f MiB; device per step: layers (GEMMs + norms) %.2f ms, attention (append + attend) "
+               "%.2f ms, head %.2f ms, TBE selection %.3f ms\n",
+               a.method.c_str(), a.method == "full" ? 0 : a.budget, a.context, batch, r.step_ms, r.tokens_per_s,
+               per_seq_held / 1048576.0, per_seq_alloc / 1048576.0, layers, attn, head, r.dev.select_ms);
+  std::printf(
+      "{\"method\":\"%s\",\"shape\":\"%s\",\"gpu\":\"%s\",\"budget\":%d,\"context\":%d,\"batch\":%d,\"steps\":%d,"
+      "\"step_ms\":%.4f,\"tokens_per_s\":%.1f,\"kv_held_bytes_per_seq\":%.0f,\"kv_allocated_bytes_per_seq\":%.0f,"
+      "\"weight_bytes\":%" PRId64 ",\"live_tokens\":%" PRId64
+      ",\"layers_ms\":%.4f,\"attention_ms\":%.4f,\"head_ms\":%.4f,"
+      "\"dev_append_ms\":%.4f,\"dev_attend_ms\":%.4f,\"dev_prepare_ms\":%.4f,\"dev_select_ms\":%.4f,"
+      "\"evictions_per_step\":%.3f,\"tokens_evicted_per_step\":%.1f,\"selections_per_step\":%.1f,"
+      "\"transitions_per_step\":%.4f,\"fill_s\":%.2f,\"warmup_s\":%.2f,\"token_hash\":\"%016" PRIx64
+      "\",\"repeat_same\":%s}\n",
+      a.method.c_str(), a.shape.c_str(), prop.name, a.method == "full" ? 0 : a.budget, a.context, batch, a.steps,
+      r.step_ms, r.tokens_per_s, per_seq_held, per_seq_alloc, r.weights, r.live_tokens, layers, attn, head,
+      r.dev.append_ms, r.dev.attend_ms, r.dev.prepare_ms, r.dev.select_ms, r.stats.eviction_calls / steps,
+      r.stats.tokens_evicted / steps, r.stats.selections / steps, r.stats.transition_events / steps, r.fill_s,
+      r.warmup_s, r.token_hash, a.check ? (same ? "true" : "false") : "null");
+  return same ? 0 : 1;
+}
