@@ -390,7 +390,7 @@ TEST_CASE("kmeans kernel: check_kmeans_select refuses bad parameters, nothing is
   with("head_dim 0", [](auto& p) { p.head_dim = 0; });
   with("head_dim 7", [](auto& p) { p.head_dim = 7; });
   with("head_dim 16", [](auto& p) { p.head_dim = 16; });
-  with("head_dim 32", [](auto& p) { p.head_dim = 32; });
+  with("head_dim 48", [](auto& p) { p.head_dim = 48; });
   with("head_dim 512", [](auto& p) { p.head_dim = 512; });
   with("max_points 0", [](auto& p) { p.max_points = 0; });
   with("max_points 129", [](auto& p) { p.max_points = 129; });
