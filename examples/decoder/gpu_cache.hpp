@@ -25,7 +25,8 @@ class GpuCache {
   [[nodiscard]] virtual const ThinKvConfig& config() const = 0;
   /// The stream every batched call is enqueued on (CudaKvBackend::set_stream).
   [[nodiscard]] virtual Status set_stream(CUstream_st* stream) = 0;
-  /// CudaKvBackend::reserve_storage: every pool's range allocated now, once.
+  /// CudaKvBackend::reserve_storage and reserve_host_metadata: every pool's range allocated now,
+  /// once, on the device and in the host's block table.
   [[nodiscard]] virtual Status reserve_storage() = 0;
   [[nodiscard]] virtual Status begin_step(std::span<const int> seqs, std::span<const TokenHint> hints) = 0;
   [[nodiscard]] virtual Status append_batch(int l, std::span<const int> seqs, TensorRef k, TensorRef v) = 0;
@@ -62,7 +63,11 @@ class GpuCacheModel final : public GpuCache {
   [[nodiscard]] BasicThinKvCache<P, CudaKvBackend>& get() noexcept { return c_; }
   const ThinKvConfig& config() const override { return c_.config(); }
   Status set_stream(CUstream_st* stream) override { return c_.backend().set_stream(stream); }
-  Status reserve_storage() override { return c_.backend().reserve_storage(); }
+  Status reserve_storage() override {
+    THINKV_RETURN_IF_ERROR(c_.backend().reserve_storage());
+    (void)c_.reserve_host_metadata();
+    return Status::ok();
+  }
   Status begin_step(std::span<const int> seqs, std::span<const TokenHint> hints) override {
     return c_.begin_step(seqs, hints);
   }

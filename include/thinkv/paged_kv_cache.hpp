@@ -83,6 +83,8 @@ class PagedKvCache {
   [[nodiscard]] const CacheConfig& config() const noexcept { return table_.config(); }
   [[nodiscard]] const CacheLayout& layout() const noexcept { return table_.layout(); }
   [[nodiscard]] const BlockTable& table() const noexcept { return table_; }
+  /// BlockTable::reserve_host_metadata: the table's host arrays sized for every pool's range now.
+  std::int64_t reserve_host_metadata() { return table_.reserve_host_metadata(); }
   [[nodiscard]] const B& backend() const noexcept { return backend_; }
   [[nodiscard]] B& backend() noexcept { return backend_; }
 

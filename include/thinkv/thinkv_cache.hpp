@@ -233,6 +233,10 @@ class BasicThinKvCache {
   /// The backend (to set a CUDA backend's stream, for one).
   [[nodiscard]] B& backend() noexcept { return cache_.backend(); }
   [[nodiscard]] const B& backend() const noexcept { return cache_.backend(); }
+  /// Sizes the block table's host metadata for every pool's whole range now (returns its bytes),
+  /// so no later step reallocates it: for a runtime that sizes its batch to memory once (with a
+  /// device backend, beside CudaKvBackend::reserve_storage). See BlockTable::reserve_host_metadata.
+  std::int64_t reserve_host_metadata() { return cache_.reserve_host_metadata(); }
   [[nodiscard]] const ThinKvStats& stats() const noexcept { return stats_; }
   [[nodiscard]] int stream_of(int seq, int layer, int kv_head) const noexcept {
     return (seq * config_.num_layers + layer) * config_.num_kv_heads + kv_head;

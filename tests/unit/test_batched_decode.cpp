@@ -99,6 +99,27 @@ TEST_CASE("Batched decode in lockstep: every sequence evicts at the same steps, 
   CHECK(batched.stats().eviction_calls >= 5 * 3);
 }
 
+TEST_CASE("Reserved host metadata changes no decision and still releases emptied chunks", "[batched]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<> batched(small_config(), small_policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+  const std::int64_t bytes = batched.reserve_host_metadata();
+  CHECK(batched.paged().table().host_metadata_reserved());
+  CHECK(bytes > 0);
+  bt::RunOptions o;
+  o.steps = 600;
+  o.finish = 0.004;
+  bt::RunReport r;
+  const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  CHECK(batched.stats().tokens_evicted > 0);
+  CHECK(r.finishes > 0);
+  // Pools follow what is held (chunks released) while the arrays keep their capacity.
+  CHECK(batched.paged().allocated_bytes() == reference.paged().allocated_bytes());
+  CHECK(batched.paged().table().stats().chunks_released > 0);
+}
+
 TEST_CASE("Batched decode: a NaN or Inf in one sequence's K/V faults that sequence alone", "[batched][bad_input]") {
   TT_SEEDED_RNG();
   ThinKvCache<> batched(small_config(), small_policy());

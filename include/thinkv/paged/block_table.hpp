@@ -98,6 +98,41 @@ class BlockTable {
   [[nodiscard]] int num_streams() const noexcept { return config_.num_streams; }
   /// Most key-scale records the record pool may hold (its id range).
   [[nodiscard]] int record_capacity() const noexcept { return static_cast<int>(record_cap_); }
+  /// Reserves the host metadata of every pool's whole range and of every key-scale record now,
+  /// so that growing the pools never reallocates (and copies) it, and releasing chunks no longer
+  /// shrinks it. For a runtime that sizes its batch to memory once: without it a pool's
+  /// per-slot arrays double when they fill, a copy of all of them inside one step (at 15 M BF16
+  /// blocks, 3 GB in one begin_step). Returns the host bytes the reserved arrays hold:
+  /// per block 24 + 8 x evict_mask_words + 12 x block_size bytes (change log included), per
+  /// record 8.
+  std::int64_t reserve_host_metadata() {
+    host_reserved_ = true;
+    std::int64_t bytes = 0;
+    for (int p = 0; p < kNumPrecisions; ++p) {
+      PoolState& ps = pool_[p];
+      const std::size_t nb = pools_.count[p];
+      const std::size_t ns = nb * static_cast<std::size_t>(config_.block_size);
+      const std::size_t nm = nb * static_cast<std::size_t>(layout_.evict_mask_words());
+      ps.thought.reserve(nb);
+      ps.fill.reserve(nb);
+      ps.live.reserve(nb);
+      ps.owner.reserve(nb);
+      ps.mask.reserve(nm);
+      ps.slot_record.reserve(ns);
+      ps.slot_segment.reserve(ns);
+      ps.seg_lo.reserve(nb);
+      ps.seg_hi.reserve(nb);
+      ps.slot_position.reserve(ns);
+      ps.chunk_held.reserve((nb + chunk_[p] - 1) / chunk_[p]);
+      ps.changed.reserve(std::max<std::size_t>(1024, 2 * nb) + 1);  // touch() trims it at that size
+      bytes += static_cast<std::int64_t>(nb * (sizeof(ThoughtType) + 2 + 2 + 4 + 4 + 4 + 8) + nm * 8 + ns * 12);
+    }
+    record_refs_.reserve(record_cap_);
+    record_owner_.reserve(record_cap_);
+    bytes += std::int64_t{record_cap_} * 8;
+    return bytes;
+  }
+  [[nodiscard]] bool host_metadata_reserved() const noexcept { return host_reserved_; }
 
   // ---- storage: what is allocated ------------------------------------------------------------
 
@@ -993,6 +1028,7 @@ class BlockTable {
       ++ps.free_version;
       stats_.chunks_released += static_cast<std::int64_t>(ps.chunk_held.size() - chunks);
       resize_pool(p, keep);
+      if (host_reserved_) continue;  // reserve_host_metadata: the arrays keep their capacity
       // Shrink the metadata's own allocations too: memory follows what is held.
       ps.thought.shrink_to_fit();
       ps.fill.shrink_to_fit();
@@ -1051,6 +1087,7 @@ class BlockTable {
   std::uint32_t chunk_[kNumPrecisions] = {1, 1, 1, 1};
   // key-scale records: ids [0, records_grown_) have storage
   std::uint32_t record_cap_ = 0;
+  bool host_reserved_ = false;  // reserve_host_metadata: capacities kept, never shrunk
   std::uint32_t record_chunk_ = 1;
   std::uint32_t records_grown_ = 0;
   std::vector<int> record_refs_;
