@@ -218,4 +218,24 @@ cudaError_t fill_f32(float* out, std::size_t n, float value, cudaStream_t stream
   return cudaGetLastError();
 }
 
+namespace {
+__global__ void gather_tokens_kernel(const int* last, const int* seqs, int batch, int* tokens) {
+  const int b = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (b < batch && tokens[b] < 0) tokens[b] = last[seqs[b]];
+}
+__global__ void scatter_tokens_kernel(const int* next, const int* seqs, int batch, int* last) {
+  const int b = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (b < batch) last[seqs[b]] = next[b];
+}
+}  // namespace
+
+cudaError_t gather_tokens(const int* last, const int* seqs, int batch, int* tokens, cudaStream_t stream) {
+  gather_tokens_kernel<<<static_cast<unsigned>((batch + 255) / 256), 256, 0, stream>>>(last, seqs, batch, tokens);
+  return cudaGetLastError();
+}
+cudaError_t scatter_tokens(const int* next, const int* seqs, int batch, int* last, cudaStream_t stream) {
+  scatter_tokens_kernel<<<static_cast<unsigned>((batch + 255) / 256), 256, 0, stream>>>(next, seqs, batch, last);
+  return cudaGetLastError();
+}
+
 }  // namespace thinkv::decoder::gpu

@@ -40,6 +40,10 @@ cudaError_t convert(const float* in, std::size_t n, void* out, Elem e, cudaStrea
 /// out[b] = the index of the largest logit of row b (the first on ties), or -1 when the row holds
 /// a value that is not finite.
 cudaError_t argmax(const float* logits, int batch, int vocab, int* out, cudaStream_t stream);
+/// Pipelined steps: tokens[b] < 0 becomes last[seqs[b]] (the sequence's previous greedy token,
+/// kept on the device), and after the step last[seqs[b]] = next[b].
+cudaError_t gather_tokens(const int* last, const int* seqs, int batch, int* tokens, cudaStream_t stream);
+cudaError_t scatter_tokens(const int* next, const int* seqs, int batch, int* last, cudaStream_t stream);
 
 /// n values uniform in [-scale, scale) from a counter-based hash of (seed, index), in `e`
 /// (reproducible whatever the launch shape; for weights whose values do not matter).

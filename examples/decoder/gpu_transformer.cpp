@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -106,21 +107,22 @@ struct GpuTransformer::Impl {
         *logits = nullptr;
   void *xb = nullptr, *attw = nullptr, *hh = nullptr;  // GEMM inputs in wt
   int *d_tokens = nullptr, *d_pos = nullptr, *d_next = nullptr;
-  int* h_pinned = nullptr;  // [3 * max_batch]: tokens, positions, next
 
   bool timing = false;
-  cudaEvent_t ev[8] = {};
   GpuStepTimes times;
 
   ~Impl() {
     cache.reset();  // the backend's device state goes before the stream
     if (blas != nullptr) cublasDestroy(blas);
-    for (cudaEvent_t e : ev) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (Slot& sl : slots) {
+      for (cudaEvent_t e : sl.ev) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
+      if (sl.done != nullptr) cudaEventDestroy(sl.done);
+      if (sl.h != nullptr) cudaFreeHost(sl.h);
     }
     if (weights != nullptr) cudaFree(weights);
     if (acts != nullptr) cudaFree(acts);
-    if (h_pinned != nullptr) cudaFreeHost(h_pinned);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 
@@ -155,7 +157,6 @@ struct GpuTransformer::Impl {
     // FP32 accumulation everywhere and no TF32: the GEMMs compute what the CPU decoder does, up to
     // the order of the sums.
     THINKV_RETURN_IF_ERROR(cublas_status(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));
-    for (cudaEvent_t& e : ev) TKV_CUDA(cudaEventCreate(&e), "cudaEventCreate");
     THINKV_RETURN_IF_ERROR(cache->set_stream(stream));
     if (options.reserve) THINKV_RETURN_IF_ERROR(cache->reserve_storage());
     hints.resize(static_cast<std::size_t>(max_batch));
@@ -168,7 +169,7 @@ struct GpuTransformer::Impl {
                       o_att = cv.take(B * c.q_dim() * 4), o_h13 = cv.take(B * 2 * c.hidden_dim * 4),
                       o_logits = cv.take(B * c.vocab_size * 4), o_xb = cv.take(wbytes(B * c.dim)),
                       o_attw = cv.take(wbytes(B * c.q_dim())), o_hh = cv.take(wbytes(B * c.hidden_dim)),
-                      o_ints = cv.take(B * 3 * sizeof(int));
+                      o_ints = cv.take(B * 5 * sizeof(int));
     act_bytes = static_cast<std::int64_t>(cv.off);
     TKV_CUDA(cudaMalloc(&acts, cv.off), "cudaMalloc of the step buffers");
     auto* base = static_cast<unsigned char*>(acts);
@@ -183,10 +184,19 @@ struct GpuTransformer::Impl {
     xb = base + o_xb;
     attw = base + o_attw;
     hh = base + o_hh;
-    d_tokens = reinterpret_cast<int*>(base + o_ints);
+    d_tokens = reinterpret_cast<int*>(base + o_ints);  // tokens, positions, sequences: one upload
     d_pos = d_tokens + B;
-    d_next = d_pos + B;
-    TKV_CUDA(cudaMallocHost(reinterpret_cast<void**>(&h_pinned), B * 3 * sizeof(int)), "cudaMallocHost");
+    d_seqs = d_pos + B;
+    d_next = d_seqs + B;
+    d_last = d_next + B;
+    TKV_CUDA(cudaMemset(d_last, 0, B * sizeof(int)), "cudaMemset");
+    last_host.assign(B, 0);
+    for (Slot& sl : slots) {
+      TKV_CUDA(cudaMallocHost(reinterpret_cast<void**>(&sl.h), B * 4 * sizeof(int)), "cudaMallocHost");
+      std::memset(sl.h, 0, B * 4 * sizeof(int));
+      TKV_CUDA(cudaEventCreateWithFlags(&sl.done, cudaEventDisableTiming), "cudaEventCreate");
+      for (cudaEvent_t& e : sl.ev) TKV_CUDA(cudaEventCreate(&e), "cudaEventCreate");
+    }
     return Status::ok();
   }
 
@@ -278,48 +288,114 @@ struct GpuTransformer::Impl {
                          "cublasGemmEx");
   }
 
+  /// A launched step (pipelined decoding keeps two): its pinned host arrays, its events.
+  struct Slot {
+    int* h = nullptr;  // pinned [4 * max_batch]: tokens, positions, sequences, next tokens
+    cudaEvent_t done = nullptr;
+    cudaEvent_t ev[8] = {};  // timing (layer 0's parts, the layers, the head)
+    std::vector<int> seqs;
+    bool in_flight = false;
+    bool timed = false;
+    std::chrono::steady_clock::time_point t_start;
+  };
+  Slot slots[2];
+  int next_slot = 0;    // the slot the next launch takes
+  int oldest_slot = 0;  // the slot the next collect reads
+  int* d_seqs = nullptr;
+  int* d_last = nullptr;       // [max_batch] each sequence's last greedy token (device)
+  std::vector<int> last_host;  // the last collected greedy token of each sequence (hints)
+
+  [[nodiscard]] int in_flight() const {
+    return static_cast<int>(slots[0].in_flight) + static_cast<int>(slots[1].in_flight);
+  }
+
   Status forward(std::span<const int> seqs, std::span<const int> tokens, std::span<int> next,
                  std::span<float> out_logits) {
-    const ModelConfig& c = cfg;
-    const int B = static_cast<int>(seqs.size());
-    if (B < 1 || B > max_batch) {
+    if (in_flight() != 0) {
       return {StatusCode::kInvalidArgument,
-              "GPU decoder: a step of " + std::to_string(B) + " sequences; allowed 1.." + std::to_string(max_batch)};
+              "GPU decoder: step() while launched steps are not collected (collect them first)"};
     }
     if (tokens.size() != seqs.size() || next.size() != seqs.size()) {
       return {StatusCode::kShapeMismatch, "GPU decoder: " + std::to_string(seqs.size()) + " sequences, " +
                                               std::to_string(tokens.size()) + " tokens and " +
                                               std::to_string(next.size()) + " outputs (one each)"};
     }
+    THINKV_RETURN_IF_ERROR(launch(seqs, tokens, out_logits, false));
+    return collect(next, true);
+  }
+
+  Status launch(std::span<const int> seqs, std::span<const int> tokens, std::span<float> out_logits,
+                bool device_ok = true) {
+    const ModelConfig& c = cfg;
+    const int B = static_cast<int>(seqs.size());
+    if (B < 1 || B > max_batch) {
+      return {StatusCode::kInvalidArgument,
+              "GPU decoder: a step of " + std::to_string(B) + " sequences; allowed 1.." + std::to_string(max_batch)};
+    }
+    if (in_flight() == 2) {
+      return {StatusCode::kInvalidArgument, "GPU decoder: two launched steps are not collected (collect one first)"};
+    }
+    if (!tokens.empty() && tokens.size() != seqs.size()) {
+      return {StatusCode::kShapeMismatch, "GPU decoder: " + std::to_string(seqs.size()) + " sequences and " +
+                                              std::to_string(tokens.size()) +
+                                              " tokens (one each, or none to feed each its previous greedy token)"};
+    }
     if (!out_logits.empty() && out_logits.size() != seqs.size() * static_cast<std::size_t>(c.vocab_size)) {
       return {StatusCode::kShapeMismatch, "GPU decoder: logits need " + std::to_string(seqs.size()) + " x " +
                                               std::to_string(c.vocab_size) + " floats"};
     }
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      if (tokens[b] < 0 || tokens[b] >= c.vocab_size) {
+    for (std::size_t b = 0; b < tokens.size(); ++b) {
+      if (tokens[b] < (device_ok ? -1 : 0) || tokens[b] >= c.vocab_size) {
         return {StatusCode::kOutOfRange, "GPU decoder: token " + std::to_string(tokens[b]) + " of sequence " +
                                              std::to_string(seqs[b]) + " is outside the vocabulary 0.." +
-                                             std::to_string(c.vocab_size - 1)};
+                                             std::to_string(c.vocab_size - 1) +
+                                             (device_ok ? " (or -1: its previous greedy token)" : "")};
       }
     }
-    for (std::size_t b = 0; b < seqs.size(); ++b) hints[b] = TokenHint{tokens[b], {}};
+    bool device_tokens = tokens.empty();
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const int sq = seqs[b];
+      const int given = tokens.empty() ? -1 : tokens[b];
+      device_tokens = device_tokens || given < 0;
+      const int hint = given >= 0 ? given : (sq >= 0 && sq < max_batch) ? last_host[static_cast<std::size_t>(sq)] : 0;
+      hints[b] = TokenHint{hint, {}};
+    }
+    using Clock = std::chrono::steady_clock;
+    const auto ms = [](Clock::time_point x, Clock::time_point y) {
+      return std::chrono::duration<double, std::milli>(y - x).count();
+    };
+    Slot& sl = slots[next_slot];
+    sl.t_start = Clock::now();
     // begin_step checks the sequences (range, duplicates, faults, room) before anything changes.
     THINKV_RETURN_IF_ERROR(cache->begin_step(seqs, std::span<const TokenHint>(hints.data(), seqs.size())));
+    const auto t_begun = Clock::now();
+    int* h = sl.h;
     for (int b = 0; b < B; ++b) {
-      h_pinned[b] = tokens[static_cast<std::size_t>(b)];
-      h_pinned[max_batch + b] = cache->position(seqs[static_cast<std::size_t>(b)]);
+      const int sq = seqs[static_cast<std::size_t>(b)];
+      h[b] = tokens.empty() ? -1 : tokens[static_cast<std::size_t>(b)];
+      h[max_batch + b] = cache->position(sq);
+      h[2 * max_batch + b] = sq;
     }
-    Status s = run_layers(seqs, B);
+    sl.seqs.assign(seqs.begin(), seqs.end());
+    sl.timed = timing;
+    Status s = run_layers(seqs, B, sl, device_tokens);
+    const auto t_layers = Clock::now();
     if (s.is_ok()) s = cache->end_step(seqs);
+    const auto t_ended = Clock::now();
     if (!s.is_ok()) {
       (void)cudaStreamSynchronize(stream);
       return s;
     }
-    if (timing) TKV_CUDA(cudaEventRecord(ev[6], stream), "cudaEventRecord");
+    if (sl.timed) {
+      times.host_begin_ms += ms(sl.t_start, t_begun);
+      times.host_end_ms += ms(t_layers, t_ended);
+      TKV_CUDA(cudaEventRecord(sl.ev[6], stream), "cudaEventRecord");
+    }
     TKV_CUDA(gpu::rmsnorm(x, final_norm, B, c.dim, c.rms_eps, xb, wt, stream), "rmsnorm");
     THINKV_RETURN_IF_ERROR(gemm(output, c.vocab_size, c.dim, xb, B, logits, false));
     TKV_CUDA(gpu::argmax(logits, B, c.vocab_size, d_next, stream), "argmax");
-    TKV_CUDA(cudaMemcpyAsync(h_pinned + 2 * max_batch, d_next, static_cast<std::size_t>(B) * sizeof(int),
+    TKV_CUDA(gpu::scatter_tokens(d_next, d_seqs, B, d_last, stream), "scatter_tokens");
+    TKV_CUDA(cudaMemcpyAsync(h + 3 * max_batch, d_next, static_cast<std::size_t>(B) * sizeof(int),
                              cudaMemcpyDeviceToHost, stream),
              "cudaMemcpyAsync of the next tokens");
     if (!out_logits.empty()) {
@@ -327,14 +403,42 @@ struct GpuTransformer::Impl {
           cudaMemcpyAsync(out_logits.data(), logits, out_logits.size() * sizeof(float), cudaMemcpyDeviceToHost, stream),
           "cudaMemcpyAsync of the logits");
     }
-    if (timing) TKV_CUDA(cudaEventRecord(ev[7], stream), "cudaEventRecord");
-    TKV_CUDA(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    if (timing) accumulate_times();
-    THINKV_RETURN_IF_ERROR(cache->poll_faults(true));
+    if (sl.timed) TKV_CUDA(cudaEventRecord(sl.ev[7], stream), "cudaEventRecord");
+    TKV_CUDA(cudaEventRecord(sl.done, stream), "cudaEventRecord");
+    sl.in_flight = true;
+    next_slot ^= 1;
+    return Status::ok();
+  }
+
+  /// Waits for the oldest launched step: its greedy tokens, in its batch order. `wait_faults`:
+  /// wait for every fault report so far (synchronous steps); pipelined, a K/V fault may surface
+  /// one collect later (faulted() then names the sequence).
+  Status collect(std::span<int> next, bool wait_faults) {
+    if (in_flight() == 0) return {StatusCode::kInvalidArgument, "GPU decoder: collect with no launched step"};
+    Slot& sl = slots[oldest_slot];
+    const int B = static_cast<int>(sl.seqs.size());
+    if (static_cast<int>(next.size()) != B) {
+      return {StatusCode::kShapeMismatch, "GPU decoder: collect of a step of " + std::to_string(B) +
+                                              " sequences into " + std::to_string(next.size()) + " outputs"};
+    }
+    using Clock = std::chrono::steady_clock;
+    const auto t_wait = Clock::now();
+    const cudaError_t e = cudaEventSynchronize(sl.done);
+    sl.in_flight = false;
+    oldest_slot ^= 1;
+    TKV_CUDA(e, "cudaEventSynchronize");
+    if (sl.timed) {
+      const auto t_end = Clock::now();
+      times.host_wait_ms += std::chrono::duration<double, std::milli>(t_end - t_wait).count();
+      times.wall_ms += std::chrono::duration<double, std::milli>(t_end - sl.t_start).count();
+      accumulate_times(sl);
+    }
+    THINKV_RETURN_IF_ERROR(cache->poll_faults(wait_faults));
     std::string bad;
     for (int b = 0; b < B; ++b) {
-      next[static_cast<std::size_t>(b)] = h_pinned[2 * max_batch + b];
-      const int seq = seqs[static_cast<std::size_t>(b)];
+      next[static_cast<std::size_t>(b)] = sl.h[3 * max_batch + b];
+      const int seq = sl.seqs[static_cast<std::size_t>(b)];
+      last_host[static_cast<std::size_t>(seq)] = next[static_cast<std::size_t>(b)];
       if (cache->faulted(seq)) {
         bad += (bad.empty() ? "" : ", ") + std::to_string(seq) + " (a key or value)";
       } else if (next[static_cast<std::size_t>(b)] < 0) {
@@ -350,13 +454,17 @@ struct GpuTransformer::Impl {
     return Status::ok();
   }
 
-  Status run_layers(std::span<const int> seqs, int B) {
+  Status run_layers(std::span<const int> seqs, int B, Slot& sl, bool device_tokens) {
     const ModelConfig& c = cfg;
     const std::size_t Bs = static_cast<std::size_t>(B);
+    cudaEvent_t* ev = sl.ev;
+    const bool timing = sl.timed;
     if (timing) TKV_CUDA(cudaEventRecord(ev[0], stream), "cudaEventRecord");
-    TKV_CUDA(cudaMemcpyAsync(d_tokens, h_pinned, Bs * sizeof(int), cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-    TKV_CUDA(cudaMemcpyAsync(d_pos, h_pinned + max_batch, Bs * sizeof(int), cudaMemcpyHostToDevice, stream),
+    // One upload: tokens, positions and sequences (the pinned rows are max_batch apart).
+    TKV_CUDA(cudaMemcpyAsync(d_tokens, sl.h, 3 * static_cast<std::size_t>(max_batch) * sizeof(int),
+                             cudaMemcpyHostToDevice, stream),
              "cudaMemcpyAsync");
+    if (device_tokens) TKV_CUDA(gpu::gather_tokens(d_last, d_seqs, B, d_tokens, stream), "gather_tokens");
     TKV_CUDA(gpu::embed(embedding, wt, d_tokens, B, c.dim, x, stream), "embed");
     const int qkv_rows = c.q_dim() + 2 * c.kv_dim();
     for (int l = 0; l < c.n_layers; ++l) {
@@ -415,7 +523,8 @@ struct GpuTransformer::Impl {
   }
 
   /// Layer 0's parts (events 0-3) scaled to all layers (0-4); the head (6-7).
-  void accumulate_times() {
+  void accumulate_times(const Slot& sl) {
+    const cudaEvent_t* ev = sl.ev;
     float pre = 0, attn = 0, post = 0, all = 0, head = 0;
     cudaEventElapsedTime(&pre, ev[0], ev[1]);
     cudaEventElapsedTime(&attn, ev[1], ev[2]);
@@ -512,7 +621,23 @@ Status GpuTransformer::step(std::span<const int> seqs, std::span<const int> toke
                             std::span<float> logits) {
   return impl_->forward(seqs, tokens, next, logits);
 }
-Status GpuTransformer::reset_sequence(int seq) { return impl_->cache->reset_sequence(seq); }
+Status GpuTransformer::launch(std::span<const int> seqs, std::span<const int> tokens) {
+  return impl_->launch(seqs, tokens, {});
+}
+Status GpuTransformer::collect(std::span<int> next) { return impl_->collect(next, false); }
+Status GpuTransformer::reset_sequence(int seq) {
+  if (impl_->in_flight() != 0) {
+    return {StatusCode::kInvalidArgument, "GPU decoder: reset_sequence while launched steps are not collected"};
+  }
+  THINKV_RETURN_IF_ERROR(impl_->cache->reset_sequence(seq));
+  if (seq >= 0 && seq < impl_->max_batch) {  // its previous greedy token goes too
+    impl_->last_host[static_cast<std::size_t>(seq)] = 0;
+    if (cudaError_t e = cudaMemsetAsync(impl_->d_last + seq, 0, sizeof(int), impl_->stream); e != cudaSuccess) {
+      return {StatusCode::kCudaError, std::string("GPU decoder: cudaMemsetAsync: ") + cudaGetErrorString(e)};
+    }
+  }
+  return Status::ok();
+}
 Status GpuTransformer::fill(int seq, int tokens, std::uint64_t seed) { return impl_->fill(seq, tokens, seed); }
 GpuCache& GpuTransformer::cache() noexcept { return *impl_->cache; }
 Status GpuTransformer::settle() { return impl_->cache->settle(); }

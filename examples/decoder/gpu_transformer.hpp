@@ -57,6 +57,11 @@ struct GpuStepTimes {
   double attention_ms = 0.0;  ///< the cache's append_batch + attend_batch
   double layers_ms = 0.0;     ///< everything else of the layers: GEMMs, norms, RoPE, SiLU
   double head_ms = 0.0;       ///< final norm, classifier GEMM, argmax and the copies back
+  // Host wall time (std::chrono), summed likewise: where a host-bound step spends it.
+  double host_begin_ms = 0.0;  ///< the cache's begin_step (plans, commits, uploads)
+  double host_end_ms = 0.0;    ///< the cache's end_step (refreshes, eviction plans, launches)
+  double host_wait_ms = 0.0;   ///< waiting for the device at the end of the step
+  double wall_ms = 0.0;        ///< the whole step
   int steps = 0;
 };
 
@@ -89,6 +94,17 @@ class GpuTransformer {
   /// kNonFinite naming it (the others' tokens are still written; reset_sequence frees it).
   [[nodiscard]] Status step(std::span<const int> seqs, std::span<const int> tokens, std::span<int> next,
                             std::span<float> logits = {});
+  /// Pipelined decoding: launch enqueues a step and returns without waiting for the device, so
+  /// the host plans the next step (the cache's begin_step / end_step) while this one runs;
+  /// collect waits for the oldest launched step and writes its greedy tokens (its batch order).
+  /// At most two steps are launched and not collected. `tokens` as in step(), where -1 (or an
+  /// empty span: all) makes a sequence take its own previous greedy token, read on the device (no
+  /// round trip; 0 before its first step); the cache's token hints are then its last collected.
+  /// A launch that fails changes nothing that a collect would see; a K/V fault of a pipelined
+  /// step may surface at the next collect (faulted() names the sequence, kNonFinite as step()).
+  /// step() is launch + collect and needs nothing in flight.
+  [[nodiscard]] Status launch(std::span<const int> seqs, std::span<const int> tokens = {});
+  [[nodiscard]] Status collect(std::span<int> next);
   /// Frees a sequence (its blocks return to the pools); it starts again at position 0.
   [[nodiscard]] Status reset_sequence(int seq);
   /// For benchmarks: gives a fresh sequence a prompt of `tokens` random keys and values (drawn

@@ -353,3 +353,68 @@ TEST_CASE("GPU decoder: reserved storage decodes the same bits and never grows; 
   CHECK(next[0] >= 0);
   CHECK(reserved->fill(1, 5, 5).code() == StatusCode::kInvalidArgument);  // not at position 0
 }
+
+TEST_CASE("GPU decoder: pipelined launch / collect decodes step()'s tokens; misuse is refused",
+          "[gpu][decoder][pipelined]") {
+  Model m;
+  if (!load_or_skip("stories260K.bin", m)) return;
+  // ThinKV (TBE evicting at budget 64) so that the pipelined host planning meets evictions too.
+  const int sequences = 4, steps = 160;
+  const ThinKvSpec spec = spec_for(m, CacheMode::kThinKv, steps + 8, 64, sequences);
+  std::unique_ptr<GpuTransformer> sync, pipe;
+  REQUIRE(GpuTransformer::create(m, spec, GpuDecoderOptions{GpuWeightType::kF32}, sync).is_ok());
+  REQUIRE(GpuTransformer::create(m, spec, GpuDecoderOptions{GpuWeightType::kF32}, pipe).is_ok());
+  // Sequence q joins at step 7 q with token 1 + q; the synchronous decoder is given each
+  // sequence's previous greedy token by the host, the pipelined one takes it on the device (-1).
+  std::vector<int> last(sequences, 0);
+  std::vector<std::vector<int>> want(sequences), got(sequences);
+  std::vector<std::vector<int>> batches;
+  for (int t = 0; t < steps; ++t) {
+    std::vector<int> seqs, toks;
+    for (int q = 0; q < sequences; ++q) {
+      if (t < 7 * q) continue;
+      seqs.push_back(q);
+      toks.push_back(t == 7 * q ? 1 + q : last[static_cast<std::size_t>(q)]);
+    }
+    std::vector<int> next(seqs.size());
+    REQUIRE(sync->step(seqs, toks, next).is_ok());
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      last[static_cast<std::size_t>(seqs[i])] = next[i];
+      want[static_cast<std::size_t>(seqs[i])].push_back(next[i]);
+    }
+    batches.push_back(seqs);
+  }
+  std::size_t collected = 0;
+  auto collect_one = [&]() {
+    const std::vector<int>& seqs = batches[collected++];
+    std::vector<int> next(seqs.size());
+    REQUIRE(pipe->collect(next).is_ok());
+    for (std::size_t i = 0; i < seqs.size(); ++i) got[static_cast<std::size_t>(seqs[i])].push_back(next[i]);
+  };
+  for (int t = 0; t < steps; ++t) {
+    std::vector<int> toks;
+    for (int q : batches[static_cast<std::size_t>(t)]) toks.push_back(t == 7 * q ? 1 + q : -1);
+    REQUIRE(pipe->launch(batches[static_cast<std::size_t>(t)], toks).is_ok());
+    if (t == 3) {  // misuse while two steps could be in flight
+      std::vector<int> out(batches[3].size());
+      CHECK(pipe->step(batches[3], std::vector<int>(batches[3].size(), 1), out).code() == StatusCode::kInvalidArgument);
+      CHECK(pipe->reset_sequence(0).code() == StatusCode::kInvalidArgument);
+      CHECK(pipe->launch(batches[4], std::vector<int>(batches[4].size(), -1)).code() ==
+            StatusCode::kInvalidArgument);  // two in flight already
+    }
+    if (t >= 1) collect_one();
+  }
+  collect_one();
+  std::vector<int> none(1);
+  CHECK(pipe->collect(none).code() == StatusCode::kInvalidArgument);  // nothing in flight
+  for (int q = 0; q < sequences; ++q) {
+    INFO("sequence " << q);
+    CHECK(got[static_cast<std::size_t>(q)] == want[static_cast<std::size_t>(q)]);
+  }
+  CHECK(pipe->stats().tokens_evicted > 0);
+  CHECK(pipe->stats().tokens_evicted == sync->stats().tokens_evicted);
+  // -2 is no token: refused naming it.
+  const Status bad = pipe->launch(std::vector<int>{0}, std::vector<int>{-2});
+  CHECK(bad.code() == StatusCode::kOutOfRange);
+  CHECK(bad.message().find("-1") != std::string::npos);
+}
