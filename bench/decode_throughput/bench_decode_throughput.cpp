@@ -6,11 +6,19 @@
 ///
 ///   bench_decode_throughput --method full   --context 16384            [--batch N]
 ///   bench_decode_throughput --method thinkv --budget 1024 [--warmup W] [--batch N]
+///   bench_decode_throughput --method rkv    --budget 1024 [--rkv-overlap] [--batch N]
 ///
 /// FullKV (BF16 pages, no eviction): every sequence is given `context - 1` random keys and values
-/// (stored without attention: GpuTransformer::fill) and then decodes `--steps` steps at that
-/// context. A step's time grows linearly with the context, so the mean over a generation of
-/// 0..2C tokens is the time at C: --context 16384 gives the average of a 32K-token generation.
+/// (stored without attention: GpuTransformer::fill), decodes --warmup steps (default 32: the
+/// metadata of the whole prompt reaches the device mirror on the first) and then `--steps` timed
+/// steps at that context. A step's time grows linearly with the context, so the mean over a
+/// generation of 0..2C tokens is the time at C: --context 16384 gives the average of a 32K-token
+/// generation.
+/// R-KV (rkv_cache.hpp, the token-eviction baseline): BF16 pages, budget + 128 tokens per stream
+/// at most, compressed (scores, top-k, gather-compaction) every 128 tokens once past the budget,
+/// after the step (sequential) or on a second stream overlapped with the next step, in which the
+/// sequence sits out (--rkv-overlap). Joins and warm-up as ThinKV's: past the budget a step no
+/// longer depends on the position.
 /// ThinKV (R4E4T2, TBE with K-means, at --budget): sequences join one by one over the first 128
 /// steps (continuous batching; their refreshes fall on different steps), decode --warmup steps
 /// (default budget + 5 segments: past the budget, evicting), then --steps timed steps. Past the
@@ -23,6 +31,9 @@
 /// --batch 0 (default): the largest batch whose worst-case cache (max_sequences) fits the device
 /// memory left after the weights and the step buffers, capped by --max-batch.
 /// --check: runs the configuration twice from the same seed and requires the same tokens.
+/// Steps are pipelined (GpuTransformer::launch / collect: the host plans step t + 1 while the
+/// device runs step t, each sequence fed its previous greedy token on the device); --sync waits
+/// for each step (GpuTransformer::step) instead, host and device work then add up.
 
 #include <cuda_runtime_api.h>
 
@@ -33,10 +44,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <vector>
 
 #include "decoder/gpu_transformer.hpp"
+#include "rkv_cache.hpp"
 #include "thinkv/policy/cache_policy.hpp"
 
 using namespace thinkv;
@@ -88,6 +101,8 @@ struct Args {
   int steps = 32;
   std::uint64_t seed = 1;
   bool check = false;
+  bool rkv_overlap = false;
+  bool sync = false;  // step() (wait for each step) instead of launch / collect (pipelined)
 };
 
 bool parse(int argc, char** argv, Args& a) {
@@ -97,6 +112,14 @@ bool parse(int argc, char** argv, Args& a) {
     const char* v = nullptr;
     if (k == "--check") {
       a.check = true;
+      continue;
+    }
+    if (k == "--rkv-overlap") {
+      a.rkv_overlap = true;
+      continue;
+    }
+    if (k == "--sync") {
+      a.sync = true;
       continue;
     }
     if ((v = val()) == nullptr) {
@@ -126,8 +149,8 @@ bool parse(int argc, char** argv, Args& a) {
       return false;
     }
   }
-  if (a.method != "full" && a.method != "thinkv") {
-    std::fprintf(stderr, "bench_decode_throughput: --method %s: allowed full, thinkv\n", a.method.c_str());
+  if (a.method != "full" && a.method != "thinkv" && a.method != "rkv") {
+    std::fprintf(stderr, "bench_decode_throughput: --method %s: allowed full, thinkv, rkv\n", a.method.c_str());
     return false;
   }
   if (a.steps < 1 || a.budget < 128 || a.context < 2 || a.max_batch < 1 || a.batch < 0) {
@@ -151,6 +174,15 @@ ModelConfig shape_config(const std::string& s) {
   return c;
 }
 
+int full_warmup(const Args& a) { return a.warmup >= 0 ? a.warmup : 32; }
+
+bench::RkvOptions rkv_options(const Args& a) {
+  bench::RkvOptions o;
+  o.budget = a.budget;
+  o.overlap = a.rkv_overlap;
+  return o;
+}
+
 ThinKvConfig cache_config(const ModelConfig& m, const Args& a, int sequences) {
   ThinKvConfig c;
   c.num_sequences = sequences;
@@ -162,7 +194,7 @@ ThinKvConfig cache_config(const ModelConfig& m, const Args& a, int sequences) {
   c.block_size = 16;
   c.segment_len = 128;
   if (a.method == "full") {
-    c.max_tokens = a.context + a.steps + 16;
+    c.max_tokens = a.context + full_warmup(a) + a.steps + 16;
     c.token_budget = 0;
   } else {
     c.max_tokens = 32768;
@@ -195,6 +227,8 @@ struct Result {
   std::int64_t held_bytes = 0, allocated_bytes = 0, weights = 0, live_tokens = 0;
   GpuStepTimes times;
   CudaKvBackend::DeviceTimes dev;
+  bench::RkvTimes rkv;
+  std::int64_t tokens = 0;  // generated in the timed steps
   ThinKvStats stats;
   std::uint64_t token_hash = 0;
   std::string error;
@@ -206,7 +240,14 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
   std::unique_ptr<GpuCache> cache;
   const ThinKvConfig cc = cache_config(mc, a, batch);
   try {
-    if (a.method == "full") {
+    if (a.method == "rkv") {
+      std::unique_ptr<bench::RkvCache> rc;
+      if (Status s = bench::RkvCache::create(cc, rkv_options(a), rc); !s.is_ok()) {
+        r.error = s.to_string();
+        return r;
+      }
+      cache = std::move(rc);
+    } else if (a.method == "full") {
       cache = std::make_unique<GpuCacheModel<FullKvPolicy>>(cc, FullKvPolicy{});
     } else {
       cache = std::make_unique<GpuCacheModel<ScheduledThinKvPolicy>>(cc, thinkv_policy());
@@ -232,16 +273,59 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
   std::vector<int> last(static_cast<std::size_t>(batch));
   for (int b = 0; b < batch; ++b) last[static_cast<std::size_t>(b)] = 1 + b % (mc.vocab_size - 1);
   std::uint64_t hash = 1469598103934665603ull;
-  auto step = [&](const std::vector<int>& batch_seqs) -> Status {
-    tokens.resize(batch_seqs.size());
-    next.resize(batch_seqs.size());
-    for (std::size_t i = 0; i < batch_seqs.size(); ++i) tokens[i] = last[static_cast<std::size_t>(batch_seqs[i])];
-    THINKV_RETURN_IF_ERROR(g->step(batch_seqs, tokens, next));
+  auto* rkv = dynamic_cast<bench::RkvCache*>(cp);
+  // Overlapped R-KV: a sequence whose compression is in flight sits out the step.
+  std::vector<int> ready;
+  auto runnable = [&](const std::vector<int>& want) -> const std::vector<int>& {
+    if (rkv == nullptr || !a.rkv_overlap) return want;
+    ready.clear();
+    for (int q : want) {
+      if (!rkv->busy(q)) ready.push_back(q);
+    }
+    if (ready.empty()) ready = want;  // nothing else to run: wait on the device
+    return ready;
+  };
+  // Pipelined (default): a step is launched before the previous one is collected, each sequence
+  // fed its previous greedy token on the device (its first token from the host).
+  std::deque<std::vector<int>> inflight;
+  std::vector<char> started(static_cast<std::size_t>(batch), 0);
+  auto account = [&](const std::vector<int>& batch_seqs) {
     for (std::size_t i = 0; i < batch_seqs.size(); ++i) {
       last[static_cast<std::size_t>(batch_seqs[i])] = next[i];
-      hash = (hash ^ static_cast<std::uint64_t>(next[i] + 1)) * 1099511628211ull;
+      hash = (hash ^ static_cast<std::uint64_t>(batch_seqs[i] + 1) * 0x9E3779B97F4A7C15ull ^
+              static_cast<std::uint64_t>(next[i] + 1)) *
+             1099511628211ull;
     }
+    r.tokens += static_cast<std::int64_t>(batch_seqs.size());
+  };
+  auto collect_one = [&]() -> Status {
+    next.resize(inflight.front().size());
+    THINKV_RETURN_IF_ERROR(g->collect(next));
+    account(inflight.front());
+    inflight.pop_front();
     return Status::ok();
+  };
+  auto drain = [&]() -> Status {
+    while (!inflight.empty()) THINKV_RETURN_IF_ERROR(collect_one());
+    return Status::ok();
+  };
+  auto step = [&](const std::vector<int>& want) -> Status {
+    const std::vector<int>& batch_seqs = runnable(want);
+    tokens.resize(batch_seqs.size());
+    for (std::size_t i = 0; i < batch_seqs.size(); ++i) {
+      const auto q = static_cast<std::size_t>(batch_seqs[i]);
+      tokens[i] = a.sync || !started[q] ? last[q] : -1;
+      started[q] = 1;
+    }
+    if (a.sync) {
+      next.resize(batch_seqs.size());
+      THINKV_RETURN_IF_ERROR(g->step(batch_seqs, tokens, next));
+      account(batch_seqs);
+      return Status::ok();
+    }
+    THINKV_RETURN_IF_ERROR(g->launch(batch_seqs, tokens));
+    inflight.push_back(batch_seqs);
+    return inflight.size() >= 2 ? collect_one() : Status::ok();
   };
   auto now = [] { return std::chrono::steady_clock::now(); };
   std::vector<int> all(static_cast<std::size_t>(batch));
@@ -255,6 +339,14 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
       }
     }
     r.fill_s = std::chrono::duration<double>(now() - t0).count();
+    const auto t1 = now();
+    for (int t = 0; t < full_warmup(a); ++t) {
+      if (Status s = step(all); !s.is_ok()) {
+        r.error = "warm-up step " + std::to_string(t) + ": " + s.to_string();
+        return r;
+      }
+    }
+    r.warmup_s = std::chrono::duration<double>(now() - t1).count();
   } else {
     const int warm = a.warmup >= 0 ? a.warmup : a.budget + 5 * 128;
     const auto t0 = now();
@@ -270,6 +362,10 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
     }
     r.warmup_s = std::chrono::duration<double>(now() - t0).count();
   }
+  if (Status s = drain(); !s.is_ok()) {
+    r.error = "warm-up: " + s.to_string();
+    return r;
+  }
   const ThinKvStats before = g->stats();
   g->set_timing(true);
   // The backend's device timing (append / attention / TBE selection) on the timed steps.
@@ -278,9 +374,13 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
     if (auto* t = dynamic_cast<GpuCacheModel<ScheduledThinKvPolicy>*>(cp)) return &t->get().backend();
     return nullptr;
   }();
-  backend->set_device_timing(true);
   CudaKvBackend::DeviceTimes d0;
-  (void)backend->device_times(d0);
+  if (backend != nullptr) {
+    backend->set_device_timing(true);
+    (void)backend->device_times(d0);
+  }
+  if (rkv != nullptr) rkv->set_timing(true);
+  r.tokens = 0;
   const auto t1 = now();
   for (int t = 0; t < a.steps; ++t) {
     if (Status s = step(all); !s.is_ok()) {
@@ -288,16 +388,21 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
       return r;
     }
   }
+  if (Status s = drain(); !s.is_ok()) {
+    r.error = "timed steps: " + s.to_string();
+    return r;
+  }
   const double secs = std::chrono::duration<double>(now() - t1).count();
   CudaKvBackend::DeviceTimes d1;
-  (void)backend->device_times(d1);
+  if (backend != nullptr) (void)backend->device_times(d1);
+  if (rkv != nullptr) r.rkv = rkv->times();
   r.dev.prepare_ms = (d1.prepare_ms - d0.prepare_ms) / a.steps;
   r.dev.append_ms = (d1.append_ms - d0.append_ms) / a.steps;
   r.dev.attend_ms = (d1.attend_ms - d0.attend_ms) / a.steps;
   r.dev.select_ms = (d1.select_ms - d0.select_ms) / a.steps;
   r.times = g->times();
   r.step_ms = 1e3 * secs / a.steps;
-  r.tokens_per_s = batch / (secs / a.steps);
+  r.tokens_per_s = static_cast<double>(r.tokens) / secs;
   const ThinKvStats after = g->stats();
   r.stats.eviction_calls = after.eviction_calls - before.eviction_calls;
   r.stats.tokens_evicted = after.tokens_evicted - before.tokens_evicted;
@@ -334,7 +439,13 @@ int main(int argc, char** argv) {
     for (int it = 0; it < 3; ++it) {
       const std::int64_t kv = left - std::int64_t{batch} * act_bytes_per_seq(mc);
       const ThinKvConfig cc = cache_config(mc, a, 1);
-      const int n = a.method == "full" ? max_sequences(cc, FullKvPolicy{}, kv) : max_sequences(cc, thinkv_policy(), kv);
+      int n = 0;
+      if (a.method == "rkv") {
+        const bench::RkvOptions ro = rkv_options(a);
+        n = static_cast<int>((kv - bench::RkvCache::fixed_bytes(cc, ro)) / bench::RkvCache::bytes_per_sequence(cc, ro));
+      } else {
+        n = a.method == "full" ? max_sequences(cc, FullKvPolicy{}, kv) : max_sequences(cc, thinkv_policy(), kv);
+      }
       batch = std::max(1, std::min(a.max_batch, n));
     }
   }
@@ -353,12 +464,16 @@ int main(int argc, char** argv) {
   const double per_seq_alloc = static_cast<double>(r.allocated_bytes) / batch;
   const double steps = std::max(1, a.steps);
   const double layers = r.times.layers_ms / steps, attn = r.times.attention_ms / steps, head = r.times.head_ms / steps;
+  const double hb = r.times.host_begin_ms / steps, he = r.times.host_end_ms / steps, hw = r.times.host_wait_ms / steps;
+  const double rkv_score = r.rkv.score_ms / steps, rkv_gather = r.rkv.gather_ms / steps;
   std::fprintf(stderr,
                "%s budget %d context %d batch %d: %.2f ms/step, %.0f tokens/s; KV per sequence held %.1f MiB, "
                "allocated %.1f MiB; device per step: layers (GEMMs + norms) %.2f ms, attention (append + attend) "
-               "%.2f ms, head %.2f ms, TBE selection %.3f ms\n",
+               "%.2f ms, head %.2f ms, TBE selection %.3f ms, R-KV scores %.3f ms, R-KV gather %.3f ms; host: "
+               "begin_step %.2f ms, end_step %.2f ms, waiting %.2f ms\n",
                a.method.c_str(), a.method == "full" ? 0 : a.budget, a.context, batch, r.step_ms, r.tokens_per_s,
-               per_seq_held / 1048576.0, per_seq_alloc / 1048576.0, layers, attn, head, r.dev.select_ms);
+               per_seq_held / 1048576.0, per_seq_alloc / 1048576.0, layers, attn, head, r.dev.select_ms, rkv_score,
+               rkv_gather, hb, he, hw);
   std::printf(
       "{\"method\":\"%s\",\"shape\":\"%s\",\"gpu\":\"%s\",\"budget\":%d,\"context\":%d,\"batch\":%d,\"steps\":%d,"
       "\"step_ms\":%.4f,\"tokens_per_s\":%.1f,\"kv_held_bytes_per_seq\":%.0f,\"kv_allocated_bytes_per_seq\":%.0f,"
@@ -366,12 +481,16 @@ int main(int argc, char** argv) {
       ",\"layers_ms\":%.4f,\"attention_ms\":%.4f,\"head_ms\":%.4f,"
       "\"dev_append_ms\":%.4f,\"dev_attend_ms\":%.4f,\"dev_prepare_ms\":%.4f,\"dev_select_ms\":%.4f,"
       "\"evictions_per_step\":%.3f,\"tokens_evicted_per_step\":%.1f,\"selections_per_step\":%.1f,"
-      "\"transitions_per_step\":%.4f,\"fill_s\":%.2f,\"warmup_s\":%.2f,\"token_hash\":\"%016" PRIx64
+      "\"transitions_per_step\":%.4f,\"rkv_overlap\":%s,\"rkv_score_ms\":%.4f,\"rkv_gather_ms\":%.4f,"
+      "\"compressions_per_step\":%.3f,\"host_begin_ms\":%.4f,\"host_end_ms\":%.4f,\"host_wait_ms\":%.4f,"
+      "\"tokens\":%" PRId64 ",\"pipelined\":%s,\"fill_s\":%.2f,\"warmup_s\":%.2f,\"token_hash\":\"%016" PRIx64
       "\",\"repeat_same\":%s}\n",
       a.method.c_str(), a.shape.c_str(), prop.name, a.method == "full" ? 0 : a.budget, a.context, batch, a.steps,
       r.step_ms, r.tokens_per_s, per_seq_held, per_seq_alloc, r.weights, r.live_tokens, layers, attn, head,
       r.dev.append_ms, r.dev.attend_ms, r.dev.prepare_ms, r.dev.select_ms, r.stats.eviction_calls / steps,
-      r.stats.tokens_evicted / steps, r.stats.selections / steps, r.stats.transition_events / steps, r.fill_s,
+      r.stats.tokens_evicted / steps, r.stats.selections / steps, r.stats.transition_events / steps,
+      a.method == "rkv" ? (a.rkv_overlap ? "true" : "false") : "null", rkv_score, rkv_gather,
+      static_cast<double>(r.rkv.compressions) / steps, hb, he, hw, r.tokens, a.sync ? "false" : "true", r.fill_s,
       r.warmup_s, r.token_hash, a.check ? (same ? "true" : "false") : "null");
   return same ? 0 : 1;
 }
