@@ -101,8 +101,10 @@ TEST_CASE("Batched decode in lockstep: every sequence evicts at the same steps, 
 
 TEST_CASE("Reserved host metadata changes no decision and still releases emptied chunks", "[batched]") {
   TT_SEEDED_RNG();
-  ThinKvCache<> batched(small_config(), small_policy());
-  BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+  ThinKvConfig cfg = small_config();
+  cfg.chunk_blocks = 1;  // a pool's top block that empties is released at once
+  ThinKvCache<> batched(cfg, small_policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> reference(cfg, host_policy());
   const std::int64_t bytes = batched.reserve_host_metadata();
   CHECK(batched.paged().table().host_metadata_reserved());
   CHECK(bytes > 0);
