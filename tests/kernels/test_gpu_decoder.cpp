@@ -321,7 +321,7 @@ TEST_CASE("GPU decoder: bad steps are refused and change nothing", "[gpu][decode
   CHECK(g2 == nullptr);
 }
 
-TEST_CASE("GPU decoder: reserved storage decodes the same bits and never grows; fill stores a prompt",
+TEST_CASE("GPU decoder: reserved storage decodes the same bits and never grows, fill stores a prompt",
           "[gpu][decoder]") {
   Model m;
   if (!load_or_skip("stories260K.bin", m)) return;
@@ -354,7 +354,7 @@ TEST_CASE("GPU decoder: reserved storage decodes the same bits and never grows; 
   CHECK(reserved->fill(1, 5, 5).code() == StatusCode::kInvalidArgument);  // not at position 0
 }
 
-TEST_CASE("GPU decoder: pipelined launch / collect decodes step()'s tokens; misuse is refused",
+TEST_CASE("GPU decoder: pipelined launch / collect decodes step()'s tokens, misuse is refused",
           "[gpu][decoder][pipelined]") {
   Model m;
   if (!load_or_skip("stories260K.bin", m)) return;
