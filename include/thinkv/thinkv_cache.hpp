@@ -15,6 +15,7 @@
 /// precision policy, retention schedule or token selector into the same cache.
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cmath>
 #include <deque>
@@ -56,6 +57,11 @@ struct ThinKvConfig {
   /// Block-id range of each precision pool; 0 = the worst case, so that no stream can run out
   /// (paged_config()). Ranges cost nothing: storage is allocated in chunks as blocks are taken.
   int pool_blocks = 0;
+  /// The range of one precision pool (indexed by Precision), overriding pool_blocks for it; 0 =
+  /// pool_blocks' value. For a runtime that sizes each pool to what its workload was measured to
+  /// hold (then reserves them: CudaKvBackend::reserve_storage) instead of the worst case; a pool
+  /// that runs out returns kPoolExhausted naming it, and the cache is unchanged.
+  std::array<int, kNumPrecisions> pool_blocks_by_precision{0, 0, 0, 0};
   /// Most bytes the cache may allocate for all its sequences (CacheConfig::memory_limit_bytes);
   /// 0 = no limit. max_sequences() says how many sequences fit in a given number of bytes.
   std::int64_t memory_limit_bytes = 0;
@@ -110,6 +116,13 @@ struct ThinKvConfig {
                  std::to_string(group_size));
     }
     if (pool_blocks < 0) return bad("pool_blocks " + std::to_string(pool_blocks) + " must be >= 0");
+    for (Precision p : kAllPrecisions) {
+      const int n = pool_blocks_by_precision[static_cast<int>(p)];
+      if (n < 0) {
+        return bad("pool_blocks_by_precision[" + std::string(to_string(p)) + "] " + std::to_string(n) +
+                   " must be >= 0 (0 = pool_blocks)");
+      }
+    }
     if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale)) {
       return bad("softmax_scale " + std::to_string(softmax_scale) + " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
     }
@@ -180,7 +193,8 @@ struct ThinKvConfig {
     const int blocks =
         pool_blocks > 0 ? pool_blocks : static_cast<int>(std::min<std::int64_t>(auto_blocks, max_blocks));
     for (Precision p : kAllPrecisions) {
-      if (c.precision.uses(p)) c.pool_blocks[static_cast<int>(p)] = blocks;
+      const int own = pool_blocks_by_precision[static_cast<int>(p)];
+      if (c.precision.uses(p)) c.pool_blocks[static_cast<int>(p)] = own > 0 ? own : blocks;
     }
     return c;
   }

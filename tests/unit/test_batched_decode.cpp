@@ -297,6 +297,31 @@ TEST_CASE("Prefill of a prompt the pools cannot hold is refused whole", "[batche
   CHECK(cache.begin_prompt(0, 48).is_ok());  // 3 blocks each = 12
 }
 
+TEST_CASE("One pool sized on its own (pool_blocks_by_precision) runs out alone, naming itself",
+          "[batched][bad_input]") {
+  ThinKvConfig c = small_config();
+  const int nv = static_cast<int>(Precision::kNvfp4), tern = static_cast<int>(Precision::kTernary);
+  c.pool_blocks_by_precision[nv] = 12;  // R and E (NVFP4): 12 blocks of 16 slots; T: the worst case
+  ThinKvCache<> cache(c, small_policy());
+  ThinKvCache<> worst(small_config(), small_policy());
+  CHECK(cache.paged().config().pool_blocks[nv] == 12);
+  CHECK(cache.paged().config().pool_blocks[tern] == worst.paged().config().pool_blocks[tern]);
+  CHECK(worst.paged().config().pool_blocks[nv] > 12);
+  // A prompt is stored as R: 4 streams x 4 blocks = 16 > 12.
+  const std::int64_t before = cache.allocated_bytes();
+  const Status e = cache.begin_prompt(0, 64);
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK(e.message().find("nvfp4") != std::string::npos);
+  CHECK(cache.allocated_bytes() == before);
+  CHECK(cache.begin_prompt(0, 48).is_ok());
+  // A negative range is refused, naming the pool.
+  ThinKvConfig bad = small_config();
+  bad.pool_blocks_by_precision[tern] = -3;
+  const Status v = bad.validate();
+  CHECK(v.code() == StatusCode::kInvalidArgument);
+  CHECK(v.message().find("pool_blocks_by_precision[ternary] -3") != std::string::npos);
+}
+
 TEST_CASE("Prefill with q and out null stores the prompt's K/V only", "[batched][prefill]") {
   TT_SEEDED_RNG();
   ThinKvConfig c = small_config();
