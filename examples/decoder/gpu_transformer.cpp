@@ -292,7 +292,7 @@ struct GpuTransformer::Impl {
   struct Slot {
     int* h = nullptr;  // pinned [4 * max_batch]: tokens, positions, sequences, next tokens
     cudaEvent_t done = nullptr;
-    cudaEvent_t ev[8] = {};  // timing (layer 0's parts, the layers, the head)
+    cudaEvent_t ev[7] = {};  // timing: layer 0's parts (0-3), the layers (0-4), the head (5-6)
     std::vector<int> seqs;
     bool in_flight = false;
     bool timed = false;
@@ -389,7 +389,7 @@ struct GpuTransformer::Impl {
     if (sl.timed) {
       times.host_begin_ms += ms(sl.t_start, t_begun);
       times.host_end_ms += ms(t_layers, t_ended);
-      TKV_CUDA(cudaEventRecord(sl.ev[6], stream), "cudaEventRecord");
+      TKV_CUDA(cudaEventRecord(sl.ev[5], stream), "cudaEventRecord");
     }
     TKV_CUDA(gpu::rmsnorm(x, final_norm, B, c.dim, c.rms_eps, xb, wt, stream), "rmsnorm");
     THINKV_RETURN_IF_ERROR(gemm(output, c.vocab_size, c.dim, xb, B, logits, false));
@@ -403,7 +403,7 @@ struct GpuTransformer::Impl {
           cudaMemcpyAsync(out_logits.data(), logits, out_logits.size() * sizeof(float), cudaMemcpyDeviceToHost, stream),
           "cudaMemcpyAsync of the logits");
     }
-    if (sl.timed) TKV_CUDA(cudaEventRecord(sl.ev[7], stream), "cudaEventRecord");
+    if (sl.timed) TKV_CUDA(cudaEventRecord(sl.ev[6], stream), "cudaEventRecord");
     TKV_CUDA(cudaEventRecord(sl.done, stream), "cudaEventRecord");
     sl.in_flight = true;
     next_slot ^= 1;
@@ -522,7 +522,7 @@ struct GpuTransformer::Impl {
     return s;
   }
 
-  /// Layer 0's parts (events 0-3) scaled to all layers (0-4); the head (6-7).
+  /// Layer 0's parts (events 0-3) scaled to all layers (0-4); the head (5-6).
   void accumulate_times(const Slot& sl) {
     const cudaEvent_t* ev = sl.ev;
     float pre = 0, attn = 0, post = 0, all = 0, head = 0;
@@ -530,7 +530,7 @@ struct GpuTransformer::Impl {
     cudaEventElapsedTime(&attn, ev[1], ev[2]);
     cudaEventElapsedTime(&post, ev[2], ev[3]);
     cudaEventElapsedTime(&all, ev[0], ev[4]);
-    cudaEventElapsedTime(&head, ev[6], ev[7]);
+    cudaEventElapsedTime(&head, ev[5], ev[6]);
     const double layer0 = static_cast<double>(pre) + attn + post;
     const double scale = layer0 > 0 ? static_cast<double>(all) / layer0 : 1.0;
     times.attention_ms += attn * scale;
