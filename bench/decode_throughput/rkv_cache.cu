@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 
+#include "decoder/gpu_kernels.hpp"
 #include "thinkv/kernels/paged_attention.hpp"
 
 namespace thinkv::bench {
@@ -323,11 +324,6 @@ __global__ void iota_u32(std::uint32_t* p, std::size_t n) {
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
     p[i] = static_cast<std::uint32_t>(i);
 }
-__global__ void fill_f32(float* p, std::size_t n, float v) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    p[i] = v;
-}
 __global__ void stride_i32(std::int32_t* p, int n, int stride) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) p[i] = i * stride;
@@ -600,7 +596,7 @@ Status RkvCache::create(const ThinKvConfig& c, const RkvOptions& o, std::unique_
            "cudaMemset");
   fill_u32<<<1024, 256>>>(m.records, m.N * kBlock, ~0u);
   iota_u32<<<1024, 256>>>(m.indices, m.N);
-  fill_f32<<<256, 256>>>(m.s2, S * 2 * kNumPrecisions, 1.0f);
+  RKV_CUDA(decoder::gpu::fill_f32(m.s2, S * 2 * kNumPrecisions, 1.0f, nullptr), "fill_f32");
   stride_i32<<<static_cast<unsigned>((S + 255) / 256), 256>>>(m.indptr, m.S, m.nb);
   RKV_CUDA(cudaGetLastError(), "initialisation kernels");
   RKV_CUDA(cudaDeviceSynchronize(), "initialisation");

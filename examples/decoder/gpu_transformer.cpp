@@ -288,6 +288,10 @@ struct GpuTransformer::Impl {
                          "cublasGemmEx");
   }
 
+  using Clock = std::chrono::steady_clock;
+  static double ms(Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double, std::milli>(to - from).count();
+  }
   /// A launched step (pipelined decoding keeps two): its pinned host arrays, its events.
   struct Slot {
     int* h = nullptr;  // pinned [4 * max_batch]: tokens, positions, sequences, next tokens
@@ -296,7 +300,7 @@ struct GpuTransformer::Impl {
     std::vector<int> seqs;
     bool in_flight = false;
     bool timed = false;
-    std::chrono::steady_clock::time_point t_start;
+    Clock::time_point t_start;
   };
   Slot slots[2];
   int next_slot = 0;    // the slot the next launch takes
@@ -360,10 +364,6 @@ struct GpuTransformer::Impl {
       const int hint = given >= 0 ? given : (sq >= 0 && sq < max_batch) ? last_host[static_cast<std::size_t>(sq)] : 0;
       hints[b] = TokenHint{hint, {}};
     }
-    using Clock = std::chrono::steady_clock;
-    const auto ms = [](Clock::time_point x, Clock::time_point y) {
-      return std::chrono::duration<double, std::milli>(y - x).count();
-    };
     Slot& sl = slots[next_slot];
     sl.t_start = Clock::now();
     // begin_step checks the sequences (range, duplicates, faults, room) before anything changes.
@@ -421,7 +421,6 @@ struct GpuTransformer::Impl {
       return {StatusCode::kShapeMismatch, "GPU decoder: collect of a step of " + std::to_string(B) +
                                               " sequences into " + std::to_string(next.size()) + " outputs"};
     }
-    using Clock = std::chrono::steady_clock;
     const auto t_wait = Clock::now();
     const cudaError_t e = cudaEventSynchronize(sl.done);
     sl.in_flight = false;
@@ -429,8 +428,8 @@ struct GpuTransformer::Impl {
     TKV_CUDA(e, "cudaEventSynchronize");
     if (sl.timed) {
       const auto t_end = Clock::now();
-      times.host_wait_ms += std::chrono::duration<double, std::milli>(t_end - t_wait).count();
-      times.wall_ms += std::chrono::duration<double, std::milli>(t_end - sl.t_start).count();
+      times.host_wait_ms += ms(t_wait, t_end);
+      times.wall_ms += ms(sl.t_start, t_end);
       accumulate_times(sl);
     }
     THINKV_RETURN_IF_ERROR(cache->poll_faults(wait_faults));

@@ -17,26 +17,14 @@
 #include <vector>
 
 #include "rkv_cache.hpp"
+#include "thinkv/formats/bf16.hpp"
 
 using namespace thinkv;
 
 namespace {
 
-float bf16_round(float x) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  u &= 0xFFFF0000u;
-  float r = 0;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-float from_bf16(std::uint16_t b) {
-  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
-  float r = 0;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
+/// x rounded to BF16, as the cache stores it (the library's format).
+float bf16_round(float x) { return decode_bf16(encode_bf16(x)); }
 
 struct Dev {
   float* p = nullptr;
@@ -259,9 +247,9 @@ TEST_CASE("R-KV baseline: kept tokens, gather-compaction and attention against a
             for (int t2 = 0; t2 < o.budget; ++t2) {
               const int j = got[static_cast<std::size_t>(t2)];
               for (int d = 0; d < D; ++d) {
-                mismatched += from_bf16(k[static_cast<std::size_t>(t2 * D + d)]) !=
+                mismatched += decode_bf16(k[static_cast<std::size_t>(t2 * D + d)]) !=
                               hk[static_cast<std::size_t>(s)][static_cast<std::size_t>(j)][static_cast<std::size_t>(d)];
-                mismatched += from_bf16(v[static_cast<std::size_t>(t2 * D + d)]) !=
+                mismatched += decode_bf16(v[static_cast<std::size_t>(t2 * D + d)]) !=
                               hv[static_cast<std::size_t>(s)][static_cast<std::size_t>(j)][static_cast<std::size_t>(d)];
               }
               nk.push_back(hk[static_cast<std::size_t>(s)][static_cast<std::size_t>(j)]);

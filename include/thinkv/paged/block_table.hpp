@@ -102,12 +102,15 @@ class BlockTable {
   /// so that growing the pools never reallocates (and copies) it, and releasing chunks no longer
   /// shrinks it. For a runtime that sizes its batch to memory once: without it a pool's
   /// per-slot arrays double when they fill, a copy of all of them inside one step (at 15 M BF16
-  /// blocks, 3 GB in one begin_step). Returns the host bytes the reserved arrays hold:
-  /// per block 24 + 8 x evict_mask_words + 12 x block_size bytes (change log included), per
-  /// record 8.
+  /// blocks, 3 GB in one begin_step). Returns the host bytes the reserved arrays hold (their
+  /// capacities): about 24 + 8 x evict_mask_words + 12 x block_size per block (change log
+  /// included) and 8 per record.
   std::int64_t reserve_host_metadata() {
     host_reserved_ = true;
     std::int64_t bytes = 0;
+    auto held = [&bytes](const auto&... v) {
+      ((bytes += static_cast<std::int64_t>(v.capacity() * sizeof(v[0]))), ...);
+    };
     for (int p = 0; p < kNumPrecisions; ++p) {
       PoolState& ps = pool_[p];
       const std::size_t nb = pools_.count[p];
@@ -125,11 +128,12 @@ class BlockTable {
       ps.slot_position.reserve(ns);
       ps.chunk_held.reserve((nb + chunk_[p] - 1) / chunk_[p]);
       ps.changed.reserve(std::max<std::size_t>(1024, 2 * nb) + 1);  // touch() trims it at that size
-      bytes += static_cast<std::int64_t>(nb * (sizeof(ThoughtType) + 2 + 2 + 4 + 4 + 4 + 8) + nm * 8 + ns * 12);
+      held(ps.thought, ps.fill, ps.live, ps.owner, ps.mask, ps.slot_record, ps.slot_segment, ps.seg_lo, ps.seg_hi,
+           ps.slot_position, ps.chunk_held, ps.changed);
     }
     record_refs_.reserve(record_cap_);
     record_owner_.reserve(record_cap_);
-    bytes += std::int64_t{record_cap_} * 8;
+    held(record_refs_, record_owner_);
     return bytes;
   }
   [[nodiscard]] bool host_metadata_reserved() const noexcept { return host_reserved_; }
