@@ -287,7 +287,10 @@ TEST_CASE("PositionEvictor under random add / remove matches a model of a llama.
         if (p1 < 0 || p1 >= next) next = cells.empty() ? 0 : *cells.rbegin() + 1;
       } else {
         std::vector<std::int32_t> evict;
-        REQUIRE(ev.add_token(next, tt::random_row(rng, ev.config().feature_dim()), {}, evict).is_ok());
+        // Pinned positions may come without features (a runtime need not copy the prompt's keys).
+        const bool bare = next < ec.pinned_prefix && tt::chance(rng, 0.5);
+        const std::vector<float> feat = bare ? std::vector<float>{} : tt::random_row(rng, ev.config().feature_dim());
+        REQUIRE(ev.add_token(next, feat, {}, evict).is_ok());
         cells.insert(next);
         ++next;
         for (std::int32_t p : evict) {
@@ -365,9 +368,7 @@ TEST_CASE("PositionEvictor refuses bad calls and configurations, naming the valu
   auto refused = [](seq::PositionEvictorConfig c) {
     try {
       seq::PositionEvictor e(c);
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
+    } catch (const ConfigError& e) { return std::string(e.what()); }
     return std::string("accepted");
   };
   seq::PositionEvictorConfig c = ec;
@@ -386,10 +387,8 @@ TEST_CASE("PositionEvictor refuses bad calls and configurations, naming the valu
   CHECK_THAT(refused(c), Contains("head_dim 0"));
   // A classifier calibrated for another model.
   try {
-    seq::PositionEvictor e(ec, ThoughtClassifier({0.5f}, {1}, 16, {ThoughtType::kReasoning, ThoughtType::kTransition},
-                                                 6));
+    seq::PositionEvictor e(ec,
+                           ThoughtClassifier({0.5f}, {1}, 16, {ThoughtType::kReasoning, ThoughtType::kTransition}, 6));
     FAIL("accepted a classifier calibrated for 6 layers");
-  } catch (const ConfigError& e) {
-    CHECK_THAT(std::string(e.what()), Contains("6"));
-  }
+  } catch (const ConfigError& e) { CHECK_THAT(std::string(e.what()), Contains("6")); }
 }

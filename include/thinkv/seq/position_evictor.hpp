@@ -47,11 +47,11 @@ struct PositionEvictorConfig {
   /// Layers whose post-RoPE keys form a position's feature row (K-means input), ascending and
   /// distinct; empty = every layer. Fewer layers = a smaller host copy of the keys.
   std::vector<int> key_layers;
-  int segment_len = 128;           ///< thought segment length (positions)
-  std::int32_t token_budget = 0;   ///< live positions outside the pinned prefix; 0 = no budget
-  std::int32_t pinned_prefix = 0;  ///< positions [0, pinned_prefix) are never freed (the prompt)
+  int segment_len = 128;                ///< thought segment length (positions)
+  std::int32_t token_budget = 0;        ///< live positions outside the pinned prefix; 0 = no budget
+  std::int32_t pinned_prefix = 0;       ///< positions [0, pinned_prefix) are never freed (the prompt)
   std::int32_t max_position = 1 << 30;  ///< positions at or above this are refused
-  int seed_stream = 0;  ///< mixed into the K-means seed (e.g. the sequence id); same seed, same choice
+  int seed_stream = 0;                  ///< mixed into the K-means seed (e.g. the sequence id); same seed, same choice
 
   [[nodiscard]] int feature_layers() const noexcept {
     return key_layers.empty() ? num_layers : static_cast<int>(key_layers.size());
@@ -62,7 +62,8 @@ struct PositionEvictorConfig {
   /// Checks every field; the Status names the first bad one and its allowed range.
   [[nodiscard]] Status validate() const {
     auto bad = [](std::string m) { return Status{StatusCode::kInvalidArgument, std::move(m)}; };
-    if (num_layers < 1 || num_layers > 4096) return bad("num_layers " + std::to_string(num_layers) + "; allowed: 1..4096");
+    if (num_layers < 1 || num_layers > 4096)
+      return bad("num_layers " + std::to_string(num_layers) + "; allowed: 1..4096");
     if (num_kv_heads < 1 || num_kv_heads > 1024) {
       return bad("num_kv_heads " + std::to_string(num_kv_heads) + "; allowed: 1..1024");
     }
@@ -74,8 +75,8 @@ struct PositionEvictorConfig {
                    std::to_string(num_layers - 1));
       }
       if (i > 0 && l <= key_layers[i - 1]) {
-        return bad("key_layers must be ascending and distinct, but key_layers[" + std::to_string(i) + "] = " +
-                   std::to_string(l) + " follows " + std::to_string(key_layers[i - 1]));
+        return bad("key_layers must be ascending and distinct, but key_layers[" + std::to_string(i) +
+                   "] = " + std::to_string(l) + " follows " + std::to_string(key_layers[i - 1]));
       }
     }
     if (segment_len < 1 || segment_len > (1 << 20)) {
@@ -94,15 +95,15 @@ struct PositionEvictorConfig {
 
 /// What an evictor has done (cumulative since construction or reset()).
 struct PositionEvictorStats {
-  std::int64_t tokens = 0;        ///< positions added
-  std::int64_t refreshes = 0;     ///< classifier refreshes
-  std::int64_t transitions = 0;   ///< new transition thoughts (TBE case 1 events)
-  std::int64_t tbe_plans = 0;     ///< non-empty eviction plans applied
-  std::int64_t selections = 0;    ///< selector calls
-  std::int64_t evicted = 0;       ///< positions freed by TBE
-  std::int64_t removed = 0;       ///< positions the runtime removed (remove())
+  std::int64_t tokens = 0;       ///< positions added
+  std::int64_t refreshes = 0;    ///< classifier refreshes
+  std::int64_t transitions = 0;  ///< new transition thoughts (TBE case 1 events)
+  std::int64_t tbe_plans = 0;    ///< non-empty eviction plans applied
+  std::int64_t selections = 0;   ///< selector calls
+  std::int64_t evicted = 0;      ///< positions freed by TBE
+  std::int64_t removed = 0;      ///< positions the runtime removed (remove())
   std::int64_t budget_unreachable = 0;
-  std::int64_t select_ns = 0;     ///< time in the selector
+  std::int64_t select_ns = 0;                          ///< time in the selector
   std::int64_t tokens_by_type[kNumThoughtTypes] = {};  ///< positions added, by their type
 };
 
@@ -122,8 +123,7 @@ class BasicPositionEvictor {
 
   /// Throws ConfigError (naming the bad value) when the config, classifier, schedule or selector
   /// is invalid, or the classifier was calibrated for another number of layers.
-  explicit BasicPositionEvictor(PositionEvictorConfig config, C classifier = C{}, R retention = R{},
-                                S selector = S{})
+  explicit BasicPositionEvictor(PositionEvictorConfig config, C classifier = C{}, R retention = R{}, S selector = S{})
       : config_(std::move(config)),
         retention_(std::move(retention)),
         selector_(std::move(selector)),
@@ -133,10 +133,10 @@ class BasicPositionEvictor {
     if (Status s = check_retention(retention_); !s.is_ok()) throw ConfigError(s);
     if (Status s = selector_.check(); !s.is_ok()) throw ConfigError(s);
     if (config_.segment_len < retention_.retained(1)) {
-      throw ConfigError(Status{StatusCode::kInvalidArgument,
-                               "segment_len " + std::to_string(config_.segment_len) +
-                                   " is below the retention schedule's first level " +
-                                   std::to_string(retention_.retained(1)) + " (" + retention_.to_string() + ")"});
+      throw ConfigError(Status{StatusCode::kInvalidArgument, "segment_len " + std::to_string(config_.segment_len) +
+                                                                 " is below the retention schedule's first level " +
+                                                                 std::to_string(retention_.retained(1)) + " (" +
+                                                                 retention_.to_string() + ")"});
     }
     initial_tracker_ = tracker_;
   }
@@ -190,11 +190,11 @@ class BasicPositionEvictor {
 
   /// Records the token at `pos` (it must be next_position()) and plans TBE. `features`:
   /// feature_dim() floats, the token's post-RoPE keys laid out [feature layer][KV head][head_dim]
-  /// (empty when !reads_features()); `layer_sparsity`: one share in [0, 1] per model layer (NaN
-  /// for layers not computed), read only when wants_sparsity(pos). Appends to `evict` the
-  /// positions the runtime must now free, ascending. On error `evict` and the evictor are
-  /// unchanged: kInvalidArgument (wrong position), kShapeMismatch (a span's size), kNonFinite (a
-  /// NaN/Inf feature, or a sparsity outside [0, 1]), or a selector that broke its contract.
+  /// (may be empty when !reads_features() or the position is pinned); `layer_sparsity`: one share in [0, 1] per model
+  /// layer (NaN for layers not computed), read only when wants_sparsity(pos). Appends to `evict` the positions the
+  /// runtime must now free, ascending. On error `evict` and the evictor are unchanged: kInvalidArgument (wrong
+  /// position), kShapeMismatch (a span's size), kNonFinite (a NaN/Inf feature, or a sparsity outside [0, 1]), or a
+  /// selector that broke its contract.
   [[nodiscard]] Status add_token(std::int32_t pos, std::span<const float> features,
                                  std::span<const float> layer_sparsity, std::vector<std::int32_t>& evict,
                                  const TokenHint& hint = {}) {
@@ -208,14 +208,16 @@ class BasicPositionEvictor {
     }
     const auto dim = static_cast<std::size_t>(config_.feature_dim());
     const bool reads = selector_.reads_keys();
-    if (reads && features.size() != dim) {
-      return {StatusCode::kShapeMismatch, "add_token: features has " + std::to_string(features.size()) +
-                                              " floats; expected feature_dim() = " + std::to_string(dim) + " (" +
-                                              std::to_string(config_.feature_layers()) + " layers x " +
-                                              std::to_string(config_.num_kv_heads) + " KV heads x " +
-                                              std::to_string(config_.head_dim) + ")"};
+    const bool pinned = pos < config_.pinned_prefix;
+    // Pinned positions are never selected: their features may be omitted and are not stored.
+    const bool store = reads && !pinned;
+    if (reads && !(pinned && features.empty()) && features.size() != dim) {
+      return {StatusCode::kShapeMismatch,
+              "add_token: features has " + std::to_string(features.size()) + " floats; expected feature_dim() = " +
+                  std::to_string(dim) + " (" + std::to_string(config_.feature_layers()) + " layers x " +
+                  std::to_string(config_.num_kv_heads) + " KV heads x " + std::to_string(config_.head_dim) + ")"};
     }
-    if (reads) {
+    if (store) {
       for (std::size_t i = 0; i < dim; ++i) {
         if (!std::isfinite(features[i])) {
           return {StatusCode::kNonFinite, "add_token: feature " + std::to_string(i) + " of position " +
@@ -226,7 +228,6 @@ class BasicPositionEvictor {
     }
     // The token's thought type: a refresh on a copy of the tracker (committed below).
     tracker_type tracker = tracker_;
-    const bool pinned = pos < config_.pinned_prefix;
     const ThoughtType before_refresh = tracker.current();
     if (!pinned) {
       (void)tracker.type_for(pos);
@@ -266,8 +267,8 @@ class BasicPositionEvictor {
         refresh && type == ThoughtType::kTransition && before != ThoughtType::kTransition && states.size() >= 2;
     std::int64_t live = 0;
     for (const SegmentState& s : states) live += s.pinned ? 0 : s.size;
-    const EvictionPlan plan = plan_eviction(std::span<const SegmentState>(states), retention_, new_transition,
-                                            config_.token_budget, live);
+    const EvictionPlan plan =
+        plan_eviction(std::span<const SegmentState>(states), retention_, new_transition, config_.token_budget, live);
     // Selections (they read closed segments only, which this token does not change).
     std::vector<std::pair<std::size_t, std::vector<int>>> kept;  // segment index, kept indices
     std::int64_t select_ns = 0, selections = 0;
@@ -285,8 +286,7 @@ class BasicPositionEvictor {
       if (!reads) tokens.head_dim = 0;
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<int> k = selector_.select(tokens, st.to_size);
-      select_ns +=
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      select_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
       ++selections;
       THINKV_RETURN_IF_ERROR(check_selection(k, tokens.count(), st.to_size, seg.state.id));
       kept.emplace_back(si, std::move(k));
@@ -307,7 +307,7 @@ class BasicPositionEvictor {
     PositionSegment& o = segments_.back();
     o.state.type = open.type;
     o.positions.push_back(pos);
-    if (reads) o.features.insert(o.features.end(), features.begin(), features.end());
+    if (store) o.features.insert(o.features.end(), features.begin(), features.end());
     o.state.size = static_cast<std::int32_t>(o.positions.size());
     for (auto& [si, k] : kept) keep_only(segments_[si], k, dim, evict);
     for (const SegmentStep& st : plan.steps) segments_[segment_index(st.segment)].state.level = st.to_level;
@@ -390,7 +390,8 @@ class BasicPositionEvictor {
     }
     return segments_.size() - 1;  // the open segment (the one this token may have opened)
   }
-  [[nodiscard]] static Status check_selection(const std::vector<int>& kept, int count, int keep, std::uint32_t segment) {
+  [[nodiscard]] static Status check_selection(const std::vector<int>& kept, int count, int keep,
+                                              std::uint32_t segment) {
     bool ok = static_cast<int>(kept.size()) == keep;
     for (std::size_t j = 0; ok && j < kept.size(); ++j) {
       ok = kept[j] >= 0 && kept[j] < count && (j == 0 || kept[j] > kept[j - 1]);
@@ -404,6 +405,7 @@ class BasicPositionEvictor {
   /// Keeps the rows `kept` (ascending indices) of `s`; the others' positions go to `dropped`.
   static void keep_only(PositionSegment& s, const std::vector<int>& kept, std::size_t dim,
                         std::vector<std::int32_t>& dropped) {
+    if (s.features.empty()) dim = 0;  // a pinned segment, or a selector that reads none
     std::vector<std::int32_t> pos;
     std::vector<float> feat;
     pos.reserve(kept.size());
