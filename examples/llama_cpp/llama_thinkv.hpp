@@ -62,6 +62,8 @@ struct AdapterStats {
   std::int64_t evictor_ns = 0;      ///< PositionEvictor::add_token (classifier, planner, K-means)
   std::int64_t seq_rm_ns = 0;       ///< llama_memory_seq_rm calls
   std::int64_t sparsity_steps = 0;  ///< steps that read the attention probabilities
+  std::int64_t refreshes = 0;       ///< classifier refreshes (every sequence, past and present)
+  std::int64_t transitions = 0;     ///< new transition thoughts (TBE case 1 events)
 };
 
 class Adapter {
@@ -99,7 +101,15 @@ class Adapter {
   }
   void attach(llama_context* ctx) { ctx_ = ctx; }
 
-  [[nodiscard]] const AdapterStats& stats() const noexcept { return stats_; }
+  /// Totals over every sequence decoded so far (the live ones' evictor counts included).
+  [[nodiscard]] AdapterStats stats() const {
+    AdapterStats s = stats_;
+    for (const auto& [seq, e] : seqs_) {
+      s.refreshes += e->stats().refreshes;
+      s.transitions += e->stats().transitions;
+    }
+    return s;
+  }
   [[nodiscard]] int num_layers() const noexcept { return n_layer_; }
   [[nodiscard]] int num_kv_heads() const noexcept { return n_head_kv_; }
   [[nodiscard]] int head_dim() const noexcept { return head_dim_; }
@@ -115,11 +125,17 @@ class Adapter {
   }
 
   /// Decodes a prompt of `tokens` at positions 0..n-1 of `seq` (a fresh sequence: its old cells
-  /// are removed first). The prompt is pinned. Returns llama_decode's failure as kInternal.
+  /// and evictor are removed first). The prompt is pinned. Returns llama_decode's failure as
+  /// kInternal; the sequence then has no evictor (decode_prompt again).
   [[nodiscard]] Status decode_prompt(llama_seq_id seq, std::span<const llama_token> tokens) {
     if (ctx_ == nullptr) return {StatusCode::kInvalidArgument, "decode_prompt: attach() a context first"};
     if (tokens.empty()) return {StatusCode::kInvalidArgument, "decode_prompt: the prompt is empty"};
     llama_memory_seq_rm(llama_get_memory(ctx_), seq, -1, -1);
+    if (auto old = seqs_.find(seq); old != seqs_.end()) {  // its cells are gone: retire its evictor
+      stats_.refreshes += old->second->stats().refreshes;
+      stats_.transitions += old->second->stats().transitions;
+      seqs_.erase(old);
+    }
     seq::PositionEvictorConfig c = base_;
     c.pinned_prefix = static_cast<std::int32_t>(tokens.size());
     c.seed_stream = seq;

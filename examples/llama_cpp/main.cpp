@@ -370,7 +370,7 @@ int main(int argc, char** argv) {
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
   // ---- report ------------------------------------------------------------------------------------
-  const thinkv::llama_cpp::AdapterStats& st = adapter->stats();
+  const thinkv::llama_cpp::AdapterStats st = adapter->stats();
   const thinkv::seq::PositionEvictor* ev = adapter->evictor(0);
   const double mean_live = steps ? static_cast<double>(live_sum) / static_cast<double>(steps) : 0.0;
   const double mean_full = steps ? static_cast<double>(full_sum) / static_cast<double>(steps) : 0.0;
@@ -392,8 +392,9 @@ int main(int argc, char** argv) {
             {"peak_live_cells", st.peak_live},
             {"evicted", st.evicted},
             {"evictions_per_step", steps ? static_cast<double>(st.evicted) / static_cast<double>(steps) : 0.0},
-            {"transitions", ev ? ev->stats().transitions : 0},
-            {"refreshes", ev ? ev->stats().refreshes : 0},
+            {"transitions", st.transitions},
+            {"refreshes", st.refreshes},
+            {"sparsity_steps", st.sparsity_steps},
             {"feature_bytes_end", ev ? ev->held_bytes() : 0},
             {"decode_ms_per_token", st.tokens ? ms(st.decode_ns) / static_cast<double>(st.tokens) : 0.0},
             {"callback_ms_per_token", st.tokens ? ms(st.callback_ns) / static_cast<double>(st.tokens) : 0.0},
