@@ -477,8 +477,7 @@ class BasicThinKvCache {
         s.type = t;
       }
       s.segments.back().type = t;
-      // A new transition thought: a refresh that yields T after a segment that was not T.
-      new_transition = t == ThoughtType::kTransition && before != ThoughtType::kTransition && s.segments.size() >= 2;
+      new_transition = is_new_transition(t, before, s.segments.size());
     }
     ++s.position;
     s.in_token = false;
@@ -1145,8 +1144,8 @@ class BasicThinKvCache {
     s.type = type;
     // Segments start every segment_len positions and at refresh steps; the pinned prefix is
     // segmented the same way, and the first token after it starts a segment of its own.
-    const bool boundary = s.position % config_.segment_len == 0 || s.position == s.pinned ||
-                          (!pinned && s.tracker.is_refresh_step(s.position));
+    const bool boundary =
+        starts_segment(s.position, config_.segment_len, s.pinned, s.tracker.is_refresh_step(s.position));
     if (boundary) {
       for (SegmentState& seg : s.segments) seg.closed = true;
       SegmentState seg;
@@ -1550,19 +1549,8 @@ class BasicThinKvCache {
 
   /// A selector's answer must be `keep` distinct indices into the segment, ascending.
   Status check_selection(const std::vector<int>& kept, int count, int keep, int stream, std::uint32_t segment) const {
-    auto bad = [&](const std::string& why) {
-      return Status(StatusCode::kInvalidArgument, "token selector " + std::string(policy_.selector.to_string()) +
-                                                      " asked to keep " + std::to_string(keep) + " of the " +
-                                                      std::to_string(count) + " tokens of segment " +
-                                                      std::to_string(segment) + " in stream " + std::to_string(stream) +
-                                                      " " + why + "; nothing was evicted");
-    };
-    if (static_cast<int>(kept.size()) != keep) return bad("returned " + std::to_string(kept.size()) + " indices");
-    for (std::size_t i = 0; i < kept.size(); ++i) {
-      if (kept[i] < 0 || kept[i] >= count) return bad("returned index " + std::to_string(kept[i]));
-      if (i > 0 && kept[i] <= kept[i - 1]) return bad("returned indices that are not ascending and distinct");
-    }
-    return Status::ok();
+    return thinkv::check_selection(kept, count, keep, policy_.selector.to_string(),
+                                   "segment " + std::to_string(segment) + " in stream " + std::to_string(stream));
   }
 
   ThinKvConfig config_;

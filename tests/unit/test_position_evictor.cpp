@@ -26,17 +26,20 @@ using Catch::Matchers::Contains;
 namespace {
 
 /// A classifier that reads a script: refresh k (position k * tau) yields script[k % size]. It
-/// needs no signal, so the cache and the evictor see the same types without attention.
+/// needs no signal, so the cache and the evictor see the same types without attention. With
+/// `refreshing` false it only ever says R (it never refreshes, but tau still marks segments).
 struct ScriptedClassifier {
   std::shared_ptr<const std::vector<ThoughtType>> script;
   int period = 32;
+  bool refreshing = true;
   [[nodiscard]] Status check(int) const { return Status::ok(); }
   [[nodiscard]] int tau() const noexcept { return period; }
-  [[nodiscard]] bool emits(ThoughtType) const noexcept { return true; }
+  [[nodiscard]] bool emits(ThoughtType t) const noexcept { return refreshing || t == ThoughtType::kReasoning; }
   [[nodiscard]] bool needs_signal() const noexcept { return false; }
   [[nodiscard]] bool uses_layer(int) const noexcept { return false; }
   void observe(std::int64_t, const TokenHint&) noexcept {}
   [[nodiscard]] ThoughtType decide(std::int64_t pos, std::span<const float>) const noexcept {
+    if (!refreshing) return ThoughtType::kReasoning;
     return (*script)[static_cast<std::size_t>(pos / period) % script->size()];
   }
   [[nodiscard]] std::string to_string() const { return "scripted"; }
@@ -131,12 +134,16 @@ Snapshot snapshot(const E& e) {
 TEST_CASE("PositionEvictor keeps the positions ThinKvCache keeps on one stream (K-means over the same keys)",
           "[seq][position_evictor]") {
   TT_SEEDED_RNG();
-  const int d = 16, tau = 32, seg = 32, budget = 96;
+  const int d = 16, tau = 32, budget = 96;
   const int pinned = GENERATE(0, 40);
-  INFO("pinned prefix " << pinned);
+  // A segment length above tau: segments still start at every multiple of tau, refreshing or not.
+  const int seg = GENERATE(32, 64);
+  const bool refreshing = GENERATE(true, false);
+  INFO("pinned prefix " << pinned << ", segment_len " << seg << ", refreshing " << refreshing);
   auto script = random_script(rng, 64);
+  const ScriptedClassifier classifier{script, tau, refreshing};
   ScriptedTbe policy;
-  policy.classifier = ScriptedClassifier{script, tau};
+  policy.classifier = classifier;
   policy.retention = RetentionSchedule{16, 8, 4, 2};
   ThinKvConfig cfg;
   cfg.head_dim = d;
@@ -155,7 +162,7 @@ TEST_CASE("PositionEvictor keeps the positions ThinKvCache keeps on one stream (
   ec.token_budget = budget;
   ec.pinned_prefix = pinned;
   seq::BasicPositionEvictor<ScriptedClassifier, RetentionSchedule, PositionOrderedKmeans> ev(
-      ec, ScriptedClassifier{script, tau}, RetentionSchedule{16, 8, 4, 2});
+      ec, classifier, RetentionSchedule{16, 8, 4, 2});
 
   std::set<std::int32_t> model;  // positions added and not evicted
   std::vector<float> out(static_cast<std::size_t>(d));
@@ -192,8 +199,8 @@ TEST_CASE("PositionEvictor keeps the positions ThinKvCache keeps on one stream (
     }
     REQUIRE(live == cache_live(cache, 0, pos + 1, cfg.group_size));
   }
-  // The run exercised both TBE cases.
-  CHECK(ev.stats().transitions > 3);
+  // The run exercised both TBE cases (case 1 only when the classifier refreshes).
+  CHECK((ev.stats().transitions > 3) == refreshing);
   CHECK(ev.stats().evicted == evicted);
   CHECK(evicted > 300);
   CHECK(ev.stats().selections > 0);
@@ -391,4 +398,40 @@ TEST_CASE("PositionEvictor refuses bad calls and configurations, naming the valu
                            ThoughtClassifier({0.5f}, {1}, 16, {ThoughtType::kReasoning, ThoughtType::kTransition}, 6));
     FAIL("accepted a classifier calibrated for 6 layers");
   } catch (const ConfigError& e) { CHECK_THAT(std::string(e.what()), Contains("6")); }
+}
+
+TEST_CASE("PositionEvictor refuses a selector that breaks its contract and evicts nothing", "[seq][position_evictor]") {
+  TT_SEEDED_RNG();
+  // Keeps one index too many (the last index twice).
+  struct OneTooMany {
+    [[nodiscard]] Status check() const { return Status::ok(); }
+    [[nodiscard]] bool reads_keys() const noexcept { return false; }
+    [[nodiscard]] std::vector<int> select(const SegmentTokens& t, int keep) const {
+      std::vector<int> k = KeepFirst{}.select(t, keep);
+      k.push_back(k.back());
+      return k;
+    }
+    [[nodiscard]] std::string to_string() const { return "one too many"; }
+  };
+  seq::PositionEvictorConfig ec;
+  ec.num_layers = 1;
+  ec.num_kv_heads = 1;
+  ec.head_dim = 4;
+  ec.segment_len = 64;
+  ec.token_budget = 64;
+  seq::BasicPositionEvictor<ThoughtClassifier, RetentionSchedule, OneTooMany> ev(ec);
+  std::vector<std::int32_t> evict;
+  std::int32_t pos = 0;
+  Status s = Status::ok();
+  Snapshot before;
+  for (; pos < 1000 && s.is_ok(); ++pos) {
+    before = snapshot(ev);
+    s = ev.add_token(pos, {}, {}, evict);
+  }
+  REQUIRE_FALSE(s.is_ok());  // the first step-down (over budget) asks the selector
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(s.message(),
+             Contains("one too many") && Contains("returned 33 indices") && Contains("nothing was evicted"));
+  CHECK(evict.empty());
+  CHECK(snapshot(ev) == before);
 }

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -193,8 +194,8 @@ class BasicPositionEvictor {
   /// (may be empty when !reads_features() or the position is pinned); `layer_sparsity`: one share in [0, 1] per model
   /// layer (NaN for layers not computed), read only when wants_sparsity(pos). Appends to `evict` the positions the
   /// runtime must now free, ascending. On error `evict` and the evictor are unchanged: kInvalidArgument (wrong
-  /// position), kShapeMismatch (a span's size), kNonFinite (a NaN/Inf feature, or a sparsity outside [0, 1]), or a
-  /// selector that broke its contract.
+  /// position, or a selector that broke its contract), kOutOfRange (a position at max_position), kShapeMismatch (a
+  /// span's size), kNonFinite (a NaN/Inf feature, or a sparsity outside [0, 1]).
   [[nodiscard]] Status add_token(std::int32_t pos, std::span<const float> features,
                                  std::span<const float> layer_sparsity, std::vector<std::int32_t>& evict,
                                  const TokenHint& hint = {}) {
@@ -226,27 +227,27 @@ class BasicPositionEvictor {
         }
       }
     }
-    // The token's thought type: a refresh on a copy of the tracker (committed below).
-    tracker_type tracker = tracker_;
-    const ThoughtType before_refresh = tracker.current();
-    if (!pinned) {
-      (void)tracker.type_for(pos);
-      tracker.observe(pos, hint);
-    }
-    ThoughtType type = before_refresh;
+    // The token's thought type. A refresh (which can fail) runs on a copy of the tracker, committed
+    // below; other tokens only count and observe, which cannot fail, so they touch the tracker at
+    // the commit (no copy on the common step).
+    ThoughtType type = tracker_.current();
     const bool refresh = refresh_due(pos);
-    if (refresh) {
-      if (tracker.classifier().needs_signal() && static_cast<int>(layer_sparsity.size()) != config_.num_layers) {
+    std::optional<tracker_type> refreshed;
+    if (refresh) {  // refresh_due: never a pinned position
+      if (tracker_.classifier().needs_signal() && static_cast<int>(layer_sparsity.size()) != config_.num_layers) {
         return {StatusCode::kShapeMismatch, "add_token: position " + std::to_string(pos) +
                                                 " is a refresh step and layer_sparsity has " +
                                                 std::to_string(layer_sparsity.size()) + " entries; expected " +
                                                 std::to_string(config_.num_layers) + " (one per layer)"};
       }
-      THINKV_RETURN_IF_ERROR(tracker.refresh(pos, layer_sparsity, &type));
+      refreshed.emplace(tracker_);
+      (void)refreshed->type_for(pos);
+      refreshed->observe(pos, hint);
+      THINKV_RETURN_IF_ERROR(refreshed->refresh(pos, layer_sparsity, &type));
     }
     // The segments as they are once the token is in (states only: the planner's input).
-    const bool boundary =
-        segments_.empty() || pos % config_.segment_len == 0 || pos == config_.pinned_prefix || (!pinned && refresh);
+    const bool boundary = segments_.empty() || starts_segment(pos, config_.segment_len, config_.pinned_prefix,
+                                                              tracker_.is_refresh_step(pos));
     std::vector<SegmentState> states;
     states.reserve(segments_.size() + 1);
     for (const PositionSegment& s : segments_) states.push_back(s.state);
@@ -263,8 +264,7 @@ class BasicPositionEvictor {
     ++open.size;
     const ThoughtType before = states.size() >= 2 ? states[states.size() - 2].type : ThoughtType::kReasoning;
     if (refresh) open.type = type;
-    const bool new_transition =
-        refresh && type == ThoughtType::kTransition && before != ThoughtType::kTransition && states.size() >= 2;
+    const bool new_transition = refresh && is_new_transition(type, before, states.size());
     std::int64_t live = 0;
     for (const SegmentState& s : states) live += s.pinned ? 0 : s.size;
     const EvictionPlan plan =
@@ -288,13 +288,19 @@ class BasicPositionEvictor {
       std::vector<int> k = selector_.select(tokens, st.to_size);
       select_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
       ++selections;
-      THINKV_RETURN_IF_ERROR(check_selection(k, tokens.count(), st.to_size, seg.state.id));
+      THINKV_RETURN_IF_ERROR(check_selection(k, tokens.count(), st.to_size, selector_.to_string(),
+                                             "segment " + std::to_string(seg.state.id)));
       kept.emplace_back(si, std::move(k));
     }
 
     // Commit: nothing below fails.
     const std::size_t evict_from = evict.size();
-    tracker_ = std::move(tracker);
+    if (refreshed) {
+      tracker_ = std::move(*refreshed);
+    } else if (!pinned) {
+      (void)tracker_.type_for(pos);
+      tracker_.observe(pos, hint);
+    }
     if (refresh) ++stats_.refreshes;
     if (boundary) {
       for (PositionSegment& s : segments_) s.state.closed = true;
@@ -389,18 +395,6 @@ class BasicPositionEvictor {
       if (segments_[i].state.id == id) return i;
     }
     return segments_.size() - 1;  // the open segment (the one this token may have opened)
-  }
-  [[nodiscard]] static Status check_selection(const std::vector<int>& kept, int count, int keep,
-                                              std::uint32_t segment) {
-    bool ok = static_cast<int>(kept.size()) == keep;
-    for (std::size_t j = 0; ok && j < kept.size(); ++j) {
-      ok = kept[j] >= 0 && kept[j] < count && (j == 0 || kept[j] > kept[j - 1]);
-    }
-    if (ok) return Status::ok();
-    return {StatusCode::kInternal, "the token selector returned " + std::to_string(kept.size()) +
-                                       " indices for segment " + std::to_string(segment) + " of " +
-                                       std::to_string(count) + " positions; expected " + std::to_string(keep) +
-                                       " distinct ascending indices (nothing was evicted)"};
   }
   /// Keeps the rows `kept` (ascending indices) of `s`; the others' positions go to `dropped`.
   static void keep_only(PositionSegment& s, const std::vector<int>& kept, std::size_t dim,

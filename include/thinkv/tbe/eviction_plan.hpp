@@ -53,6 +53,22 @@ struct SegmentState {
   friend bool operator==(const SegmentState&, const SegmentState&) = default;
 };
 
+/// Whether the token at `position` opens a thought segment: every `segment_len` positions, at the
+/// first position after a pinned prefix of `pinned` tokens, and at refresh steps
+/// (`refresh_step`: a positive multiple of the classifier's tau) outside the prefix, whether or
+/// not the classifier can change the type there. BasicThinKvCache and seq::PositionEvictor both
+/// segment by this rule.
+constexpr bool starts_segment(std::int64_t position, int segment_len, std::int64_t pinned, bool refresh_step) noexcept {
+  return position % segment_len == 0 || position == pinned || (position >= pinned && refresh_step);
+}
+
+/// TBE case 1's event, a new transition thought: a refresh that yields T after a segment that was
+/// not T. `segments` counts the stream's segments with the refreshed one (the last), so there is
+/// an earlier segment to step down.
+constexpr bool is_new_transition(ThoughtType refreshed, ThoughtType previous_segment, std::size_t segments) noexcept {
+  return refreshed == ThoughtType::kTransition && previous_segment != ThoughtType::kTransition && segments >= 2;
+}
+
 /// One step-down of one segment.
 struct SegmentStep {
   std::uint32_t segment = 0;

@@ -47,6 +47,24 @@ concept token_selector = std::copy_constructible<S> && requires(const S& s, cons
   { s.to_string() } -> std::convertible_to<std::string>;
 };
 
+/// Checks a selector's answer: exactly `keep` distinct indices into `count` tokens, ascending.
+/// `selector` and `what` (e.g. "segment 3 in stream 7") name it in the message of the
+/// kInvalidArgument it returns otherwise.
+inline Status check_selection(std::span<const int> kept, int count, int keep, std::string_view selector,
+                              std::string_view what) {
+  auto bad = [&](const std::string& why) {
+    return Status(StatusCode::kInvalidArgument,
+                  "token selector " + std::string(selector) + " asked to keep " + std::to_string(keep) + " of the " +
+                      std::to_string(count) + " tokens of " + std::string(what) + " " + why + "; nothing was evicted");
+  };
+  if (static_cast<int>(kept.size()) != keep) return bad("returned " + std::to_string(kept.size()) + " indices");
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    if (kept[i] < 0 || kept[i] >= count) return bad("returned index " + std::to_string(kept[i]));
+    if (i > 0 && kept[i] <= kept[i - 1]) return bad("returned indices that are not ascending and distinct");
+  }
+  return Status::ok();
+}
+
 /// The tag of a policy set that never evicts, so never selects.
 struct NoSelection {
   friend bool operator==(NoSelection, NoSelection) = default;
