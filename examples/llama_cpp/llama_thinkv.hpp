@@ -43,6 +43,23 @@
 
 namespace thinkv::llama_cpp {
 
+/// Decodes `tokens` of sequence `seq` at positions pos0, pos0 + 1, ... in one llama_decode call
+/// (logits for the last one only). False when llama_decode fails.
+inline bool decode_tokens(llama_context* ctx, llama_seq_id seq, std::span<const llama_token> tokens, llama_pos pos0) {
+  llama_batch b = llama_batch_init(static_cast<std::int32_t>(tokens.size()), 0, 1);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    b.token[i] = tokens[i];
+    b.pos[i] = pos0 + static_cast<llama_pos>(i);
+    b.n_seq_id[i] = 1;
+    b.seq_id[i][0] = seq;
+    b.logits[i] = i + 1 == tokens.size();
+  }
+  b.n_tokens = static_cast<std::int32_t>(tokens.size());
+  const int rc = llama_decode(ctx, b);
+  llama_batch_free(b);
+  return rc == 0;
+}
+
 struct AdapterOptions {
   std::int32_t token_budget = 1024;  ///< live generated positions per sequence (0 = no budget)
   int segment_len = 128;
@@ -50,6 +67,9 @@ struct AdapterOptions {
   ThoughtClassifier classifier{};
   RetentionSchedule retention{};
   SegmentSelector selector{};
+  /// Read every layer's sparsity on every decoded token (last_sparsity()), not only what the
+  /// classifier needs on refresh steps: for traces and checks; costs a pass over the softmax rows.
+  bool trace_sparsity = false;
 };
 
 /// What the adapter did and what it cost (cumulative).
@@ -118,6 +138,8 @@ class Adapter {
     auto it = seqs_.find(seq);
     return it == seqs_.end() ? nullptr : it->second.get();
   }
+  /// Each layer's sparsity at the last decode_token (NaN for layers not read on that step).
+  [[nodiscard]] std::span<const float> last_sparsity() const noexcept { return sparsity_; }
   /// Cells the sequence holds in llama.cpp (its live positions).
   [[nodiscard]] std::int64_t live(llama_seq_id seq) const {
     const seq::PositionEvictor* e = evictor(seq);
@@ -140,20 +162,9 @@ class Adapter {
     c.pinned_prefix = static_cast<std::int32_t>(tokens.size());
     c.seed_stream = seq;
     auto e = std::make_unique<seq::PositionEvictor>(c, options_.classifier, options_.retention, options_.selector);
-    llama_batch b = llama_batch_init(static_cast<std::int32_t>(tokens.size()), 0, 1);
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      b.token[i] = tokens[i];
-      b.pos[i] = static_cast<llama_pos>(i);
-      b.n_seq_id[i] = 1;
-      b.seq_id[i][0] = seq;
-      b.logits[i] = i + 1 == tokens.size();
-    }
-    b.n_tokens = static_cast<std::int32_t>(tokens.size());
     want_keys_ = false;  // pinned positions are never selected: their keys are not needed
     want_sparsity_ = false;
-    const int rc = llama_decode(ctx_, b);
-    llama_batch_free(b);
-    if (rc != 0) return {StatusCode::kInternal, "llama_decode failed on the prompt (" + std::to_string(rc) + ")"};
+    if (!decode_tokens(ctx_, seq, tokens, 0)) return {StatusCode::kInternal, "llama_decode failed on the prompt"};
     std::vector<std::int32_t> evict;
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       THINKV_RETURN_IF_ERROR(e->add_token(static_cast<std::int32_t>(i), {}, {}, evict));
@@ -163,7 +174,8 @@ class Adapter {
   }
 
   /// Decodes one token of `seq` at its next position, then frees what TBE drops. The logits are
-  /// llama_get_logits_ith(ctx, -1). On a ThinKV error nothing was freed (the token is decoded).
+  /// llama_get_logits_ith(ctx, -1). On an error the token is not kept (removed from llama.cpp
+  /// again when it was decoded) and nothing was freed: the sequence is as before the call.
   [[nodiscard]] Status decode_token(llama_seq_id seq, llama_token token) {
     auto it = seqs_.find(seq);
     if (it == seqs_.end()) {
@@ -173,7 +185,7 @@ class Adapter {
     seq::PositionEvictor& e = *it->second;
     const std::int32_t pos = e.next_position();
     want_keys_ = e.reads_features();
-    want_sparsity_ = e.wants_sparsity(pos);
+    want_sparsity_ = options_.trace_sparsity || e.wants_sparsity(pos);
     sparsity_evictor_ = &e;
     visible_ = e.live_count() + 1;  // the cells this token attends to: the sequence's and its own
     features_.assign(static_cast<std::size_t>(want_keys_ ? base_.feature_dim() : 0), 0.0f);
@@ -194,12 +206,15 @@ class Adapter {
     if (rc != 0)
       return {StatusCode::kInternal,
               "llama_decode failed at position " + std::to_string(pos) + " (" + std::to_string(rc) + ")"};
-    if (!callback_error_.empty()) return {StatusCode::kInternal, callback_error_};
+    Status s = callback_error_.empty() ? Status::ok() : Status{StatusCode::kInternal, callback_error_};
     std::vector<std::int32_t> evict;
     const auto t1 = clock::now();
-    Status s = e.add_token(pos, features_, sparsity_, evict);
+    if (s.is_ok()) s = e.add_token(pos, features_, sparsity_, evict);
     stats_.evictor_ns += ns_since(t1);
-    THINKV_RETURN_IF_ERROR(s);
+    if (!s.is_ok()) {  // the token leaves llama.cpp too: both are as before the call
+      llama_memory_seq_rm(llama_get_memory(ctx_), seq, pos, pos + 1);
+      return s;
+    }
     const auto t2 = clock::now();
     for (std::int32_t q : evict) {
       if (!llama_memory_seq_rm(llama_get_memory(ctx_), seq, q, q + 1)) {
@@ -237,7 +252,8 @@ class Adapter {
     const bool key = self->want_keys_ && kl >= 0 && kl < self->n_layer_ && t->op == GGML_OP_ROPE &&
                      self->feature_layer_[static_cast<std::size_t>(kl)] >= 0;
     const bool soft = self->want_sparsity_ && sl >= 0 && sl < self->n_layer_ && t->op == GGML_OP_SOFT_MAX &&
-                      self->sparsity_evictor_->wants_layer_sparsity(self->sparsity_evictor_->next_position(), sl);
+                      (self->options_.trace_sparsity ||
+                       self->sparsity_evictor_->wants_layer_sparsity(self->sparsity_evictor_->next_position(), sl));
     if (ask) return key || soft;
     if (!key && !soft) return true;
     const auto t0 = clock::now();
@@ -271,7 +287,9 @@ class Adapter {
   }
   /// kq_soft_max: [n_kv, n_tokens = 1, n_head] probabilities; masked cells (holes, other
   /// sequences) are exactly 0. The layer's sparsity: the share of the token's visible cells whose
-  /// probability is below 1% of the row max, averaged over query heads.
+  /// probability is below 1% of the row max, averaged over query heads (the rule of
+  /// kSparsityLogThreshold, applied to probabilities: only a cell at the threshold within
+  /// rounding can count differently).
   void read_sparsity(const ggml_tensor* t, int layer) {
     const std::int64_t n_kv = t->ne[0];
     if (t->ne[1] != 1 || n_kv < visible_) {

@@ -25,9 +25,11 @@
 #include <string>
 #include <vector>
 
+#include "decoder/sampler.hpp"
 #include "decoder/tokenizer.hpp"
 #include "llama_thinkv.hpp"
 #include "thinkv/thought/calibration_file.hpp"
+#include "thinkv/thought/trace.hpp"
 
 namespace {
 
@@ -35,11 +37,12 @@ using thinkv::Status;
 using Json = nlohmann::json;
 
 struct Args {
-  std::string model, tokenizer, calibration, prompt, problems, selection = "kmeans", json_out;
+  std::string model, tokenizer, calibration, prompt, problems, selection = "kmeans", json_out, sparsity_trace;
   int steps = 256, budget = 1024, segment = 128, ctx = 0, limit = 0, max_steps = 0, threads = 1;
   std::vector<int> key_layers;
   double require_agreement = -1.0, require_max_kl = -1.0;
   bool require_evictions = false;
+  bool kv_f32 = false;
 };
 
 struct Tok {
@@ -70,24 +73,6 @@ struct Tok {
   bool eos(llama_token t) const { return own ? t == own->eos_id : llama_vocab_is_eog(vocab, t); }
 };
 
-llama_token argmax(const float* x, int n) { return static_cast<llama_token>(std::max_element(x, x + n) - x); }
-
-/// KL(p || q) of the softmaxes of two logit rows, in nats (float64).
-double kl_divergence(const float* a, const float* b, int n) {
-  const double ma = *std::max_element(a, a + n), mb = *std::max_element(b, b + n);
-  double za = 0, zb = 0;
-  for (int i = 0; i < n; ++i) {
-    za += std::exp(a[i] - ma);
-    zb += std::exp(b[i] - mb);
-  }
-  double kl = 0;
-  for (int i = 0; i < n; ++i) {
-    const double la = a[i] - ma - std::log(za), lb = b[i] - mb - std::log(zb);
-    kl += std::exp(la) * (la - lb);
-  }
-  return std::max(0.0, kl);
-}
-
 struct Contexts {
   llama_context* stock = nullptr;
   llama_context* thinkv = nullptr;
@@ -105,22 +90,8 @@ llama_context_params context_params(const Args& a, int n_ctx, int n_batch) {
   p.n_threads = p.n_threads_batch = a.threads;
   p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // the same attention path in both contexts
   p.no_perf = true;
+  if (a.kv_f32) p.type_k = p.type_v = GGML_TYPE_F32;
   return p;
-}
-
-bool decode_stock(llama_context* ctx, const std::vector<llama_token>& toks, llama_pos pos0) {
-  llama_batch b = llama_batch_init(static_cast<int>(toks.size()), 0, 1);
-  for (std::size_t i = 0; i < toks.size(); ++i) {
-    b.token[i] = toks[i];
-    b.pos[i] = pos0 + static_cast<llama_pos>(i);
-    b.n_seq_id[i] = 1;
-    b.seq_id[i][0] = 0;
-    b.logits[i] = i + 1 == toks.size();
-  }
-  b.n_tokens = static_cast<int>(toks.size());
-  const int rc = llama_decode(ctx, b);
-  llama_batch_free(b);
-  return rc == 0;
 }
 
 std::string answer_of(const std::string& text) {
@@ -157,8 +128,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 24));
   app.add_option("--threads", a.threads, "threads per context")->check(CLI::Range(1, 256));
   app.add_option("--json", a.json_out, "append the results as one JSON line to this file");
+  app.add_option("--sparsity-trace", a.sparsity_trace,
+                 "compare: write every layer's sparsity of every step of the ThinKV context, in the format of "
+                 "`thinkv trace` (step s = the step that chooses generated token s; s >= 1)");
   app.add_option("--require-agreement", a.require_agreement, "compare: exit 3 below this greedy agreement");
   app.add_option("--require-max-kl", a.require_max_kl, "compare: exit 3 above this mean KL");
+  app.add_flag("--kv-f32", a.kv_f32, "llama.cpp's cache cells in F32 (default F16), both contexts");
   app.add_flag("--require-evictions", a.require_evictions, "exit 3 when ThinKV evicted nothing");
   try {
     app.parse(argc, argv);
@@ -206,15 +181,24 @@ int main(int argc, char** argv) {
   opt.segment_len = a.segment;
   opt.key_layers = a.key_layers;
   opt.selector.selection = *selection;
+  opt.trace_sparsity = !a.sparsity_trace.empty();
+  if (opt.trace_sparsity && a.prompt.empty()) {
+    std::fprintf(stderr, "thinkv_llama: --sparsity-trace needs --prompt (compare mode)\n");
+    return 2;
+  }
   if (!a.calibration.empty()) {
     thinkv::CalibrationFile f;
     if (Status s = thinkv::read_calibration_json(std::filesystem::path(a.calibration), f); !s.is_ok()) {
       std::fprintf(stderr, "thinkv_llama: %s\n", s.message().c_str());
       return 1;
     }
+    // The layer count only: the llama2.c converter names every model "llama".
+    if (Status s = thinkv::check_model(f, llama_model_n_layer(model.get()), ""); !s.is_ok()) {
+      std::fprintf(stderr, "thinkv_llama: %s\n", s.message().c_str());
+      return 1;
+    }
     try {
-      std::vector<thinkv::ThoughtType> bands(f.band_types.begin(), f.band_types.begin() + f.num_types);
-      opt.classifier = thinkv::ThoughtClassifier(f.thresholds, f.layers, f.tau, bands, f.num_layers);
+      opt.classifier = thinkv::classifier_from_calibration(f);
     } catch (const thinkv::ConfigError& e) {
       std::fprintf(stderr, "thinkv_llama: %s: %s\n", a.calibration.c_str(), e.what());
       return 1;
@@ -228,8 +212,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int n_layer = adapter->num_layers();
-  const std::int64_t cell_bytes =
-      std::int64_t{2} * n_layer * adapter->num_kv_heads() * adapter->head_dim() * 2;  // K and V, F16
+  const std::int64_t cell_bytes =  // K and V, F16 or F32
+      std::int64_t{2} * n_layer * adapter->num_kv_heads() * adapter->head_dim() * (a.kv_f32 ? 4 : 2);
 
   // ---- the prompts -------------------------------------------------------------------------------
   struct Problem {
@@ -289,11 +273,13 @@ int main(int argc, char** argv) {
   double kl_sum = 0, kl_max = 0;
   int solved_stock = 0, solved_thinkv = 0, identical = 0, failed = 0;
   Json per_problem = Json::array();
+  thinkv::PromptTrace trace_rows;
+  trace_rows.id = "prompt";
   const auto t_start = std::chrono::steady_clock::now();
   for (const Problem& pr : problems) {
     const int P = static_cast<int>(pr.tokens.size());
     llama_memory_clear(llama_get_memory(ctx.stock), true);
-    if (!decode_stock(ctx.stock, pr.tokens, 0)) {
+    if (!thinkv::llama_cpp::decode_tokens(ctx.stock, 0, pr.tokens, 0)) {
       std::fprintf(stderr, "thinkv_llama: %s: llama_decode failed on the prompt (stock)\n", pr.id.c_str());
       return 1;
     }
@@ -308,20 +294,27 @@ int main(int argc, char** argv) {
     for (int i = 0; i < limit && !(stock_done && thinkv_done); ++i) {
       const float* ls = llama_get_logits_ith(ctx.stock, -1);
       const float* lt = llama_get_logits_ith(ctx.thinkv, -1);
-      const llama_token ts = argmax(ls, n_vocab), tt = argmax(lt, n_vocab);
+      const std::span<const float> ls_row(ls, static_cast<std::size_t>(n_vocab)),
+          lt_row(lt, static_cast<std::size_t>(n_vocab));
+      const llama_token ts = thinkv::decoder::argmax(ls_row), tt = thinkv::decoder::argmax(lt_row);
       if (!a.prompt.empty()) {  // teacher forcing: both take the stock token
         ++steps;
         agree += ts == tt;
-        const double kl = kl_divergence(ls, lt, n_vocab);
+        const double kl = thinkv::decoder::kl_divergence(ls_row, lt_row);
         kl_sum += kl;
         kl_max = std::max(kl_max, kl);
         live_sum += adapter->live(0);
         full_sum += P + i;
         if (tok.eos(ts)) break;
-        if (!decode_stock(ctx.stock, {ts}, P + i)) return 1;
+        if (!thinkv::llama_cpp::decode_tokens(ctx.stock, 0, {&ts, 1}, P + i)) return 1;
         if (Status s = adapter->decode_token(0, ts); !s.is_ok()) {
           std::fprintf(stderr, "thinkv_llama: step %d: %s\n", i, s.message().c_str());
           return 1;
+        }
+        if (opt.trace_sparsity) {  // decoding generated token i chooses token i + 1
+          const std::span<const float> sp = adapter->last_sparsity();
+          trace_rows.steps.push_back(i + 1);
+          trace_rows.values.insert(trace_rows.values.end(), sp.begin(), sp.end());
         }
         continue;
       }
@@ -332,7 +325,7 @@ int main(int argc, char** argv) {
         } else {
           out_stock += tok.piece(prev_s, ts);
           prev_s = ts;
-          if (!decode_stock(ctx.stock, {ts}, P + i)) return 1;
+          if (!thinkv::llama_cpp::decode_tokens(ctx.stock, 0, {&ts, 1}, P + i)) return 1;
         }
       }
       if (!thinkv_done) {
@@ -427,6 +420,18 @@ int main(int argc, char** argv) {
   std::printf("per token: llama_decode %.3f ms (eval callback %.3f ms), evictor %.3f ms, seq_rm %.3f ms\n",
               r["decode_ms_per_token"].get<double>(), r["callback_ms_per_token"].get<double>(),
               r["evictor_ms_per_token"].get<double>(), r["seq_rm_ms_per_token"].get<double>());
+  if (opt.trace_sparsity) {
+    thinkv::SparsityTrace trace;
+    trace.model = "llama.cpp " + std::filesystem::path(a.model).filename().string();
+    trace.num_layers = n_layer;
+    trace.prompts.push_back(std::move(trace_rows));
+    std::ofstream o(a.sparsity_trace);
+    if (Status s = thinkv::write_sparsity_trace(o, trace); !s.is_ok() || !o) {
+      std::fprintf(stderr, "thinkv_llama: cannot write %s: %s\n", a.sparsity_trace.c_str(),
+                   s.is_ok() ? "write failed" : s.message().c_str());
+      return 1;
+    }
+  }
   if (!a.json_out.empty()) {
     std::ofstream o(a.json_out, std::ios::app);
     o << r.dump() << "\n";
