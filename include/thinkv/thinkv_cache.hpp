@@ -212,6 +212,7 @@ struct ThinKvStats {
   std::int64_t tokens_evicted = 0;      ///< slots evicted, all streams
   std::int64_t selections = 0;          ///< token selections run (K-means or the set's selector), all streams
   std::int64_t refreshes = 0;           ///< thought refreshes
+  std::int64_t tokens_removed = 0;      ///< slots removed by remove() (seq_rm), all streams
 };
 
 /// The ThinKV cache over policy set P (cache_policy.hpp) and KV backend B.
@@ -502,6 +503,189 @@ class BasicThinKvCache {
     const std::int32_t generation = seq_(seq).generation + 1;
     reset_state(seq_(seq));
     seq_(seq).generation = generation;
+    return Status::ok();
+  }
+
+  // ---- llama.cpp-style sequence operations ---------------------------------------------------
+  //
+  // A sequence's tokens have positions 0, 1, ... in decode order; llama.cpp's operations map as
+  //     llama_memory_seq_rm(mem, seq, p0, p1)   ->  cache.remove(seq, p0, p1)
+  //     llama_memory_seq_keep(mem, seq)         ->  cache.keep_only(seq)
+  //     llama_memory_seq_pos_min / _max         ->  cache.pos_min(seq) / cache.pos_max(seq)
+  //     llama_memory_clear / a whole seq_rm     ->  cache.reset_sequence(seq) for each
+  // docs/design.md ("Sequence operations") says what each costs and where ThinKV differs.
+
+  /// Removes the sequence's tokens at positions [p0, p1) from every stream (llama.cpp's seq_rm:
+  /// p0 < 0 means 0, p1 < 0 means to the end; an empty range removes nothing). Tokens in pages
+  /// are marked evicted (their slots are refilled in place later); staged tokens (the open
+  /// quantization group) are dropped. When the range reaches the end, the sequence rolls back:
+  /// its next position becomes its last live position + 1 in any stream (0 when nothing is left:
+  /// the sequence is then reset as by reset_sequence), the segments starting at or after it are
+  /// dropped and the last one left is open again; the thought type is not rolled back (the next
+  /// refresh sets it). Every segment's size becomes its most live tokens in any stream.
+  /// Errors (nothing changes): sequence out of range, faulted, in the open step, or with an open
+  /// token or prompt (kInvalidArgument); kUnsupported for what the storage cannot do exactly:
+  ///  - removing staged tokens while a later token stays (the open group is not compacted);
+  ///  - rolling back to a position that is not a multiple of group_size behind the open group:
+  ///    the tokens of its group before it are quantized and cannot return to staging. The message
+  ///    names the multiple of group_size to remove from instead (then decode the tokens again).
+  [[nodiscard]] Status remove(int seq, std::int32_t p0, std::int32_t p1) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    const std::string call =
+        "remove(" + std::to_string(seq) + ", " + std::to_string(p0) + ", " + std::to_string(p1) + ")";
+    if (step_.open && std::find(step_.seqs.begin(), step_.seqs.end(), seq) != step_.seqs.end()) {
+      return {StatusCode::kInvalidArgument, call + ": the sequence is in the open step (end_step it first)"};
+    }
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    SeqState& s = seq_(seq);
+    if (s.faulted) return fault_status(seq);
+    if (s.in_token || s.prompt > 0) {
+      return {StatusCode::kInvalidArgument,
+              call + ": the sequence has an open " +
+                  (s.in_token ? "token (end_token it first)" : "prompt (end_prompt it first)")};
+    }
+    const std::int32_t pend = s.position;
+    const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+    const std::int32_t end = p1 < 0 ? pend : std::min(p1, pend);
+    if (lo >= end) return Status::ok();
+    const bool tail = end >= pend;
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    const BlockTable& table = cache_.table();
+    const int staged = table.staged_count(first);  // every stream of the set holds the same rows
+    const std::int32_t G = staged > 0 ? table.staged_position(first, 0) : pend;  // first staged position
+    auto inside = [&](std::int32_t pos) { return pos >= lo && pos < end; };
+    // Where the sequence continues: its last live position + 1 (staged rows are live everywhere).
+    std::int32_t next = pend;
+    if (tail) {
+      next = 0;
+      for (int r = 0; r < staged; ++r) {
+        const std::int32_t pos = table.staged_position(first, r);
+        if (!inside(pos)) next = std::max(next, pos + 1);
+      }
+      for (int st = first; st < last && next < G; ++st) {
+        for (const SlotRef r : table.live_slot_list(st)) {
+          const std::int32_t pos = table.slot_position(r);
+          if (!inside(pos)) next = std::max(next, pos + 1);
+        }
+      }
+    }
+    // What the storage cannot do exactly, before anything changes.
+    if (!tail && staged > 0 && lo < pend && end > G) {
+      return {StatusCode::kUnsupported,
+              call + ": positions [" + std::to_string(std::max(lo, G)) + ", " + std::to_string(end) +
+                  ") are in the open quantization group (staged from position " + std::to_string(G) +
+                  ") and later positions stay; remove them together with the end of the sequence (p1 = -1)"};
+    }
+    const int g = config_.group_size;
+    if (tail && next < G && next % g != 0) {
+      return {StatusCode::kUnsupported,
+              call + ": the sequence would continue at position " + std::to_string(next) +
+                  ", inside a quantization group whose first tokens are already quantized (positions " +
+                  std::to_string(next / g * g) + ".." + std::to_string(next - 1) +
+                  "); remove from a multiple of group_size (" + std::to_string(g) + ") instead, e.g. remove(" +
+                  std::to_string(seq) + ", " + std::to_string(next / g * g) + ", -1), and decode those tokens again"};
+    }
+    if (tail && next == 0) return reset_sequence(seq);  // nothing is left
+    // Evict what pages hold in the range, stream by stream (the table's evict cannot fail on
+    // slots it lists as live).
+    std::int64_t removed = 0;
+    for (int st = first; st < last; ++st) {
+      evict_scratch_.clear();
+      for (const SlotRef r : table.live_slot_list(st)) {
+        if (inside(table.slot_position(r))) evict_scratch_.push_back(r);
+      }
+      if (evict_scratch_.empty()) continue;
+      THINKV_RETURN_IF_ERROR(cache_.evict(st, evict_scratch_));
+      removed += static_cast<std::int64_t>(evict_scratch_.size());
+    }
+    // The open group: keep its rows before `next` (a roll back) or all of them.
+    if (tail) {
+      std::vector<std::uint32_t> keep;
+      for (int r = 0; r < staged; ++r) {
+        if (table.staged_position(first, r) < next) keep.push_back(table.staged_segment(first, r));
+      }
+      removed += static_cast<std::int64_t>(staged - static_cast<int>(keep.size())) * (last - first);
+      THINKV_RETURN_IF_ERROR(cache_.set_staged(first, table.staged_thought(first), keep, next));
+      s.position = next;
+      std::erase_if(s.segments, [&](const SegmentState& seg) { return seg.start >= next; });
+      if (!s.segments.empty()) s.segments.back().closed = false;
+      if (!keep.empty()) s.type = table.staged_thought(first);
+    }
+    // Segment sizes: the most live tokens any stream holds of each (they differ once K-means
+    // chose per stream and a range cut through a stepped-down segment).
+    std::vector<std::int32_t> most(s.segments.size(), 0), here(s.segments.size());
+    auto index_of = [&](std::uint32_t id) {
+      for (std::size_t i = 0; i < s.segments.size(); ++i) {
+        if (s.segments[i].id == id) return i;
+      }
+      return s.segments.size();
+    };
+    const int now_staged = table.staged_count(first);
+    for (int st = first; st < last; ++st) {
+      std::fill(here.begin(), here.end(), 0);
+      for (const SlotRef r : table.live_slot_list(st)) {
+        const std::size_t i = index_of(table.slot_segment(r));
+        if (i < here.size()) ++here[i];
+      }
+      for (int r = 0; r < now_staged; ++r) {
+        const std::size_t i = index_of(table.staged_segment(first, r));
+        if (i < here.size()) ++here[i];
+      }
+      for (std::size_t i = 0; i < here.size(); ++i) most[i] = std::max(most[i], here[i]);
+    }
+    for (std::size_t i = 0; i < s.segments.size(); ++i) s.segments[i].size = most[i];
+    // Closed segments left empty are gone (the open one stays: the next token joins it).
+    for (std::size_t i = 0; i + 1 < s.segments.size();) {
+      if (s.segments[i].size == 0) {
+        s.segments.erase(s.segments.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+    stats_.tokens_removed += removed;
+    s.tokens_removed += removed;
+    return Status::ok();
+  }
+
+  /// The lowest position any stream of the sequence holds (live in a page or staged); -1 when
+  /// the sequence holds nothing. Walks the sequence's blocks: O(held slots).
+  [[nodiscard]] std::int32_t pos_min(int seq) const {
+    if (!check_seq(seq).is_ok()) return -1;
+    const BlockTable& table = cache_.table();
+    const int first = stream_of(seq, 0, 0);
+    std::int32_t lo = table.staged_count(first) > 0 ? table.staged_position(first, 0) : -1;
+    for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+      for (const SlotRef r : table.live_slot_list(st)) {
+        const std::int32_t pos = table.slot_position(r);
+        if (lo < 0 || pos < lo) lo = pos;
+      }
+    }
+    return lo;
+  }
+  /// The highest position the sequence holds: position(seq) - 1, held by at least one stream
+  /// (a decoded token joins the open segment, which TBE never evicts, and remove() rolls back to
+  /// the last position any stream holds); -1 when the sequence holds nothing.
+  [[nodiscard]] std::int32_t pos_max(int seq) const {
+    if (!check_seq(seq).is_ok()) return -1;
+    return seq_(seq).position - 1;
+  }
+  /// Keeps one sequence and frees every other (llama.cpp's seq_keep). Errors (nothing changes):
+  /// `seq` out of range, a step open, or another sequence with an open token or prompt.
+  [[nodiscard]] Status keep_only(int seq) {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    if (step_.open) return {StatusCode::kInvalidArgument, "keep_only: a step is open (end_step it first)"};
+    for (int other = 0; other < config_.num_sequences; ++other) {
+      const SeqState& o = seq_(other);
+      if (other != seq && (o.in_token || o.prompt > 0)) {
+        return {StatusCode::kInvalidArgument, "keep_only(" + std::to_string(seq) + "): sequence " +
+                                                  std::to_string(other) + " has an open token or prompt"};
+      }
+    }
+    for (int other = 0; other < config_.num_sequences; ++other) {
+      if (other != seq && (seq_(other).position > 0 || seq_(other).faulted)) {
+        THINKV_RETURN_IF_ERROR(reset_sequence(other));
+      }
+    }
     return Status::ok();
   }
 
@@ -1024,6 +1208,7 @@ class BasicThinKvCache {
     std::int32_t pinned = 0;           ///< pinned prefix (positions never evicted)
     std::int64_t eviction_calls = 0;   ///< this sequence's applied plans
     std::int64_t tokens_evicted = 0;   ///< this sequence's evicted slots, all its streams
+    std::int64_t tokens_removed = 0;   ///< this sequence's slots removed by remove(), all its streams
     PlanClaims reserved;               ///< what the open token still holds of the pools
     bool faulted = false;              ///< a batched append stored a bad K/V value
     std::int32_t prompt = 0;           ///< tokens of the open prompt (begin_prompt), 0: none

@@ -1,0 +1,404 @@
+// llama.cpp-style sequence operations on BasicThinKvCache (remove = seq_rm with roll-back,
+// keep_only = seq_keep, pos_min / pos_max), checked against an independent model of llama.cpp's
+// cells written from its documented behaviour: a sequence is a set of positions, each with the
+// K/V it was decoded with; seq_rm(p0, p1) drops the positions in [p0, p1) (p0 < 0: from 0, p1 < 0:
+// to the end); the next token of a sequence is at pos_max + 1; seq_keep drops every other
+// sequence. On top of that model, ThinKV's two documented refusals (kUnsupported): removing
+// staged tokens while a later one stays, and rolling back to a position that is not a multiple of
+// group_size behind the open quantization group.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "../../examples/decoder/thinkv_spec.hpp"
+#include "thinkv/thinkv_cache.hpp"
+
+#include "test_util.hpp"
+
+using thinkv::Status;
+using thinkv::StatusCode;
+using thinkv::decoder::CacheMode;
+using thinkv::decoder::ThinKvSpec;
+using thinkv::decoder::with_cache;
+
+namespace {
+
+ThinKvSpec seq_config(CacheMode mode) {
+  ThinKvSpec c;
+  c.mode = mode;
+  c.num_sequences = 3;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 4;
+  c.head_dim = 16;
+  c.group_size = 8;
+  c.block_size = 16;
+  c.max_tokens = 4000;
+  c.segment_len = 32;
+  c.retention = thinkv::RetentionSchedule({16, 8, 4});
+  c.token_budget = 96;
+  c.precision = thinkv::kR4E4T2;
+  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 32, 2);
+  return c;
+}
+
+/// One cell of the model: a position's K/V per layer ([num_kv_heads * head_dim] each).
+struct Cell {
+  std::vector<std::vector<float>> k, v;
+};
+
+/// llama.cpp's cells of one sequence, as documented (llama.h, llama-kv-cells.h).
+struct SeqModel {
+  std::map<std::int32_t, Cell> cells;
+  [[nodiscard]] std::int32_t pos_max() const { return cells.empty() ? -1 : cells.rbegin()->first; }
+  [[nodiscard]] std::int32_t pos_min() const { return cells.empty() ? -1 : cells.begin()->first; }
+  [[nodiscard]] std::int32_t next() const { return pos_max() + 1; }
+  void seq_rm(std::int32_t p0, std::int32_t p1) {
+    if (p0 < 0) p0 = 0;
+    for (auto it = cells.begin(); it != cells.end();) {
+      const bool in = it->first >= p0 && (p1 < 0 || it->first < p1);
+      it = in ? cells.erase(it) : std::next(it);
+    }
+  }
+};
+
+/// What ThinKV refuses, from the model alone: `g` the group size. The open group holds the
+/// positions [g * floor(next / g), next) (groups are aligned; every roll back ThinKV accepts keeps
+/// them so).
+bool refused(const SeqModel& m, std::int32_t p0, std::int32_t p1, int g) {
+  const std::int32_t P = m.next();
+  const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+  const std::int32_t end = p1 < 0 ? P : std::min(p1, P);
+  if (lo >= end) return false;
+  const std::int32_t G = P / g * g;
+  const bool tail = end >= P;
+  if (!tail) return end > G;  // a staged position removed, a later one kept
+  SeqModel after = m;
+  after.seq_rm(p0, p1);
+  const std::int32_t next = after.next();
+  return next < G && next % g != 0;
+}
+
+/// The live positions of every stream of a sequence (pages and staging).
+template <class Cache>
+std::vector<std::set<std::int32_t>> held_positions(const Cache& cache, int seq) {
+  const auto& t = cache.paged().table();
+  const auto& c = cache.config();
+  std::vector<std::set<std::int32_t>> out;
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      const int st = cache.stream_of(seq, l, h);
+      std::set<std::int32_t>& s = out.emplace_back();
+      for (const thinkv::SlotRef r : t.live_slot_list(st)) s.insert(t.slot_position(r));
+      for (int row = 0; row < t.staged_count(st); ++row) s.insert(t.staged_position(st, row));
+    }
+  }
+  return out;
+}
+
+/// Decodes one token of `seq` at the model's next position with fresh random K/V and queries.
+/// With `check_attention`, every layer's output is compared with float64 attention over the
+/// model's cells (BF16-rounded, as BF16 pages store them) and the new token.
+template <class Cache>
+void decode_one(Cache& cache, int seq, SeqModel& m, std::mt19937_64& rng, bool check_attention) {
+  const auto& c = cache.config();
+  const int d = c.head_dim, hkv = c.num_kv_heads, hq = c.num_q_heads;
+  const double scale = c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
+  REQUIRE(cache.position(seq) == m.next());
+  const Status b = cache.begin_token(seq);
+  INFO(b);
+  REQUIRE(b.is_ok());
+  Cell cell;
+  for (int l = 0; l < c.num_layers; ++l) {
+    std::vector<float> k = tt::random_row(rng, hkv * d), v = tt::random_row(rng, hkv * d);
+    std::vector<float> q = tt::random_row(rng, hq * d), out(static_cast<std::size_t>(hq * d), NAN);
+    REQUIRE(cache.append(seq, l, k, v).is_ok());
+    REQUIRE(cache.attend(seq, l, q, out).is_ok());
+    cell.k.push_back(k);
+    cell.v.push_back(v);
+    if (!check_attention) continue;
+    for (int h = 0; h < hq; ++h) {
+      const int kvh = h / (hq / hkv);
+      std::vector<float> ks, vs;
+      auto add = [&](const Cell& x) {
+        for (int j = 0; j < d; ++j) {
+          ks.push_back(tt::bf16_round(x.k[static_cast<std::size_t>(l)][static_cast<std::size_t>(kvh * d + j)]));
+          vs.push_back(tt::bf16_round(x.v[static_cast<std::size_t>(l)][static_cast<std::size_t>(kvh * d + j)]));
+        }
+      };
+      for (const auto& [pos, x] : m.cells) add(x);
+      add(cell);
+      const std::vector<double> ref = tt::attend64(q.data() + h * d, ks, vs, d, scale);
+      const double bound = tt::attention_error_bound(q.data() + h * d, ks, vs, d, scale);
+      for (int j = 0; j < d; ++j) {
+        INFO("seq " << seq << " position " << m.next() << " layer " << l << " head " << h << " channel " << j);
+        REQUIRE(std::fabs(out[static_cast<std::size_t>(h * d + j)] - ref[static_cast<std::size_t>(j)]) <= bound);
+      }
+    }
+  }
+  REQUIRE(cache.end_token(seq).is_ok());
+  m.cells[m.next()] = std::move(cell);
+}
+
+/// A random seq_rm range: tails (speculative decoding's roll back, most often aligned or within
+/// the open group), middles (a context shift's discard), whole sequences, empty and odd ranges.
+std::pair<std::int32_t, std::int32_t> random_range(std::mt19937_64& rng, const SeqModel& m, int g) {
+  const std::int32_t P = m.next();
+  switch (tt::uniform_int(rng, 0, 6)) {
+    case 0: return {std::max(0, P - tt::uniform_int(rng, 1, 2 * g)), -1};            // short tail
+    case 1: return {std::max(0, (P - tt::uniform_int(rng, 0, 5 * g)) / g * g), -1};  // aligned tail
+    case 2: {                                                                        // middle
+      const std::int32_t a = tt::uniform_int(rng, 0, std::max(0, P - 1));
+      return {a, a + tt::uniform_int(rng, 1, 3 * g)};
+    }
+    case 3: return {tt::uniform_int(rng, -3, 2), tt::uniform_int(rng, 1, std::max(1, P / 2))};  // the front
+    case 4: return {-1, -1};                                                                    // everything
+    case 5: return {P + tt::uniform_int(rng, 0, 5), -1};                                        // past the end
+    default: {
+      const std::int32_t a = tt::uniform_int(rng, 0, P + 2);
+      return {a, a - tt::uniform_int(rng, 0, 2)};  // empty (p1 <= p0)
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp's cells exactly without eviction",
+          "[sequence_ops]") {
+  // FullKV (BF16 pages): positions and attention against the model; TBQ (quantized pages, no
+  // eviction): positions against the model.
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    auto rng = tt::make_rng("sequence_ops_cells");
+    const ThinKvSpec cfg = seq_config(mode);
+    with_cache(cfg, [&](auto& cache) {
+      const int g = cfg.group_size;
+      std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
+      const std::int64_t empty_bytes = cache.allocated_bytes();
+      const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
+      int removes = 0, refusals = 0, rollbacks = 0, keeps = 0;
+      for (int op = 0; op < 1500; ++op) {
+        const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
+        SeqModel& m = model[static_cast<std::size_t>(seq)];
+        const int what = tt::uniform_int(rng, 0, 99);
+        if (what < 75) {
+          decode_one(cache, seq, m, rng, mode == CacheMode::kFull && op % 3 == 0);
+        } else if (what < 99) {
+          const auto [p0, p1] = random_range(rng, m, g);
+          INFO("op " << op << ": remove(" << seq << ", " << p0 << ", " << p1 << ") at next " << m.next());
+          const bool refuse = refused(m, p0, p1, g);
+          const auto before = tt::snapshot_cache(cache.paged());
+          const std::int32_t pos_before = cache.position(seq);
+          const Status s = cache.remove(seq, p0, p1);
+          INFO(s);
+          if (refuse) {
+            REQUIRE(s.code() == StatusCode::kUnsupported);
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            REQUIRE(cache.position(seq) == pos_before);
+            ++refusals;
+          } else {
+            REQUIRE(s.is_ok());
+            const std::int32_t next_before = m.next();
+            m.seq_rm(p0, p1);
+            ++removes;
+            rollbacks += m.next() < next_before ? 1 : 0;
+          }
+        } else {
+          INFO("op " << op << ": keep_only(" << seq << ")");
+          REQUIRE(cache.keep_only(seq).is_ok());
+          for (int o = 0; o < cfg.num_sequences; ++o) {
+            if (o != seq) model[static_cast<std::size_t>(o)].cells.clear();
+          }
+          ++keeps;
+        }
+        // Every sequence against its model, after every operation.
+        for (int s = 0; s < cfg.num_sequences; ++s) {
+          const SeqModel& ms = model[static_cast<std::size_t>(s)];
+          INFO("op " << op << " sequence " << s);
+          REQUIRE(cache.pos_max(s) == ms.pos_max());
+          REQUIRE(cache.pos_min(s) == ms.pos_min());
+          REQUIRE(cache.position(s) == ms.next());
+          std::set<std::int32_t> want;
+          for (const auto& [pos, x] : ms.cells) want.insert(pos);
+          for (const auto& held : held_positions(cache, s)) REQUIRE(held == want);
+          REQUIRE(cache.live_tokens(s) == static_cast<std::int64_t>(want.size()));
+          std::int64_t in_segments = 0;
+          for (const auto& seg : cache.segments(s)) in_segments += seg.size;
+          REQUIRE(in_segments == static_cast<std::int64_t>(want.size()));
+        }
+      }
+      INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps);
+      CHECK(removes > 100);
+      CHECK(refusals > 10);
+      CHECK(rollbacks > 50);
+      CHECK(keeps > 3);
+      CHECK(cache.stats().tokens_removed > 0);
+      // Everything removed: the memory is what an empty cache holds.
+      for (int s = 0; s < cfg.num_sequences; ++s) REQUIRE(cache.remove(s, -1, -1).is_ok());
+      for (thinkv::Precision p : thinkv::kAllPrecisions) CHECK(cache.paged().table().allocated_blocks(p) == 0);
+      CHECK(cache.memory().physical_bytes() == empty_held);
+      if (mode == CacheMode::kFull) CHECK(cache.allocated_bytes() == empty_bytes);  // no key-scale records
+    });
+  }
+}
+
+TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cells and the budget holds",
+          "[sequence_ops]") {
+  for (CacheMode mode : {CacheMode::kTbe, CacheMode::kThinKv}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    auto rng = tt::make_rng("sequence_ops_tbe");
+    const ThinKvSpec cfg = seq_config(mode);
+    with_cache(cfg, [&](auto& cache) {
+      const int g = cfg.group_size;
+      std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
+      const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
+      int removes = 0;
+      for (int op = 0; op < 2500; ++op) {
+        const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
+        SeqModel& m = model[static_cast<std::size_t>(seq)];
+        const bool decoded = tt::uniform_int(rng, 0, 99) < 90;
+        if (decoded) {
+          const std::int64_t unreachable = cache.stats().budget_unreachable;
+          decode_one(cache, seq, m, rng, false);
+          // The budget holds after every token unless the plan said it cannot.
+          REQUIRE((cache.live_tokens(seq) <= cfg.token_budget + cfg.segment_len ||
+                   cache.stats().budget_unreachable > unreachable));
+        } else {
+          const auto [p0, p1] = random_range(rng, m, g);
+          INFO("op " << op << ": remove(" << seq << ", " << p0 << ", " << p1 << ")");
+          const Status s = cache.remove(seq, p0, p1);
+          INFO(s);
+          REQUIRE((s.is_ok() || s.code() == StatusCode::kUnsupported));
+          if (!s.is_ok()) continue;
+          m.seq_rm(p0, p1);
+          ++removes;
+          // ThinKV may have evicted the last cells of a removed range's left: it continues after
+          // its own last live position, which the model must then forget above.
+          const std::int32_t next = cache.position(seq);
+          REQUIRE(next <= m.next());
+          m.seq_rm(next, -1);
+        }
+        INFO("op " << op << " sequence " << seq);
+        std::set<std::int32_t> all;
+        for (const auto& [pos, x] : m.cells) all.insert(pos);
+        std::set<std::int32_t> any;
+        for (const auto& held : held_positions(cache, seq)) {
+          for (std::int32_t p : held) REQUIRE(all.count(p) == 1);  // nothing removed comes back
+          any.insert(held.begin(), held.end());
+          if (decoded) REQUIRE(held.count(m.pos_max()) == 1);  // a new token is in every stream
+        }
+        if (!m.cells.empty()) REQUIRE(any.count(m.pos_max()) == 1);  // and the last one in some
+        REQUIRE(cache.pos_max(seq) == m.pos_max());
+        REQUIRE(cache.pos_min(seq) == (any.empty() ? -1 : *any.begin()));
+        // Segment sizes: the most any stream holds of each.
+        for (const auto& seg : cache.segments(seq)) {
+          REQUIRE(seg.size >= 0);
+          REQUIRE(seg.size <= cfg.segment_len);
+        }
+      }
+      CHECK(removes > 100);
+      CHECK(cache.stats().tokens_evicted > 0);
+      for (int s = 0; s < cfg.num_sequences; ++s) REQUIRE(cache.remove(s, 0, -1).is_ok());
+      // Every block chunk released (key-scale record chunks are kept once grown: block_table.hpp).
+      for (thinkv::Precision p : thinkv::kAllPrecisions) CHECK(cache.paged().table().allocated_blocks(p) == 0);
+      CHECK(cache.memory().physical_bytes() == empty_held);
+    });
+  }
+}
+
+TEST_CASE("Sequence ops: roll backs within the open group and to group boundaries are exact, and holes refill in place",
+          "[sequence_ops]") {
+  // Speculative decoding's pattern: decode, roll back to an accepted prefix, decode on. Every
+  // token decoded after a roll back attends to exactly the model's cells (FullKV: BF16 pages).
+  const ThinKvSpec cfg = seq_config(CacheMode::kFull);
+  with_cache(cfg, [&](auto& cache) {
+    auto rng = tt::make_rng("sequence_ops_replay");
+    const auto& table = cache.paged().table();
+    const int streams = cfg.num_layers * cfg.num_kv_heads;
+    SeqModel m;
+    for (int t = 0; t < 77; ++t) decode_one(cache, 0, m, rng, false);
+    // The accepted prefix ends inside the open group (72..76 staged): roll back 3 tokens.
+    REQUIRE(cache.remove(0, 74, -1).is_ok());
+    m.seq_rm(74, -1);
+    REQUIRE(cache.position(0) == 74);
+    REQUIRE(table.staged_count(cache.stream_of(0, 0, 0)) == 2);
+    // Behind the open group and not aligned: refused, naming the position to use.
+    const Status r = cache.remove(0, 70, -1);
+    INFO(r);
+    REQUIRE(r.code() == StatusCode::kUnsupported);
+    REQUIRE(r.message().find("remove(0, 64, -1)") != std::string::npos);
+    // Aligned: accepted; the block of 64..71 had nothing else and went back to its pool.
+    REQUIRE(cache.remove(0, 64, -1).is_ok());
+    m.seq_rm(64, -1);
+    REQUIRE(cache.position(0) == 64);
+    REQUIRE(table.staged_count(cache.stream_of(0, 0, 0)) == 0);
+    REQUIRE(cache.segments(0).size() == 2);
+    REQUIRE(!cache.segments(0).back().closed);
+    REQUIRE(table.blocks(cache.stream_of(0, 1, 1)).size() == 4);
+    // A middle range leaves holes, which the next group's commit fills in place.
+    REQUIRE(cache.remove(0, 8, 16).is_ok());
+    m.seq_rm(8, 16);
+    CHECK(cache.stats().tokens_removed == (77 - 64 + 8) * streams);
+    for (int t = 64; t < 96; ++t) decode_one(cache, 0, m, rng, true);
+    CHECK(table.stats().slots_reused == 8 * streams);
+    CHECK(table.blocks(cache.stream_of(0, 1, 1)).size() == 6);  // 88 tokens in blocks of 16
+    CHECK(cache.paged().moved_bytes() == 0);
+  });
+}
+
+TEST_CASE("Sequence ops: bad calls are refused and change nothing", "[sequence_ops]") {
+  const ThinKvSpec cfg = seq_config(CacheMode::kTbq);
+  with_cache(cfg, [&](auto& cache) {
+    auto rng = tt::make_rng("sequence_ops_errors");
+    SeqModel m0, m1;
+    for (int t = 0; t < 50; ++t) decode_one(cache, 0, m0, rng, false);
+    for (int t = 0; t < 20; ++t) decode_one(cache, 1, m1, rng, false);
+    const auto before = tt::snapshot_cache(cache.paged());
+    auto unchanged = [&] {
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+      REQUIRE(cache.position(0) == 50);
+      REQUIRE(cache.position(1) == 20);
+    };
+    Status s = cache.remove(3, 0, -1);
+    CHECK(s.code() == StatusCode::kOutOfRange);
+    CHECK(s.message().find("sequence 3") != std::string::npos);
+    unchanged();
+    CHECK(cache.keep_only(-1).code() == StatusCode::kOutOfRange);
+    unchanged();
+    // The open group (48, 49) with a later token kept.
+    s = cache.remove(0, 42, -1);  // 42 is behind the open group and not a multiple of 8
+    CHECK(s.code() == StatusCode::kUnsupported);
+    CHECK(s.message().find("remove(0, 40, -1)") != std::string::npos);
+    unchanged();
+    s = cache.remove(0, 48, 49);
+    CHECK(s.code() == StatusCode::kUnsupported);
+    CHECK(s.message().find("open quantization group") != std::string::npos);
+    unchanged();
+    // An open token: nothing may change under it.
+    REQUIRE(cache.begin_token(1).is_ok());
+    s = cache.remove(1, 0, 8);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find("open token") != std::string::npos);
+    s = cache.keep_only(0);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find("sequence 1") != std::string::npos);
+    REQUIRE(cache.position(1) == 20);
+    CHECK(cache.pos_max(1) == 19);
+    // A middle range in pages is fine; the empty range and a range past the end do nothing.
+    REQUIRE(cache.remove(0, 50, 60).is_ok());
+    REQUIRE(cache.remove(0, 30, 30).is_ok());
+    REQUIRE(cache.remove(0, 20, 10).is_ok());
+    CHECK(cache.stats().tokens_removed == 0);
+    REQUIRE(cache.remove(0, 8, 16).is_ok());
+    CHECK(cache.stats().tokens_removed == 8 * cfg.num_layers * cfg.num_kv_heads);
+    CHECK(cache.pos_min(0) == 0);
+    REQUIRE(cache.remove(0, -5, 8).is_ok());
+    CHECK(cache.pos_min(0) == 16);
+    CHECK(cache.pos_max(0) == 49);
+  });
+}
