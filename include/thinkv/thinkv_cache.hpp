@@ -613,7 +613,7 @@ class BasicThinKvCache {
     }
     // Segment sizes: the most live tokens any stream holds of each (they differ once K-means
     // chose per stream and a range cut through a stepped-down segment).
-    std::vector<std::int32_t> most(s.segments.size(), 0), here(s.segments.size());
+    std::vector<std::int32_t> most(s.segments.size(), 0), least(s.segments.size(), INT32_MAX), here(s.segments.size());
     auto index_of = [&](std::uint32_t id) {
       for (std::size_t i = 0; i < s.segments.size(); ++i) {
         if (s.segments[i].id == id) return i;
@@ -631,9 +631,16 @@ class BasicThinKvCache {
         const std::size_t i = index_of(table.staged_segment(first, r));
         if (i < here.size()) ++here[i];
       }
-      for (std::size_t i = 0; i < here.size(); ++i) most[i] = std::max(most[i], here[i]);
+      for (std::size_t i = 0; i < here.size(); ++i) {
+        most[i] = std::max(most[i], here[i]);
+        least[i] = std::min(least[i], here[i]);
+      }
     }
-    for (std::size_t i = 0; i < s.segments.size(); ++i) s.segments[i].size = most[i];
+    s.ragged.clear();
+    for (std::size_t i = 0; i < s.segments.size(); ++i) {
+      s.segments[i].size = most[i];
+      if (least[i] != most[i]) s.ragged.push_back(s.segments[i].id);
+    }
     // Closed segments left empty are gone (the open one stays: the next token joins it).
     for (std::size_t i = 0; i + 1 < s.segments.size();) {
       if (s.segments[i].size == 0) {
@@ -1205,10 +1212,13 @@ class BasicThinKvCache {
     std::uint32_t next_segment = 0;
     ThoughtType type = ThoughtType::kReasoning;
     bool in_token = false;
-    std::int32_t pinned = 0;           ///< pinned prefix (positions never evicted)
-    std::int64_t eviction_calls = 0;   ///< this sequence's applied plans
-    std::int64_t tokens_evicted = 0;   ///< this sequence's evicted slots, all its streams
-    std::int64_t tokens_removed = 0;   ///< this sequence's slots removed by remove(), all its streams
+    std::int32_t pinned = 0;          ///< pinned prefix (positions never evicted)
+    std::int64_t eviction_calls = 0;  ///< this sequence's applied plans
+    std::int64_t tokens_evicted = 0;  ///< this sequence's evicted slots, all its streams
+    std::int64_t tokens_removed = 0;  ///< this sequence's slots removed by remove(), all its streams
+    /// Segments whose streams hold different counts (a remove() cut through them after K-means
+    /// chose per stream): their selections count each stream's tokens (selection_jobs).
+    std::vector<std::uint32_t> ragged;
     PlanClaims reserved;               ///< what the open token still holds of the pools
     bool faulted = false;              ///< a batched append stored a bad K/V value
     std::int32_t prompt = 0;           ///< tokens of the open prompt (begin_prompt), 0: none
@@ -1705,7 +1715,8 @@ class BasicThinKvCache {
     job_of.clear();
     std::vector<std::int32_t> counts;
     for (TbeWork* w : works) {
-      // Every stream of the sequence holds each segment's current size in live tokens.
+      // Every stream of the sequence holds each segment's current size in live tokens (but the
+      // segments a remove() left ragged).
       const SeqState& s = seq_(w->seq);
       counts.assign(w->targets.size(), 0);
       for (std::size_t t = 0; t < w->targets.size(); ++t) {
@@ -1716,7 +1727,11 @@ class BasicThinKvCache {
       for (int st = stream_of(w->seq, 0, 0); st < stream_of(w->seq + 1, 0, 0); ++st) {
         for (std::size_t t = 0; t < w->targets.size(); ++t) {
           const auto [segment, size] = w->targets[t];
-          const std::int32_t count = counts[t];
+          std::int32_t count = counts[t];
+          if (std::find(s.ragged.begin(), s.ragged.end(), segment) != s.ragged.end()) {  // after a remove()
+            cache_.table().live_segment_slots(st, segment, ragged_slots_);
+            count = static_cast<std::int32_t>(ragged_slots_.size());
+          }
           if (count <= size) continue;
           SegmentSelect j;
           j.stream = st;
@@ -1755,8 +1770,9 @@ class BasicThinKvCache {
   Step step_;
   bool capturable_ = false;
   std::vector<SlotRef> evict_scratch_;
-  std::vector<PendingSelection> pending_;  // launched selections, not yet collected
-  std::vector<std::uint8_t> seq_pending_;  // [num_sequences] 1: a pending selection holds the sequence
+  mutable std::vector<SlotRef> ragged_slots_;  // selection_jobs: a ragged segment's slots in one stream
+  std::vector<PendingSelection> pending_;      // launched selections, not yet collected
+  std::vector<std::uint8_t> seq_pending_;      // [num_sequences] 1: a pending selection holds the sequence
   std::vector<StageRow> rows_;
   std::vector<CommitPlan> batch_plans_;
   std::vector<std::uint32_t> meta_segments_;

@@ -151,6 +151,37 @@ TEST_CASE("Batched decode on the GPU: a NaN or Inf in one sequence's K/V faults 
   CHECK(r.faults > 2);
 }
 
+TEST_CASE("Batched decode on the GPU with seq_rm between steps takes the CPU reference's decisions",
+          "[cuda_batched][sequence_ops]") {
+  // llama.cpp's seq_rm (ThinKvCache::remove) between steps: roll backs, refusals and middle
+  // ranges on both caches; the device mirror follows the table's evictions, staging and block
+  // releases, and selections after a ragged cut count each stream's tokens.
+  TT_SEEDED_RNG();
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  {
+    ThinKvCache<CudaKvBackend> gpu(config(), policy());
+    REQUIRE(gpu.backend().set_stream(stream).is_ok());
+    BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+    bt::RunOptions o;
+    o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 600;
+    o.finish = 0.004;
+    o.remove = 0.05;
+    o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
+    const bt::TensorMemory mem = device_memory(stream);
+    bt::RunReport r;
+    const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+    INFO(err);
+    REQUIRE(err.empty());
+    INFO("removes " << r.removes << ", refused " << r.removes_refused);
+    CHECK(r.removes > 10);
+    CHECK(gpu.stats().tokens_removed > 0);
+    CHECK(gpu.stats().tokens_evicted > 0);
+    CHECK(gpu.paged().moved_bytes() == 0);
+  }
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
 TEST_CASE("Prefill on the GPU stores what the CPU reference stores token by token, attends causally",
           "[cuda_batched][prefill]") {
   TT_SEEDED_RNG();

@@ -80,6 +80,10 @@ struct RunOptions {
   bool wait_faults = false;  ///< poll_faults(true) after a poisoned step (device backends)
   double prompt = 0.0;       ///< chance a joining sequence (at position 0) first prefills a prompt
   int max_prompt = 0;        ///< longest prompt (lengths uniform in 1..max_prompt)
+  /// Chance per step and running sequence of a llama.cpp seq_rm between steps (remove(), the
+  /// same range on both caches, which must answer alike): roll backs inside the open group and
+  /// to group boundaries, unaligned ones (refused), middle ranges.
+  double remove = 0.0;
   /// Largest |batched - reference| allowed per output value, given the reference row's largest
   /// |value| and the sequence's live tokens; null: bit for bit.
   std::function<double(double max_ref, std::int64_t tokens)> tolerance;
@@ -87,6 +91,7 @@ struct RunOptions {
 
 struct RunReport {
   std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0, prompts = 0, prompt_tokens = 0;
+  std::int64_t removes = 0, removes_refused = 0;
   double worst_rel_err = 0;
   double worst_prompt_err = 0;  ///< largest prefill error against the float64 reference, / max |out|
 };
@@ -225,6 +230,31 @@ std::string run_batched(Batched& bc, Reference& rc, const TensorMemory& mem, std
             return fail(e);
           }
         }
+      }
+      if (r != 0 && bc.position(s) > 0 && std::uniform_real_distribution<double>(0, 1)(rng) < o.remove) {
+        const std::int32_t P = bc.position(s), g = c.group_size;
+        std::int32_t p0 = 0, p1 = -1;
+        switch (rng() % 4) {
+          case 0: p0 = P - 1 - static_cast<std::int32_t>(rng() % static_cast<unsigned>(g)); break;  // short tail
+          case 1: p0 = (P - static_cast<std::int32_t>(rng() % static_cast<unsigned>(4 * g))) / g * g; break;
+          case 2: p0 = P - 1 - static_cast<std::int32_t>(rng() % static_cast<unsigned>(4 * g)); break;  // any tail
+          default:  // a middle range
+            p0 = static_cast<std::int32_t>(rng() % static_cast<unsigned>(P));
+            p1 = p0 + 1 + static_cast<std::int32_t>(rng() % static_cast<unsigned>(3 * g));
+        }
+        const Status ea = bc.remove(s, p0, p1), eb = rc.remove(s, p0, p1);
+        if (ea.code() != eb.code() || bc.position(s) != rc.position(s)) {
+          return fail("remove(" + std::to_string(s) + ", " + std::to_string(p0) + ", " + std::to_string(p1) +
+                      "): " + ea.to_string() + " vs the reference's " + eb.to_string());
+        }
+        if (ea.is_ok()) {
+          ++report.removes;
+        } else if (ea.code() == StatusCode::kUnsupported) {
+          ++report.removes_refused;
+        } else {
+          return fail("remove: " + ea.to_string());
+        }
+        if (bc.position(s) == 0) r = 0;  // everything removed: the sequence is free again
       }
       if (r != 0 && bc.position(s) >= c.max_tokens) {
         if (!bc.reset_sequence(s).is_ok() || !rc.reset_sequence(s).is_ok()) return fail("reset failed");

@@ -99,6 +99,26 @@ TEST_CASE("Batched decode in lockstep: every sequence evicts at the same steps, 
   CHECK(batched.stats().eviction_calls >= 5 * 3);
 }
 
+TEST_CASE("Batched decode with seq_rm between steps takes the one-token path's decisions", "[batched][sequence_ops]") {
+  TT_SEEDED_RNG();
+  ThinKvCache<> batched(small_config(), small_policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> reference(small_config(), host_policy());
+  bt::RunOptions o;
+  o.steps = 600;
+  o.finish = 0.004;
+  o.remove = 0.05;
+  bt::RunReport r;
+  const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  INFO("removes " << r.removes << ", refused " << r.removes_refused);
+  CHECK(r.removes > 15);
+  CHECK(r.removes_refused > 3);
+  CHECK(batched.stats().tokens_removed > 0);
+  CHECK(batched.stats().tokens_evicted > 0);
+  CHECK(batched.paged().moved_bytes() == 0);
+}
+
 TEST_CASE("Reserved host metadata changes no decision and still releases emptied chunks", "[batched]") {
   TT_SEEDED_RNG();
   ThinKvConfig cfg = small_config();
@@ -117,9 +137,17 @@ TEST_CASE("Reserved host metadata changes no decision and still releases emptied
   REQUIRE(err.empty());
   CHECK(batched.stats().tokens_evicted > 0);
   CHECK(r.finishes > 0);
-  // Pools follow what is held (chunks released) while the arrays keep their capacity.
+  // Pools follow what is held (chunks released) while the arrays keep their capacity: once every
+  // sequence is freed, no block chunk is left.
   CHECK(batched.paged().allocated_bytes() == reference.paged().allocated_bytes());
+  for (int s = 0; s < cfg.num_sequences; ++s) {
+    REQUIRE(batched.reset_sequence(s).is_ok());
+    REQUIRE(reference.reset_sequence(s).is_ok());
+  }
   CHECK(batched.paged().table().stats().chunks_released > 0);
+  for (Precision p : kAllPrecisions) CHECK(batched.paged().table().allocated_blocks(p) == 0);
+  CHECK(batched.paged().allocated_bytes() == reference.paged().allocated_bytes());
+  CHECK(batched.paged().table().host_metadata_reserved());
 }
 
 TEST_CASE("Batched decode: a NaN or Inf in one sequence's K/V faults that sequence alone", "[batched][bad_input]") {
