@@ -554,6 +554,10 @@ class BasicThinKvCache {
     const int staged = table.staged_count(first);  // every stream of the set holds the same rows
     const std::int32_t G = staged > 0 ? table.staged_position(first, 0) : pend;  // first staged position
     auto inside = [&](std::int32_t pos) { return pos >= lo && pos < end; };
+    // A slot's segment tells where to look: segment ids grow with position, so only the blocks
+    // holding a segment that overlaps a range of positions are walked (live_segment_slots).
+    auto seg_end = [&](std::size_t i) { return i + 1 < s.segments.size() ? s.segments[i + 1].start : pend; };
+    std::vector<SlotRef> slots;
     // Where the sequence continues: its last live position + 1 (staged rows are live everywhere).
     std::int32_t next = pend;
     if (tail) {
@@ -562,11 +566,18 @@ class BasicThinKvCache {
         const std::int32_t pos = table.staged_position(first, r);
         if (!inside(pos)) next = std::max(next, pos + 1);
       }
-      for (int st = first; st < last && next < G; ++st) {
-        for (const SlotRef r : table.live_slot_list(st)) {
-          const std::int32_t pos = table.slot_position(r);
-          if (!inside(pos)) next = std::max(next, pos + 1);
+      // Pages hold positions below G and nothing at or after lo stays: the latest segment before
+      // lo with a live slot in any stream holds the answer.
+      for (std::size_t i = s.segments.size(); i-- > 0 && next < G && next < lo;) {
+        if (s.segments[i].start >= lo) continue;
+        for (int st = first; st < last && next < lo; ++st) {
+          table.live_segment_slots(st, s.segments[i].id, slots);
+          for (const SlotRef r : slots) {
+            const std::int32_t pos = table.slot_position(r);
+            if (!inside(pos)) next = std::max(next, pos + 1);
+          }
         }
+        if (next > s.segments[i].start) break;  // found in this segment: no earlier one can be later
       }
     }
     // What the storage cannot do exactly, before anything changes.
@@ -586,60 +597,75 @@ class BasicThinKvCache {
                   std::to_string(seq) + ", " + std::to_string(next / g * g) + ", -1), and decode those tokens again"};
     }
     if (tail && next == 0) return reset_sequence(seq);  // nothing is left
-    // Evict what pages hold in the range, stream by stream (the table's evict cannot fail on
-    // slots it lists as live).
-    std::int64_t removed = 0;
-    for (int st = first; st < last; ++st) {
-      evict_scratch_.clear();
-      for (const SlotRef r : table.live_slot_list(st)) {
-        if (inside(table.slot_position(r))) evict_scratch_.push_back(r);
+    // Per segment (in s.segments' order) the most and least tokens any stream holds once the
+    // range is gone. A stream holds `size` tokens of every segment but the ragged ones (a remove()
+    // cut them unevenly before), so their counts follow from what this call takes; the ragged ones
+    // are counted.
+    const std::size_t nseg = s.segments.size();
+    auto index_of = [&](std::uint32_t id) {
+      for (std::size_t i = 0; i < nseg; ++i) {
+        if (s.segments[i].id == id) return i;
       }
-      if (evict_scratch_.empty()) continue;
-      THINKV_RETURN_IF_ERROR(cache_.evict(st, evict_scratch_));
-      removed += static_cast<std::int64_t>(evict_scratch_.size());
+      return nseg;
+    };
+    std::vector<std::int32_t> most(nseg, 0), least(nseg, INT32_MAX), cut(nseg + 1), staged_left(nseg + 1, 0);
+    std::vector<std::uint8_t> ragged(nseg, 0);
+    for (std::size_t i = 0; i < nseg; ++i) {
+      ragged[i] = std::find(s.ragged.begin(), s.ragged.end(), s.segments[i].id) != s.ragged.end() ? 1 : 0;
     }
-    // The open group: keep its rows before `next` (a roll back) or all of them.
-    if (tail) {
-      std::vector<std::uint32_t> keep;
-      for (int r = 0; r < staged; ++r) {
-        if (table.staged_position(first, r) < next) keep.push_back(table.staged_segment(first, r));
+    std::vector<std::int32_t> staged_in(nseg + 1, 0);  // the open group's rows, per segment
+    for (int r = 0; r < staged; ++r) ++staged_in[index_of(table.staged_segment(first, r))];
+    std::vector<std::uint32_t> keep;  // the open group's rows that stay (their segments)
+    for (int r = 0; r < staged; ++r) {
+      const std::int32_t pos = table.staged_position(first, r);
+      if (tail ? pos < next : true) {
+        keep.push_back(table.staged_segment(first, r));
+        ++staged_left[index_of(keep.back())];
       }
-      removed += static_cast<std::int64_t>(staged - static_cast<int>(keep.size())) * (last - first);
+    }
+    // Evict what pages hold in the range, stream by stream (the table's evict cannot fail on
+    // slots it lists as live); pages hold positions below G only.
+    std::int64_t removed = static_cast<std::int64_t>(staged - static_cast<int>(keep.size())) * (last - first);
+    for (int st = first; st < last; ++st) {
+      std::fill(cut.begin(), cut.end(), 0);
+      evict_scratch_.clear();
+      for (std::size_t i = 0; i < nseg && lo < G; ++i) {
+        if (s.segments[i].start >= end || seg_end(i) <= lo) continue;  // no position of the range
+        table.live_segment_slots(st, s.segments[i].id, slots);
+        for (const SlotRef r : slots) {
+          if (!inside(table.slot_position(r))) continue;
+          evict_scratch_.push_back(r);
+          ++cut[i];
+        }
+      }
+      if (!evict_scratch_.empty()) {
+        THINKV_RETURN_IF_ERROR(cache_.evict(st, evict_scratch_));
+        removed += static_cast<std::int64_t>(evict_scratch_.size());
+      }
+      for (std::size_t i = 0; i < nseg; ++i) {
+        std::int32_t held = 0;
+        if (ragged[i] != 0) {
+          table.live_segment_slots(st, s.segments[i].id, slots);
+          held = static_cast<std::int32_t>(slots.size()) + staged_left[i];
+        } else {
+          held = s.segments[i].size - cut[i] - (staged_in[i] - staged_left[i]);
+        }
+        most[i] = std::max(most[i], held);
+        least[i] = std::min(least[i], held);
+      }
+    }
+    s.ragged.clear();
+    for (std::size_t i = 0; i < nseg; ++i) {
+      s.segments[i].size = most[i];
+      if (least[i] != most[i]) s.ragged.push_back(s.segments[i].id);
+    }
+    // A roll back: the open group keeps its rows before `next`; segments from `next` on go.
+    if (tail) {
       THINKV_RETURN_IF_ERROR(cache_.set_staged(first, table.staged_thought(first), keep, next));
       s.position = next;
       std::erase_if(s.segments, [&](const SegmentState& seg) { return seg.start >= next; });
       if (!s.segments.empty()) s.segments.back().closed = false;
       if (!keep.empty()) s.type = table.staged_thought(first);
-    }
-    // Segment sizes: the most live tokens any stream holds of each (they differ once K-means
-    // chose per stream and a range cut through a stepped-down segment).
-    std::vector<std::int32_t> most(s.segments.size(), 0), least(s.segments.size(), INT32_MAX), here(s.segments.size());
-    auto index_of = [&](std::uint32_t id) {
-      for (std::size_t i = 0; i < s.segments.size(); ++i) {
-        if (s.segments[i].id == id) return i;
-      }
-      return s.segments.size();
-    };
-    const int now_staged = table.staged_count(first);
-    for (int st = first; st < last; ++st) {
-      std::fill(here.begin(), here.end(), 0);
-      for (const SlotRef r : table.live_slot_list(st)) {
-        const std::size_t i = index_of(table.slot_segment(r));
-        if (i < here.size()) ++here[i];
-      }
-      for (int r = 0; r < now_staged; ++r) {
-        const std::size_t i = index_of(table.staged_segment(first, r));
-        if (i < here.size()) ++here[i];
-      }
-      for (std::size_t i = 0; i < here.size(); ++i) {
-        most[i] = std::max(most[i], here[i]);
-        least[i] = std::min(least[i], here[i]);
-      }
-    }
-    s.ragged.clear();
-    for (std::size_t i = 0; i < s.segments.size(); ++i) {
-      s.segments[i].size = most[i];
-      if (least[i] != most[i]) s.ragged.push_back(s.segments[i].id);
     }
     // Closed segments left empty are gone (the open one stays: the next token joins it).
     for (std::size_t i = 0; i + 1 < s.segments.size();) {

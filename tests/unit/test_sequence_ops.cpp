@@ -101,6 +101,28 @@ std::vector<std::set<std::int32_t>> held_positions(const Cache& cache, int seq) 
   return out;
 }
 
+/// Every segment's size must be the most tokens of it any stream holds (pages and staging),
+/// counted from the block table.
+template <class Cache>
+void check_segment_sizes(const Cache& cache, int seq) {
+  const auto& t = cache.paged().table();
+  const auto& c = cache.config();
+  std::map<std::uint32_t, std::int32_t> most;
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      const int st = cache.stream_of(seq, l, h);
+      std::map<std::uint32_t, std::int32_t> here;
+      for (const thinkv::SlotRef r : t.live_slot_list(st)) ++here[t.slot_segment(r)];
+      for (int row = 0; row < t.staged_count(st); ++row) ++here[t.staged_segment(st, row)];
+      for (const auto& [id, n] : here) most[id] = std::max(most[id], n);
+    }
+  }
+  for (const auto& seg : cache.segments(seq)) {
+    INFO("segment " << seg.id << " starting at " << seg.start);
+    REQUIRE(seg.size == (most.count(seg.id) != 0 ? most[seg.id] : 0));
+  }
+}
+
 /// Decodes one token of `seq` at the model's next position with fresh random K/V and queries.
 /// With `check_attention`, every layer's output is compared with float64 attention over the
 /// model's cells (BF16-rounded, as BF16 pages store them) and the new token.
@@ -230,6 +252,7 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
           std::int64_t in_segments = 0;
           for (const auto& seg : cache.segments(s)) in_segments += seg.size;
           REQUIRE(in_segments == static_cast<std::int64_t>(want.size()));
+          check_segment_sizes(cache, s);
         }
       }
       INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps);
@@ -295,11 +318,7 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
         if (!m.cells.empty()) REQUIRE(any.count(m.pos_max()) == 1);  // and the last one in some
         REQUIRE(cache.pos_max(seq) == m.pos_max());
         REQUIRE(cache.pos_min(seq) == (any.empty() ? -1 : *any.begin()));
-        // Segment sizes: the most any stream holds of each.
-        for (const auto& seg : cache.segments(seq)) {
-          REQUIRE(seg.size >= 0);
-          REQUIRE(seg.size <= cfg.segment_len);
-        }
+        check_segment_sizes(cache, seq);
       }
       CHECK(removes > 100);
       CHECK(cache.stats().tokens_evicted > 0);
@@ -348,6 +367,37 @@ TEST_CASE("Sequence ops: roll backs within the open group and to group boundarie
     CHECK(table.stats().slots_reused == 8 * streams);
     CHECK(table.blocks(cache.stream_of(0, 1, 1)).size() == 6);  // 88 tokens in blocks of 16
     CHECK(cache.paged().moved_bytes() == 0);
+  });
+}
+
+TEST_CASE("Sequence ops: a roll back continues after the last position any stream holds, before p0 if need be",
+          "[sequence_ops]") {
+  // TBE keeping each segment's last tokens: a shrunk segment holds only its end. Removing from
+  // inside a segment before its survivors leaves nothing of it below p0, so the sequence continues
+  // after the previous segment's last survivor, earlier than p0 (llama.cpp: pos_max + 1).
+  ThinKvSpec cfg = seq_config(CacheMode::kTbe);
+  cfg.selection = thinkv::SegmentSelection::kLast;
+  cfg.classifier = thinkv::ThoughtClassifier{};  // every token R: only the budget evicts
+  with_cache(cfg, [&](auto& cache) {
+    auto rng = tt::make_rng("sequence_ops_rollback_before_p0");
+    SeqModel m;
+    for (int t = 0; t < 260; ++t) decode_one(cache, 0, m, rng, false);
+    const auto segs = cache.segments(0);
+    std::size_t i = 0;
+    while (i + 2 < segs.size() && !(segs[i].size == 4 && segs[i + 1].size == 4)) ++i;
+    REQUIRE(i + 2 < segs.size());
+    const std::int32_t start = segs[i + 1].start;  // its survivors: start + 28 .. start + 31
+    for (const auto& held : held_positions(cache, 0)) {
+      REQUIRE(held.count(start + 28) == 1);
+      REQUIRE(held.count(start + 8) == 0);
+      REQUIRE(held.count(start - 1) == 1);  // the segment before ends with its survivors
+    }
+    REQUIRE(cache.remove(0, start + 8, -1).is_ok());
+    CHECK(cache.position(0) == start);
+    CHECK(cache.pos_max(0) == start - 1);
+    CHECK(cache.segments(0).size() == i + 1);
+    CHECK(!cache.segments(0).back().closed);
+    check_segment_sizes(cache, 0);
   });
 }
 

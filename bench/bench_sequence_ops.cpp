@@ -1,0 +1,129 @@
+// What llama.cpp's sequence operations cost on a ThinKvCache (CPU backend, host work only: the
+// operations move no K/V data): one sequence at Llama-3-8B's KV geometry (32 layers x 8 KV heads,
+// head_dim 128: 256 streams), R4E4T2 pages, budget 1,024, decoded to `tokens` positions (K/V
+// stored without attention; the eviction keeps each segment's last tokens, which costs the same
+// here as K-means would for these operations). The first argument is `tokens` (4,096; the
+// ctest smoke run takes 320). Each benchmark times one call:
+//   RemoveTail/n       remove(seq, P - n, -1) at a group boundary (a speculative decoder's roll back
+//                      of n tokens; the tokens are decoded again outside the timing)
+//   RemoveInGroup/n    the same inside the open quantization group (n < P % group_size)
+//   RemoveMiddle/n     remove(seq, p, p + n) in the budget-shrunk history (a new range each time)
+//   PosMin             pos_min(seq): a walk over the held slots
+// Counters: held = live tokens per stream, streams = 256.
+//   bench_sequence_ops --benchmark_filter=/4096 --benchmark_counters_tabular=true
+
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "thinkv/thinkv_cache.hpp"
+
+namespace {
+
+using Policy = thinkv::CachePolicy<thinkv::SingleThought, thinkv::PrecisionMap, thinkv::RetentionSchedule,
+                                   thinkv::SegmentSelector>;
+using Cache = thinkv::BasicThinKvCache<Policy>;
+
+thinkv::ThinKvConfig config(int tokens) {
+  thinkv::ThinKvConfig c;
+  c.num_layers = 32;
+  c.num_kv_heads = 8;
+  c.num_q_heads = 32;
+  c.head_dim = 128;
+  c.max_tokens = tokens + 64;
+  c.token_budget = 1024;
+  return c;
+}
+
+Policy policy() {
+  Policy p;
+  p.precision = thinkv::kR4E4T2;
+  p.selector = thinkv::SegmentSelector{thinkv::SegmentSelection::kLast, {}};
+  return p;
+}
+
+/// Decodes `n` tokens of sequence 0 (K/V only).
+bool decode(Cache& cache, int n, std::mt19937& rng) {
+  const auto& c = cache.config();
+  std::normal_distribution<float> normal;
+  std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
+  for (int t = 0; t < n; ++t) {
+    if (!cache.begin_token(0).is_ok()) return false;
+    for (int l = 0; l < c.num_layers; ++l) {
+      for (auto& x : k) x = normal(rng);
+      for (auto& x : v) x = normal(rng);
+      if (!cache.append(0, l, k, v).is_ok()) return false;
+    }
+    if (!cache.end_token(0).is_ok()) return false;
+  }
+  return true;
+}
+
+void counters(benchmark::State& state, const Cache& cache) {
+  state.counters["held"] = static_cast<double>(cache.live_tokens(0));
+  state.counters["streams"] = cache.config().streams_per_sequence();
+}
+
+void BM_RemoveTail(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  Cache cache(config(tokens), policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  for (auto _ : state) {
+    const std::int32_t p = cache.position(0);
+    if (!cache.remove(0, p - n, -1).is_ok()) state.SkipWithError("remove failed");
+    state.PauseTiming();
+    if (!decode(cache, n, rng)) state.SkipWithError("decode failed");
+    state.ResumeTiming();
+  }
+  counters(state, cache);
+}
+BENCHMARK(BM_RemoveTail)
+    ->Args({320, 16})
+    ->Args({4096, 16})
+    ->Args({4096, 64})
+    ->Iterations(50)
+    ->Unit(benchmark::kMillisecond);
+
+void BM_RemoveInGroup(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  Cache cache(config(tokens + 12), policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens + 12, rng)) state.SkipWithError("decode failed");  // 12 tokens staged
+  for (auto _ : state) {
+    const std::int32_t p = cache.position(0);
+    if (!cache.remove(0, p - n, -1).is_ok()) state.SkipWithError("remove failed");
+    state.PauseTiming();
+    if (!decode(cache, n, rng)) state.SkipWithError("decode failed");
+    state.ResumeTiming();
+  }
+  counters(state, cache);
+}
+BENCHMARK(BM_RemoveInGroup)->Args({320, 4})->Args({4096, 4})->Iterations(200)->Unit(benchmark::kMillisecond);
+
+void BM_RemoveMiddle(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  Cache cache(config(tokens), policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  std::int32_t p = 0;
+  for (auto _ : state) {
+    if (!cache.remove(0, p, p + n).is_ok()) state.SkipWithError("remove failed");
+    p += n;  // the next range (32 x 64 positions: inside the history of 4,096)
+  }
+  counters(state, cache);
+}
+BENCHMARK(BM_RemoveMiddle)->Args({320, 64})->Args({4096, 64})->Iterations(32)->Unit(benchmark::kMillisecond);
+
+void BM_PosMin(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0));
+  Cache cache(config(tokens), policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  for (auto _ : state) benchmark::DoNotOptimize(cache.pos_min(0));
+  counters(state, cache);
+}
+BENCHMARK(BM_PosMin)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+}  // namespace
