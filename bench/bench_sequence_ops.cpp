@@ -9,7 +9,12 @@
 //   RemoveInGroup/n    the same inside the open quantization group (n < P % group_size)
 //   RemoveMiddle/n     remove(seq, p, p + n) in the budget-shrunk history (a new range each time)
 //   PosMin             pos_min(seq): a walk over the held slots
-// Counters: held = live tokens per stream, streams = 256.
+//   SaveSequence       save_sequence(seq, bytes) (llama_state_seq_get_data): every held page,
+//                      record, scale and the metadata, into a checksummed byte vector
+//   LoadSequence       load_sequence(seq, bytes) into an empty sequence (llama_state_seq_set_data),
+//                      checks and checksum included; the reset that empties it is not timed
+// Counters: held = live tokens per stream, streams = 256, state_MB = the saved state's size,
+// GB/s = its bytes per second of the call.
 //   bench_sequence_ops --benchmark_filter=/4096 --benchmark_counters_tabular=true
 
 #include <benchmark/benchmark.h>
@@ -125,5 +130,47 @@ void BM_PosMin(benchmark::State& state) {
   counters(state, cache);
 }
 BENCHMARK(BM_PosMin)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+Cache two_sequences(int tokens) {
+  thinkv::ThinKvConfig c = config(tokens);
+  c.num_sequences = 2;
+  return Cache(c, policy());
+}
+void state_counters(benchmark::State& state, const Cache& cache, std::size_t bytes) {
+  counters(state, cache);
+  state.counters["state_MB"] = static_cast<double>(bytes) / 1e6;
+  state.counters["GB/s"] = benchmark::Counter(
+      static_cast<double>(bytes) * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_SaveSequence(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0));
+  Cache cache = two_sequences(tokens);
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  std::vector<std::uint8_t> bytes;
+  for (auto _ : state) {
+    if (!cache.save_sequence(0, bytes).is_ok()) state.SkipWithError("save failed");
+  }
+  state_counters(state, cache, bytes.size());
+}
+BENCHMARK(BM_SaveSequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+void BM_LoadSequence(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0));
+  Cache cache = two_sequences(tokens);
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  std::vector<std::uint8_t> bytes;
+  if (!cache.save_sequence(0, bytes).is_ok()) state.SkipWithError("save failed");
+  for (auto _ : state) {
+    if (!cache.load_sequence(1, bytes).is_ok()) state.SkipWithError("load failed");
+    state.PauseTiming();
+    if (!cache.reset_sequence(1).is_ok()) state.SkipWithError("reset failed");
+    state.ResumeTiming();
+  }
+  state_counters(state, cache, bytes.size());
+}
+BENCHMARK(BM_LoadSequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -2245,4 +2245,88 @@ Status CudaKvBackend::stream_scale(int stream, int kv, Precision p, float& out) 
   return Status::ok();
 }
 
+namespace {
+Status check_state_page(std::uint32_t page, std::uint32_t pages, Precision p, const char* call) {
+  if (page < pages) return Status::ok();
+  return {StatusCode::kOutOfRange, std::string(call) + ": page " + std::to_string(page) + " of the " +
+                                       std::string(to_string(p)) + " pool has no device storage (" +
+                                       std::to_string(pages) + " pages have)"};
+}
+}  // namespace
+
+Status CudaKvBackend::read_page(Precision p, std::uint32_t page, std::span<std::uint8_t> out) const {
+  THINKV_ONE_TOKEN_CALL();
+  const Impl& m = *impl_;
+  THINKV_RETURN_IF_ERROR(check_state_page(page, m.cap[static_cast<int>(p)], p, "read_page"));
+  THINKV_RETURN_IF_ERROR(
+      check_state_io_size(out.size(), static_cast<std::size_t>(m.layout.page_bytes(p)), "read_page"));
+  const std::uint32_t block = m.pools.base[static_cast<int>(p)] + page;
+  THINKV_CUDA_TRY(
+      cudaMemcpy(out.data(), m.pages[static_cast<int>(p)] + m.page_offset(block), out.size(), cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+Status CudaKvBackend::write_page(Precision p, std::uint32_t page, std::span<const std::uint8_t> in) {
+  THINKV_ONE_TOKEN_CALL();
+  Impl& m = *impl_;
+  THINKV_RETURN_IF_ERROR(check_state_page(page, m.cap[static_cast<int>(p)], p, "write_page"));
+  THINKV_RETURN_IF_ERROR(
+      check_state_io_size(in.size(), static_cast<std::size_t>(m.layout.page_bytes(p)), "write_page"));
+  const std::uint32_t block = m.pools.base[static_cast<int>(p)] + page;
+  THINKV_CUDA_TRY(
+      cudaMemcpy(m.pages[static_cast<int>(p)] + m.page_offset(block), in.data(), in.size(), cudaMemcpyHostToDevice));
+  m.stats.host_to_device_bytes += static_cast<std::int64_t>(in.size());
+  return Status::ok();
+}
+
+Status CudaKvBackend::read_record(std::uint32_t record, std::span<std::uint8_t> out) const {
+  THINKV_ONE_TOKEN_CALL();
+  const Impl& m = *impl_;
+  if (record >= m.num_records) {
+    return {StatusCode::kOutOfRange, "read_record: record " + std::to_string(record) + " has no device storage"};
+  }
+  THINKV_RETURN_IF_ERROR(check_state_io_size(out.size(), static_cast<std::size_t>(m.config.head_dim), "read_record"));
+  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.records + static_cast<std::size_t>(record) * m.config.head_dim, out.size(),
+                             cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+Status CudaKvBackend::write_record(std::uint32_t record, std::span<const std::uint8_t> in) {
+  THINKV_ONE_TOKEN_CALL();
+  Impl& m = *impl_;
+  if (record >= m.num_records) {
+    return {StatusCode::kOutOfRange, "write_record: record " + std::to_string(record) + " has no device storage"};
+  }
+  THINKV_RETURN_IF_ERROR(check_state_io_size(in.size(), static_cast<std::size_t>(m.config.head_dim), "write_record"));
+  THINKV_CUDA_TRY(cudaMemcpy(m.records + static_cast<std::size_t>(record) * m.config.head_dim, in.data(), in.size(),
+                             cudaMemcpyHostToDevice));
+  m.stats.host_to_device_bytes += static_cast<std::int64_t>(in.size());
+  return Status::ok();
+}
+
+Status CudaKvBackend::read_stream_scales(int stream, std::span<float> out) const {
+  THINKV_ONE_TOKEN_CALL();
+  const Impl& m = *impl_;
+  if (stream < 0 || stream >= m.config.num_streams) {
+    return {StatusCode::kOutOfRange, "read_stream_scales: stream " + std::to_string(stream) + " does not exist"};
+  }
+  THINKV_RETURN_IF_ERROR(check_state_io_size(out.size(), 2 * std::size_t{kNumPrecisions}, "read_stream_scales"));
+  THINKV_CUDA_TRY(cudaMemcpy(out.data(), m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions,
+                             out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+Status CudaKvBackend::write_stream_scales(int stream, std::span<const float> in) {
+  THINKV_ONE_TOKEN_CALL();
+  Impl& m = *impl_;
+  if (stream < 0 || stream >= m.config.num_streams) {
+    return {StatusCode::kOutOfRange, "write_stream_scales: stream " + std::to_string(stream) + " does not exist"};
+  }
+  THINKV_RETURN_IF_ERROR(check_state_io_size(in.size(), 2 * std::size_t{kNumPrecisions}, "write_stream_scales"));
+  THINKV_CUDA_TRY(cudaMemcpy(m.s2 + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, in.data(),
+                             in.size() * sizeof(float), cudaMemcpyHostToDevice));
+  m.stats.host_to_device_bytes += static_cast<std::int64_t>(in.size() * sizeof(float));
+  return Status::ok();
+}
+
 }  // namespace thinkv

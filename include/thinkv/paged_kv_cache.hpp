@@ -9,6 +9,7 @@
 /// full pool returns an error and leaves the cache exactly as it was.
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -63,6 +64,23 @@ struct MemoryUsage {
     return *this;
   }
   friend bool operator==(const MemoryUsage&, const MemoryUsage&) = default;
+};
+
+/// A stream's stored state, bit for bit (PagedKvCache::save_stream / load_streams): its blocks'
+/// metadata and the bytes behind them. Valid only for a cache of the same geometry and
+/// precision map.
+struct StreamSnapshot {
+  StreamImage image;
+  std::vector<std::uint8_t> pages;                 ///< each block's page, in image order (page_bytes of its precision)
+  std::vector<std::uint8_t> records;               ///< each record's head_dim key-scale bytes, in the image's numbering
+  std::array<float, 2 * kNumPrecisions> scales{};  ///< second-level scales, K then V, by Precision
+  std::vector<float> staged;  ///< the staged tokens, [staged][K head_dim, V head_dim] (BF16 values)
+};
+/// A staging set's open group: the type, segment of each staged token, and the set's next position.
+struct StageSnapshot {
+  ThoughtType thought = ThoughtType::kReasoning;
+  std::vector<std::uint32_t> segments;
+  std::int32_t next_position = 0;
 };
 
 /// The compressed paged KV cache over backend B (the CPU reference backend by default).
@@ -474,6 +492,138 @@ class PagedKvCache {
     return follow_table();
   }
 
+  /// The stored state of a stream (its pages, records, scales and staged tokens), for
+  /// load_streams into this cache or another of the same configuration.
+  [[nodiscard]] Status save_stream(int stream, StreamSnapshot& out) const requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    std::vector<std::uint32_t> blocks, records;
+    table_.export_stream(stream, out.image, blocks, records);
+    std::size_t bytes = 0;
+    for (std::uint32_t b : blocks) bytes += static_cast<std::size_t>(layout().page_bytes(table_.block_precision(b)));
+    out.pages.resize(bytes);
+    std::size_t at = 0;
+    for (std::uint32_t b : blocks) {
+      const Precision p = table_.block_precision(b);
+      const auto n = static_cast<std::size_t>(layout().page_bytes(p));
+      THINKV_RETURN_IF_ERROR(backend_.read_page(p, table_.pools().local_index(b), std::span(out.pages).subspan(at, n)));
+      at += n;
+    }
+    const auto d = static_cast<std::size_t>(config().head_dim);
+    out.records.resize(records.size() * d);
+    for (std::size_t j = 0; j < records.size(); ++j) {
+      THINKV_RETURN_IF_ERROR(backend_.read_record(records[j], std::span(out.records).subspan(j * d, d)));
+    }
+    THINKV_RETURN_IF_ERROR(backend_.read_stream_scales(stream, out.scales));
+    const int staged = table_.staged_count(stream);
+    out.staged.resize(static_cast<std::size_t>(staged) * 2 * d);
+    for (int r = 0; r < staged; ++r) {
+      float* row = out.staged.data() + static_cast<std::size_t>(r) * 2 * d;
+      THINKV_RETURN_IF_ERROR(backend_.read_staged(stream, r, row, row + d));
+    }
+    return Status::ok();
+  }
+  /// The open group of the stream's staging set.
+  [[nodiscard]] StageSnapshot stage_snapshot(int stream) const {
+    StageSnapshot st;
+    st.thought = table_.staged_thought(stream);
+    const int staged = table_.staged_count(stream);
+    for (int r = 0; r < staged; ++r) st.segments.push_back(table_.staged_segment(stream, r));
+    st.next_position = table_.next_position(stream);
+    return st;
+  }
+
+  /// Restores streams first .. first + in.size() - 1, whole staging sets that hold nothing (no
+  /// block, no staged token), from snapshots, and their sets' open group from `stage`. All or
+  /// nothing: kCorruptData (a snapshot this cache cannot hold: sizes, metadata, non-finite staged
+  /// values), kInvalidArgument (streams not empty or not whole sets), kPoolExhausted; on any error
+  /// the streams stay empty and nothing else changes.
+  [[nodiscard]] Status load_streams(int first, std::span<const StreamSnapshot> in,
+                                    const StageSnapshot& stage) requires state_io_backend<B> {
+    const int n = static_cast<int>(in.size());
+    const int set = config().stage_set_streams;
+    const int g = config().group_size;
+    const auto d = static_cast<std::size_t>(config().head_dim);
+    if (first < 0 || n <= 0 || first > config().num_streams - n || first % set != 0 || n % set != 0) {
+      return {StatusCode::kInvalidArgument, "load_streams: streams " + std::to_string(first) + " .. " +
+                                                std::to_string(first + n - 1) +
+                                                " are not whole staging sets of this cache's streams"};
+    }
+    for (int st = first; st < first + n; ++st) {
+      if (!table_.blocks(st).empty() || table_.staged_count(st) != 0 || table_.next_position(st) != 0) {
+        return {StatusCode::kInvalidArgument, "load_streams: stream " + std::to_string(st) +
+                                                  " holds tokens; reset it first (a load replaces nothing)"};
+      }
+    }
+    const int staged = static_cast<int>(stage.segments.size());
+    if (static_cast<int>(stage.thought) >= kNumThoughtTypes || staged >= g || stage.next_position < staged) {
+      return {StatusCode::kCorruptData, "load_streams: the staging group (" + std::to_string(staged) +
+                                            " tokens before position " + std::to_string(stage.next_position) +
+                                            ") is not one this cache can hold (group_size " + std::to_string(g) + ")"};
+    }
+    std::vector<StreamImage> images;
+    images.reserve(in.size());
+    for (int k = 0; k < n; ++k) {
+      const StreamSnapshot& sn = in[static_cast<std::size_t>(k)];
+      auto where = [&](const Status& e) {
+        return Status{e.code(), "stream " + std::to_string(k) + " of the snapshot: " + e.message()};
+      };
+      THINKV_RETURN_IF_ERROR(where(table_.check_image(sn.image)));
+      std::size_t bytes = 0;
+      for (const BlockImage& bi : sn.image.blocks) {
+        bytes += static_cast<std::size_t>(layout().page_bytes(config().precision.precision_of(bi.thought)));
+      }
+      if (sn.pages.size() != bytes || sn.records.size() != sn.image.records * d ||
+          sn.staged.size() != static_cast<std::size_t>(staged) * 2 * d) {
+        return where({StatusCode::kCorruptData, "its byte sizes do not match its blocks, records and staged tokens"});
+      }
+      for (float x : sn.scales) {
+        if (!std::isfinite(x) || x < 0.0f)
+          return where({StatusCode::kCorruptData, "a second-level scale is not finite"});
+      }
+      for (float x : sn.staged) {
+        if (!std::isfinite(x)) return where({StatusCode::kCorruptData, "a staged value is not finite"});
+      }
+      images.push_back(sn.image);
+    }
+    PlanClaims claims;
+    std::vector<std::vector<std::uint32_t>> block_ids, record_ids;
+    THINKV_RETURN_IF_ERROR(table_.plan_import(images, claims, block_ids, record_ids));
+    // Storage first (nothing changes when it fails), then the table, then the bytes.
+    for (Precision p : kAllPrecisions) {
+      const int i = static_cast<int>(p);
+      const std::uint32_t need = table_.blocks_needed(p, block_ids);
+      if (need <= backend_blocks_[i]) continue;
+      if (Status e = backend_.resize_pool(p, need); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_blocks_[i] = need;
+    }
+    if (const std::uint32_t need = table_.records_needed(record_ids); need > backend_records_) {
+      if (Status e = backend_.resize_records(need); !e.is_ok()) {
+        (void)follow_table();
+        return e;
+      }
+      backend_records_ = need;
+    }
+    // The bytes go into pages and records still free in the table (free storage may hold any
+    // bytes): a failure takes back the storage and the streams' scales and staging, and the
+    // table never saw anything.
+    if (Status e = write_snapshots(first, in, block_ids, record_ids); !e.is_ok()) {
+      for (int st = first; st < first + n; ++st) (void)backend_.reset_stream(st);
+      (void)follow_table();
+      return e;
+    }
+    for (int k = 0; k < n; ++k) {
+      table_.import_stream(first + k, images[static_cast<std::size_t>(k)], block_ids[static_cast<std::size_t>(k)],
+                           record_ids[static_cast<std::size_t>(k)]);
+    }
+    for (int k = 0; k < n; k += set) {
+      table_.set_staged(first + k, stage.thought, stage.segments, stage.next_position);
+    }
+    return Status::ok();
+  }
+
   /// Exact memory of one stream. Precondition: 0 <= stream < num_streams (check_stream()).
   [[nodiscard]] MemoryUsage memory(int stream) const {
     assert(table_.check_stream(stream).is_ok());
@@ -572,6 +722,33 @@ class PagedKvCache {
         return e;
       }
       backend_records_ = records;
+    }
+    return Status::ok();
+  }
+  /// load_streams' writes of the snapshots' bytes into the storage the table gave them.
+  [[nodiscard]] Status write_snapshots(
+      int first, std::span<const StreamSnapshot> in, const std::vector<std::vector<std::uint32_t>>& block_ids,
+      const std::vector<std::vector<std::uint32_t>>& record_ids) requires state_io_backend<B> {
+    const auto d = static_cast<std::size_t>(config().head_dim);
+    for (std::size_t k = 0; k < in.size(); ++k) {
+      const StreamSnapshot& sn = in[k];
+      const int stream = first + static_cast<int>(k);
+      std::size_t at = 0;
+      for (std::uint32_t b : block_ids[k]) {
+        const Precision p = table_.pools().precision_of(b);
+        const auto bytes = static_cast<std::size_t>(layout().page_bytes(p));
+        THINKV_RETURN_IF_ERROR(
+            backend_.write_page(p, table_.pools().local_index(b), std::span(sn.pages).subspan(at, bytes)));
+        at += bytes;
+      }
+      for (std::size_t j = 0; j < record_ids[k].size(); ++j) {
+        THINKV_RETURN_IF_ERROR(backend_.write_record(record_ids[k][j], std::span(sn.records).subspan(j * d, d)));
+      }
+      THINKV_RETURN_IF_ERROR(backend_.write_stream_scales(stream, sn.scales));
+      for (std::size_t r = 0; r * 2 * d < sn.staged.size(); ++r) {
+        const float* row = sn.staged.data() + r * 2 * d;
+        THINKV_RETURN_IF_ERROR(backend_.stage(stream, static_cast<int>(r), row, row + d));
+      }
     }
     return Status::ok();
   }

@@ -22,6 +22,7 @@ enum class StatusCode : std::uint8_t {
   kUnsupported,      ///< a valid request this build or backend does not implement
   kCudaError,        ///< a CUDA runtime call failed (message carries cudaGetErrorString)
   kInternal,         ///< an invariant of the library broke: a bug, please report it
+  kCorruptData,      ///< saved data is truncated, damaged or inconsistent (message says where)
 };
 
 constexpr std::string_view to_string(StatusCode c) noexcept {
@@ -35,6 +36,7 @@ constexpr std::string_view to_string(StatusCode c) noexcept {
     case StatusCode::kUnsupported: return "unsupported";
     case StatusCode::kCudaError: return "CUDA error";
     case StatusCode::kInternal: return "internal error";
+    case StatusCode::kCorruptData: return "corrupt data";
   }
   return "unknown";
 }

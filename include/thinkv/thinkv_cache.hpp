@@ -35,6 +35,7 @@
 #include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/policy/cache_policy.hpp"
+#include "thinkv/seq/state_codec.hpp"
 #include "thinkv/tbe/token_selector.hpp"
 #include "thinkv/thought/classifier.hpp"
 
@@ -722,6 +723,204 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
+  // ---- saving and loading a sequence's state (llama_state_seq_get_data / set_data) ------------
+
+  /// Writes sequence `seq`'s whole state into `out` (replaced): its pages, key-scale records,
+  /// second-level scales, staged tokens, block metadata (holes included), segments, thought type
+  /// and counters, bit for bit, in the versioned and checksummed format of
+  /// seq/state_codec.hpp (docs/formats.md, "Sequence state"). load_sequence restores it into an
+  /// empty sequence of this cache or of another with the same geometry and precision map; the
+  /// sequence then decodes exactly as the saved one would have. The classifier's own state is
+  /// not saved (the built-in ones keep none per sequence). Waits for the sequence's pending
+  /// K-means selections. Errors (nothing changes): sequence out of range, faulted, in the open
+  /// step, or with an open token or prompt (kInvalidArgument).
+  [[nodiscard]] Status save_sequence(int seq, std::vector<std::uint8_t>& out) requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    THINKV_RETURN_IF_ERROR(check_quiet(seq, "save_sequence"));
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    const SeqState& s = seq_(seq);
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    std::vector<StreamSnapshot> snaps(static_cast<std::size_t>(last - first));
+    for (int st = first; st < last; ++st) {
+      THINKV_RETURN_IF_ERROR(cache_.save_stream(st, snaps[static_cast<std::size_t>(st - first)]));
+    }
+    const StageSnapshot stage = cache_.stage_snapshot(first);
+    std::vector<std::uint8_t> bytes;
+    begin_state(bytes);
+    StateWriter w(bytes);
+    write_fingerprint(w);
+    w.put(s.position);
+    w.put(s.next_segment);
+    w.put(s.type);
+    w.put(s.pinned);
+    w.put(s.eviction_calls);
+    w.put(s.tokens_evicted);
+    w.put(s.tokens_removed);
+    const ThoughtStats& ts = s.tracker.stats();
+    w.put(s.tracker.current());
+    w.put(ts.refreshes);
+    w.put(ts.refresh_ns);
+    w.put(ts.changes);
+    w.put_span(std::span<const std::int64_t>(ts.refresh_histogram));
+    w.put_span(std::span<const std::int64_t>(ts.tokens));
+    w.put(static_cast<std::uint32_t>(s.layer_sparsity.size()));
+    w.put_span(std::span<const float>(s.layer_sparsity));
+    w.put(static_cast<std::uint32_t>(s.segments.size()));
+    for (const SegmentState& g : s.segments) {
+      w.put(g.id);
+      w.put(g.type);
+      w.put(g.start);
+      w.put(g.size);
+      w.put(static_cast<std::int32_t>(g.level));
+      w.put(g.closed);
+      w.put(g.pinned);
+    }
+    w.put(static_cast<std::uint32_t>(s.ragged.size()));
+    w.put_span(std::span<const std::uint32_t>(s.ragged));
+    w.put(stage.thought);
+    w.put(static_cast<std::uint32_t>(stage.segments.size()));
+    w.put_span(std::span<const std::uint32_t>(stage.segments));
+    w.put(stage.next_position);
+    w.put(static_cast<std::uint32_t>(snaps.size()));
+    for (const StreamSnapshot& sn : snaps) {
+      w.put(static_cast<std::uint32_t>(sn.image.blocks.size()));
+      w.put(sn.image.records);
+      for (const BlockImage& bi : sn.image.blocks) {
+        w.put(bi.thought);
+        w.put(bi.fill);
+        w.put(bi.seg_lo);
+        w.put(bi.seg_hi);
+        w.put_span(std::span<const std::uint64_t>(bi.mask));
+        w.put_span(std::span<const std::uint32_t>(bi.slot_record));
+        w.put_span(std::span<const std::uint32_t>(bi.slot_segment));
+        w.put_span(std::span<const std::int32_t>(bi.slot_position));
+      }
+      w.put(static_cast<std::uint64_t>(sn.pages.size()));
+      w.put_bytes(sn.pages);
+      w.put(static_cast<std::uint64_t>(sn.records.size()));
+      w.put_bytes(sn.records);
+      w.put_span(std::span<const float>(sn.scales));
+      w.put(static_cast<std::uint32_t>(sn.staged.size()));
+      w.put_span(std::span<const float>(sn.staged));
+    }
+    finish_state(bytes);
+    out = std::move(bytes);
+    return Status::ok();
+  }
+
+  /// Restores a state save_sequence wrote into sequence `seq`, which must be empty (never
+  /// decoded, or reset: a load replaces nothing; reset_sequence first). All or nothing: on any
+  /// error the sequence stays empty and the cache is as it was. Errors: kCorruptData (truncated,
+  /// damaged: the checksum, or inconsistent: the message names the field), kUnsupported (another
+  /// format version), kInvalidArgument (saved by a cache of another geometry or precision map:
+  /// the message names the value; the sequence is not empty, or busy), kOutOfRange (positions
+  /// past max_tokens), kPoolExhausted (the pools cannot hold it).
+  [[nodiscard]] Status load_sequence(int seq, std::span<const std::uint8_t> in) requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    THINKV_RETURN_IF_ERROR(check_quiet(seq, "load_sequence"));
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    {
+      const SeqState& d = seq_(seq);
+      if (d.position != 0 || !d.segments.empty() || cache_.table().staged_count(first) != 0) {
+        return {StatusCode::kInvalidArgument, "load_sequence(" + std::to_string(seq) + "): the sequence holds " +
+                                                  std::to_string(d.position) +
+                                                  " positions; reset_sequence it first (a load replaces nothing)"};
+      }
+    }
+    std::span<const std::uint8_t> body;
+    THINKV_RETURN_IF_ERROR(open_state(in, body));
+    StateReader r(body);
+    THINKV_RETURN_IF_ERROR(check_fingerprint(r));
+    SeqState s;
+    reset_state(s);
+    s.generation = seq_(seq).generation;
+    ThoughtType current{};
+    ThoughtStats ts;
+    THINKV_RETURN_IF_ERROR(r.get(s.position, "position"));
+    THINKV_RETURN_IF_ERROR(r.get(s.next_segment, "next segment"));
+    THINKV_RETURN_IF_ERROR(r.get(s.type, "thought type"));
+    THINKV_RETURN_IF_ERROR(r.get(s.pinned, "pinned prefix"));
+    THINKV_RETURN_IF_ERROR(r.get(s.eviction_calls, "eviction calls"));
+    THINKV_RETURN_IF_ERROR(r.get(s.tokens_evicted, "tokens evicted"));
+    THINKV_RETURN_IF_ERROR(r.get(s.tokens_removed, "tokens removed"));
+    THINKV_RETURN_IF_ERROR(r.get(current, "tracker type"));
+    THINKV_RETURN_IF_ERROR(r.get(ts.refreshes, "tracker refreshes"));
+    THINKV_RETURN_IF_ERROR(r.get(ts.refresh_ns, "tracker time"));
+    THINKV_RETURN_IF_ERROR(r.get(ts.changes, "tracker changes"));
+    for (auto& h : ts.refresh_histogram) THINKV_RETURN_IF_ERROR(r.get(h, "tracker histogram"));
+    for (auto& t : ts.tokens) THINKV_RETURN_IF_ERROR(r.get(t, "tracker tokens"));
+    std::uint32_t n = 0;
+    THINKV_RETURN_IF_ERROR(r.get(n, "layer count"));
+    if (n != static_cast<std::uint32_t>(config_.num_layers)) return r.bad("layer count", std::to_string(n));
+    THINKV_RETURN_IF_ERROR(r.get_vector(s.layer_sparsity, n, "layer sparsity"));
+    THINKV_RETURN_IF_ERROR(r.get(n, "segment count"));
+    if (n > r.left() / 19) return r.bad("segment count", std::to_string(n));
+    s.segments.reserve(n);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (r.left() < 19) return r.bad("segments", "truncated");
+      SegmentState g;
+      std::int32_t level = 0;
+      THINKV_RETURN_IF_ERROR(r.get(g.id, "segment id"));
+      THINKV_RETURN_IF_ERROR(r.get(g.type, "segment type"));
+      THINKV_RETURN_IF_ERROR(r.get(g.start, "segment start"));
+      THINKV_RETURN_IF_ERROR(r.get(g.size, "segment size"));
+      THINKV_RETURN_IF_ERROR(r.get(level, "segment level"));
+      THINKV_RETURN_IF_ERROR(r.get(g.closed, "segment closed"));
+      THINKV_RETURN_IF_ERROR(r.get(g.pinned, "segment pinned"));
+      g.level = level;
+      s.segments.push_back(g);
+    }
+    THINKV_RETURN_IF_ERROR(r.get(n, "ragged count"));
+    if (n > s.segments.size()) return r.bad("ragged count", std::to_string(n));
+    THINKV_RETURN_IF_ERROR(r.get_vector(s.ragged, n, "ragged segments"));
+    StageSnapshot stage;
+    THINKV_RETURN_IF_ERROR(r.get(stage.thought, "staged type"));
+    THINKV_RETURN_IF_ERROR(r.get(n, "staged count"));
+    if (n >= static_cast<std::uint32_t>(config_.group_size)) return r.bad("staged count", std::to_string(n));
+    THINKV_RETURN_IF_ERROR(r.get_vector(stage.segments, n, "staged segments"));
+    THINKV_RETURN_IF_ERROR(r.get(stage.next_position, "next position"));
+    THINKV_RETURN_IF_ERROR(r.get(n, "stream count"));
+    if (n != static_cast<std::uint32_t>(last - first)) return r.bad("stream count", std::to_string(n));
+    std::vector<StreamSnapshot> snaps(n);
+    const auto words = static_cast<std::size_t>(cache_.layout().evict_mask_words());
+    const auto bs = static_cast<std::size_t>(config_.block_size);
+    for (StreamSnapshot& sn : snaps) {
+      std::uint32_t blocks = 0;
+      THINKV_RETURN_IF_ERROR(r.get(blocks, "block count"));
+      THINKV_RETURN_IF_ERROR(r.get(sn.image.records, "record count"));
+      if (blocks > r.left() / (11 + 8 * words + 12 * bs)) return r.bad("block count", std::to_string(blocks));
+      sn.image.blocks.resize(blocks);
+      for (BlockImage& bi : sn.image.blocks) {
+        THINKV_RETURN_IF_ERROR(r.get(bi.thought, "block type"));
+        THINKV_RETURN_IF_ERROR(r.get(bi.fill, "block fill"));
+        THINKV_RETURN_IF_ERROR(r.get(bi.seg_lo, "block segments"));
+        THINKV_RETURN_IF_ERROR(r.get(bi.seg_hi, "block segments"));
+        THINKV_RETURN_IF_ERROR(r.get_vector(bi.mask, words, "eviction mask"));
+        THINKV_RETURN_IF_ERROR(r.get_vector(bi.slot_record, bs, "slot records"));
+        THINKV_RETURN_IF_ERROR(r.get_vector(bi.slot_segment, bs, "slot segments"));
+        THINKV_RETURN_IF_ERROR(r.get_vector(bi.slot_position, bs, "slot positions"));
+      }
+      std::uint64_t bytes = 0;
+      THINKV_RETURN_IF_ERROR(r.get(bytes, "page bytes"));
+      if (bytes > r.left()) return r.bad("page bytes", "truncated");
+      THINKV_RETURN_IF_ERROR(r.get_bytes(sn.pages, static_cast<std::size_t>(bytes), "pages"));
+      THINKV_RETURN_IF_ERROR(r.get(bytes, "record bytes"));
+      if (bytes > r.left()) return r.bad("record bytes", "truncated");
+      THINKV_RETURN_IF_ERROR(r.get_bytes(sn.records, static_cast<std::size_t>(bytes), "records"));
+      for (float& x : sn.scales) THINKV_RETURN_IF_ERROR(r.get(x, "stream scales"));
+      THINKV_RETURN_IF_ERROR(r.get(n, "staged values"));
+      THINKV_RETURN_IF_ERROR(r.get_vector(sn.staged, n, "staged values"));
+    }
+    if (r.left() != 0) return r.bad("body", "has " + std::to_string(r.left()) + " bytes past its last stream");
+    THINKV_RETURN_IF_ERROR(check_loaded(s, current, stage));
+    THINKV_RETURN_IF_ERROR(cache_.load_streams(first, snaps, stage));
+    s.tracker.restore(current, ts);
+    release_reservation(seq_(seq));
+    seq_(seq) = std::move(s);
+    return Status::ok();
+  }
+
   // ---- batched decode (backends modelling batched_kv_backend) ---------------------------------
   //
   // One step of a batch of sequences, one backend call per layer for the whole batch:
@@ -1264,6 +1463,98 @@ class BasicThinKvCache {
     std::vector<std::uint8_t> appended;  // [num_layers] append_batch done
   };
 
+  /// save_sequence / load_sequence: the sequence is not busy (open step, token or prompt) nor faulted.
+  [[nodiscard]] Status check_quiet(int seq, const char* call) const {
+    const std::string who = std::string(call) + "(" + std::to_string(seq) + ")";
+    if (step_.open && std::find(step_.seqs.begin(), step_.seqs.end(), seq) != step_.seqs.end()) {
+      return {StatusCode::kInvalidArgument, who + ": the sequence is in the open step (end_step it first)"};
+    }
+    const SeqState& s = seq_(seq);
+    if (s.faulted) return fault_status(seq);
+    if (s.in_token || s.prompt > 0) {
+      return {StatusCode::kInvalidArgument,
+              who + ": the sequence has an open " +
+                  (s.in_token ? "token (end_token it first)" : "prompt (end_prompt it first)")};
+    }
+    return Status::ok();
+  }
+  /// What a saved state must have been saved by: this cache's geometry and precision map.
+  void write_fingerprint(StateWriter& w) const {
+    const CacheLayout& L = cache_.layout();
+    w.put(static_cast<std::int32_t>(config_.num_layers));
+    w.put(static_cast<std::int32_t>(config_.num_kv_heads));
+    w.put(static_cast<std::int32_t>(config_.head_dim));
+    w.put(static_cast<std::int32_t>(config_.group_size));
+    w.put(static_cast<std::int32_t>(config_.block_size));
+    w.put(static_cast<std::int32_t>(config_.segment_len));
+    w.put(static_cast<std::int32_t>(policy_.classifier.tau()));
+    for (ThoughtType t : kAllThoughtTypes) w.put(cache_.config().precision.precision_of(t));
+    for (Precision p : kAllPrecisions) w.put(L.page_bytes(p));
+  }
+  [[nodiscard]] Status check_fingerprint(StateReader& r) const {
+    const CacheLayout& L = cache_.layout();
+    auto same = [&r](auto want, const char* field) -> Status {
+      decltype(want) got{};
+      THINKV_RETURN_IF_ERROR(r.get(got, field));
+      if (got == want) return Status::ok();
+      return {StatusCode::kInvalidArgument, std::string("sequence state: saved by a cache with ") + field + " " +
+                                                std::to_string(static_cast<std::int64_t>(got)) + "; this one has " +
+                                                std::to_string(static_cast<std::int64_t>(want))};
+    };
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.num_layers), "num_layers"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.num_kv_heads), "num_kv_heads"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.head_dim), "head_dim"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.group_size), "group_size"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.block_size), "block_size"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(config_.segment_len), "segment_len"));
+    THINKV_RETURN_IF_ERROR(same(static_cast<std::int32_t>(policy_.classifier.tau()), "tau"));
+    const char* names[kNumThoughtTypes] = {"the precision of R (Precision value)",
+                                           "the precision of E (Precision value)",
+                                           "the precision of T (Precision value)"};
+    for (ThoughtType t : kAllThoughtTypes) {
+      THINKV_RETURN_IF_ERROR(
+          same(static_cast<std::uint8_t>(cache_.config().precision.precision_of(t)), names[static_cast<int>(t)]));
+    }
+    for (Precision p : kAllPrecisions) THINKV_RETURN_IF_ERROR(same(L.page_bytes(p), "page bytes"));
+    return Status::ok();
+  }
+  /// The sequence-level fields of a state being loaded, against this cache's limits.
+  [[nodiscard]] Status check_loaded(const SeqState& s, ThoughtType current, const StageSnapshot& stage) const {
+    auto bad = [](const std::string& what) { return Status{StatusCode::kCorruptData, "sequence state: " + what}; };
+    if (s.position < 0) return bad("position " + std::to_string(s.position));
+    if (s.position > config_.max_tokens) {
+      return {StatusCode::kOutOfRange, "sequence state: position " + std::to_string(s.position) +
+                                           " is past this cache's max_tokens " + std::to_string(config_.max_tokens)};
+    }
+    if (stage.next_position != s.position) {
+      return bad("the staging set's next position " + std::to_string(stage.next_position) + " is not position " +
+                 std::to_string(s.position));
+    }
+    if (s.pinned < 0 || s.pinned > config_.max_tokens) return bad("pinned prefix " + std::to_string(s.pinned));
+    if (static_cast<int>(s.type) >= kNumThoughtTypes || static_cast<int>(current) >= kNumThoughtTypes) {
+      return bad("thought type out of range");
+    }
+    std::int64_t prev = -1;
+    for (const SegmentState& g : s.segments) {
+      if (static_cast<std::int64_t>(g.id) <= prev || g.id >= s.next_segment ||
+          static_cast<int>(g.type) >= kNumThoughtTypes || g.start < 0 || g.start >= std::max(s.position, 1) ||
+          g.size < 0 || g.level < 0) {
+        return bad("segment " + std::to_string(g.id) + " is not one a sequence at position " +
+                   std::to_string(s.position) + " can have");
+      }
+      prev = g.id;
+    }
+    for (std::uint32_t id : s.ragged) {
+      if (std::none_of(s.segments.begin(), s.segments.end(), [id](const SegmentState& g) { return g.id == id; })) {
+        return bad("ragged segment " + std::to_string(id) + " is not a segment");
+      }
+    }
+    for (std::uint32_t id : stage.segments) {
+      if (id >= s.next_segment) return bad("staged token of segment " + std::to_string(id) + " past the last");
+    }
+    return Status::ok();
+  }
+
   void release_reservation(SeqState& s) {
     reserved_ = reserved_ - s.reserved;
     s.reserved = PlanClaims{};
@@ -1621,7 +1912,7 @@ class BasicThinKvCache {
             THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
           }
         }
-        SegmentTokens tokens{keys, positions, d, st, segment};
+        SegmentTokens tokens{keys, positions, d, st, segment, st - stream_of(seq, 0, 0)};
         const std::vector<int> kept = policy_.selector.select(tokens, size);
         ++w.selections;
         THINKV_RETURN_IF_ERROR(check_selection(kept, tokens.count(), size, st, segment));
@@ -1764,8 +2055,8 @@ class BasicThinKvCache {
           j.segment = segment;
           j.keep = size;
           j.count = count;
-          std::uint64_t mix = policy_.selector.options.seed ^ (static_cast<std::uint64_t>(st) << 32) ^ segment;
-          j.seed = splitmix64(mix);  // KmeansSelector::select's seed
+          // KmeansSelector::select's seed: by the stream's lane in its sequence
+          j.seed = selection_seed(policy_.selector.options.seed, st - stream_of(w->seq, 0, 0), segment);
           jobs.push_back(j);
           job_of.push_back(w);
         }

@@ -490,3 +490,80 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
     CHECK(s.message().find("bytes") != std::string::npos);
   }
 }
+
+TEST_CASE("A sequence's saved state moves between the CPU and the GPU caches bit for bit", "[cuda_backend]") {
+  // Both caches decode sequence 0 alike; each loads the other's saved state into sequence 1. The
+  // two caches then hold the same bytes (the GPU's raw writes and reads, and the state's byte
+  // layout, are the CPU backend's), saving the GPU's loaded sequence gives the CPU's bytes back,
+  // and all four sequences decode on alike.
+  TT_SEEDED_RNG();
+  thinkv::ThinKvConfig c;
+  c.num_sequences = 2;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.num_q_heads = 8;
+  c.head_dim = 64;
+  c.group_size = 16;
+  c.block_size = 16;
+  c.max_tokens = 1200;
+  c.segment_len = 64;
+  c.token_budget = 160;
+  thinkv::ThinKvPolicy p;
+  p.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
+  p.precision = thinkv::kR4E4T2;
+  p.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
+  thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), o1(q.size()), o2(q.size());
+  float sharp = 1.0f;
+  auto step = [&](int t, std::initializer_list<int> seqs) {
+    if (t % 64 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+    for (int l = 0; l < c.num_layers; ++l) {
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      for (auto& x : q) x = nd(rng) * sharp;
+      for (int s : seqs) {
+        if (l == 0) {
+          REQUIRE(cpu.begin_token(s).is_ok());
+          REQUIRE(gpu.begin_token(s).is_ok());
+        }
+        REQUIRE(cpu.append(s, l, k, v).is_ok());
+        REQUIRE(gpu.append(s, l, k, v).is_ok());
+        REQUIRE(cpu.attend(s, l, q, o1).is_ok());
+        REQUIRE(gpu.attend(s, l, q, o2).is_ok());
+        double max_ref = 0, max_err = 0;
+        for (std::size_t i = 0; i < o1.size(); ++i) {
+          max_ref = std::max(max_ref, std::fabs(static_cast<double>(o1[i])));
+          max_err = std::max(max_err, std::fabs(static_cast<double>(o1[i]) - o2[i]));
+        }
+        INFO("t " << t << " sequence " << s << " layer " << l);
+        REQUIRE(max_err <= attention_tolerance(static_cast<int>(cpu.live_tokens(s)), max_ref));
+      }
+    }
+    for (int s : seqs) {
+      REQUIRE(cpu.end_token(s).is_ok());
+      REQUIRE(gpu.end_token(s).is_ok());
+      REQUIRE(cpu.tracker(s).current() == gpu.tracker(s).current());
+      REQUIRE(cpu.segments(s) == gpu.segments(s));
+      REQUIRE(cpu.live_tokens(s) == gpu.live_tokens(s));
+    }
+  };
+  for (int t = 0; t < 500; ++t) step(t, {0});
+  REQUIRE(cpu.stats().tokens_evicted > 0);
+  std::vector<std::uint8_t> from_cpu, from_gpu, again;
+  REQUIRE(cpu.save_sequence(0, from_cpu).is_ok());
+  REQUIRE(gpu.save_sequence(0, from_gpu).is_ok());
+  const thinkv::Status lg = gpu.load_sequence(1, from_cpu);
+  INFO(lg.to_string());
+  REQUIRE(lg.is_ok());
+  REQUIRE(cpu.load_sequence(1, from_gpu).is_ok());
+  REQUIRE(gpu.save_sequence(1, again).is_ok());
+  REQUIRE(again == from_cpu);
+  compare_storage(cpu.paged(), gpu.paged());
+  for (int t = 500; t < 700; ++t) step(t, {0, 1});
+  REQUIRE(cpu.segments(0) == cpu.segments(1));
+  REQUIRE(gpu.segments(0) == gpu.segments(1));
+  compare_storage(cpu.paged(), gpu.paged());
+}

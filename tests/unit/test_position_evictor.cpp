@@ -69,7 +69,7 @@ struct PositionOrderedKmeans {
                   keys.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(j) * d));
       pos[static_cast<std::size_t>(j)] = t.positions[src];
     }
-    const SegmentTokens sorted{keys, pos, d, t.stream, t.segment};
+    const SegmentTokens sorted{keys, pos, d, t.stream, t.segment, t.lane};
     std::vector<int> kept;
     for (int j : kmeans.select(sorted, keep)) kept.push_back(order[static_cast<std::size_t>(j)]);
     std::sort(kept.begin(), kept.end());

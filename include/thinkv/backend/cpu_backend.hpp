@@ -505,6 +505,39 @@ class BasicCpuKvBackend {
     if (record >= records_) return poison(d);
     return {record_ptr(record), d};
   }
+  // ---- raw storage access (state_io_backend: saving and loading sequence state) ---------------
+
+  [[nodiscard]] Status read_page(Precision p, std::uint32_t page, std::span<std::uint8_t> out) const {
+    THINKV_RETURN_IF_ERROR(check_page(p, page, out.size(), "read_page"));
+    std::copy_n(page_ptr(pools_.base[static_cast<int>(p)] + page), out.size(), out.data());
+    return Status::ok();
+  }
+  [[nodiscard]] Status write_page(Precision p, std::uint32_t page, std::span<const std::uint8_t> in) {
+    THINKV_RETURN_IF_ERROR(check_page(p, page, in.size(), "write_page"));
+    std::copy_n(in.data(), in.size(), const_cast<std::uint8_t*>(page_ptr(pools_.base[static_cast<int>(p)] + page)));
+    return Status::ok();
+  }
+  [[nodiscard]] Status read_record(std::uint32_t record, std::span<std::uint8_t> out) const {
+    THINKV_RETURN_IF_ERROR(check_record(record, out.size(), "read_record"));
+    std::copy_n(record_ptr(record), out.size(), out.data());
+    return Status::ok();
+  }
+  [[nodiscard]] Status write_record(std::uint32_t record, std::span<const std::uint8_t> in) {
+    THINKV_RETURN_IF_ERROR(check_record(record, in.size(), "write_record"));
+    std::copy_n(in.data(), in.size(), record_ptr(record));
+    return Status::ok();
+  }
+  [[nodiscard]] Status read_stream_scales(int stream, std::span<float> out) const {
+    THINKV_RETURN_IF_ERROR(check_scales(stream, out.size(), "read_stream_scales"));
+    std::copy_n(s2_.data() + static_cast<std::size_t>(stream) * 2 * kNumPrecisions, out.size(), out.data());
+    return Status::ok();
+  }
+  [[nodiscard]] Status write_stream_scales(int stream, std::span<const float> in) {
+    THINKV_RETURN_IF_ERROR(check_scales(stream, in.size(), "write_stream_scales"));
+    std::copy_n(in.data(), in.size(), s2_.data() + static_cast<std::size_t>(stream) * 2 * kNumPrecisions);
+    return Status::ok();
+  }
+
   /// Pages of pool p with storage, and records with storage.
   [[nodiscard]] std::uint32_t pool_pages(Precision p) const noexcept { return pool_pages_[static_cast<int>(p)]; }
   [[nodiscard]] std::uint32_t records_allocated() const noexcept { return records_; }
@@ -565,6 +598,27 @@ class BasicCpuKvBackend {
       chunks.pop_back();
     }
   }
+  [[nodiscard]] Status check_page(Precision p, std::uint32_t page, std::size_t bytes, const char* call) const {
+    if (page >= pool_pages_[static_cast<int>(p)]) {
+      return {StatusCode::kOutOfRange, std::string(call) + ": page " + std::to_string(page) + " of the " +
+                                           std::string(to_string(p)) + " pool has no storage (" +
+                                           std::to_string(pool_pages_[static_cast<int>(p)]) + " pages have)"};
+    }
+    return check_state_io_size(bytes, static_cast<std::size_t>(layout_.page_bytes(p)), call);
+  }
+  [[nodiscard]] Status check_record(std::uint32_t record, std::size_t bytes, const char* call) const {
+    if (record >= records_) {
+      return {StatusCode::kOutOfRange, std::string(call) + ": record " + std::to_string(record) + " has no storage (" +
+                                           std::to_string(records_) + " records have)"};
+    }
+    return check_state_io_size(bytes, static_cast<std::size_t>(config_.head_dim), call);
+  }
+  [[nodiscard]] Status check_scales(int stream, std::size_t n, const char* call) const {
+    if (stream < 0 || stream >= config_.num_streams) {
+      return {StatusCode::kOutOfRange, std::string(call) + ": stream " + std::to_string(stream) + " does not exist"};
+    }
+    return check_state_io_size(n, 2 * static_cast<std::size_t>(kNumPrecisions), call);
+  }
   [[nodiscard]] bool has_storage(std::uint32_t block) const noexcept {
     return block < pools_.total &&
            pools_.local_index(block) < pool_pages_[static_cast<int>(pools_.precision_of(block))];
@@ -624,6 +678,7 @@ class BasicCpuKvBackend {
 
 /// The CPU backend with the standard allocator.
 using CpuKvBackend = BasicCpuKvBackend<>;
-static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend> && segment_selecting_backend<CpuKvBackend>);
+static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend> && segment_selecting_backend<CpuKvBackend> &&
+              state_io_backend<CpuKvBackend>);
 
 }  // namespace thinkv

@@ -169,11 +169,21 @@ class CudaKvBackend {
   [[nodiscard]] Status copy_record(std::uint32_t record, std::vector<std::uint8_t>& out) const;
   [[nodiscard]] Status stream_scale(int stream, int kv, Precision p, float& out) const;
 
+  /// Raw storage access (state_io_backend: saving and loading sequence state): synchronous
+  /// copies after the backend's stream drained.
+  [[nodiscard]] Status read_page(Precision p, std::uint32_t page, std::span<std::uint8_t> out) const;
+  [[nodiscard]] Status write_page(Precision p, std::uint32_t page, std::span<const std::uint8_t> in);
+  [[nodiscard]] Status read_record(std::uint32_t record, std::span<std::uint8_t> out) const;
+  [[nodiscard]] Status write_record(std::uint32_t record, std::span<const std::uint8_t> in);
+  [[nodiscard]] Status read_stream_scales(int stream, std::span<float> out) const;
+  [[nodiscard]] Status write_stream_scales(int stream, std::span<const float> in);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 static_assert(kv_backend<CudaKvBackend> && batched_kv_backend<CudaKvBackend> &&
-              segment_selecting_backend<CudaKvBackend> && async_selecting_backend<CudaKvBackend>);
+              segment_selecting_backend<CudaKvBackend> && async_selecting_backend<CudaKvBackend> &&
+              state_io_backend<CudaKvBackend>);
 
 }  // namespace thinkv

@@ -18,6 +18,7 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -88,6 +89,33 @@ concept kv_backend = requires(B& b, const B& cb, const StorageConfig& config, Pr
   { cb.stats() } -> std::same_as<BackendStats>;
 };
 
+/// A backend whose stored bytes can be read and written raw, so that a sequence's state is saved
+/// and restored bit for bit (BasicThinKvCache::save_sequence / load_sequence). Page `page` of pool
+/// p is the pool's page index (block id - PoolMap::base[p]) and holds CacheLayout::page_bytes(p)
+/// bytes; a key-scale record holds head_dim bytes (its E4M3 key scales); a stream's scales are its
+/// 2 x kNumPrecisions second-level scales (K then V, each by Precision). Reads and writes name
+/// storage that exists (kOutOfRange or kInvalidArgument otherwise) and take spans of exactly those
+/// sizes (kShapeMismatch). Writes are not commits: they do not count in page_bytes_written. Not a
+/// hot path: a device backend may synchronise.
+template <class B>
+concept state_io_backend = kv_backend<B> &&
+    requires(B& b, const B& cb, Precision p, std::uint32_t i, int stream, std::span<std::uint8_t> out,
+             std::span<const std::uint8_t> in, std::span<float> fout, std::span<const float> fin) {
+  { cb.read_page(p, i, out) } -> std::same_as<Status>;
+  { b.write_page(p, i, in) } -> std::same_as<Status>;
+  { cb.read_record(i, out) } -> std::same_as<Status>;
+  { b.write_record(i, in) } -> std::same_as<Status>;
+  { cb.read_stream_scales(stream, fout) } -> std::same_as<Status>;
+  { b.write_stream_scales(stream, fin) } -> std::same_as<Status>;
+};
+
+/// The sizes state_io_backend's calls check, for backends to share the message.
+inline Status check_state_io_size(std::size_t got, std::size_t want, const char* what) {
+  if (got == want) return Status::ok();
+  return {StatusCode::kShapeMismatch, std::string(what) + ": " + std::to_string(got) + " bytes or values given, " +
+                                          std::to_string(want) + " expected"};
+}
+
 /// The checks every backend makes of an attention's view before reading it: one StreamView per KV
 /// head naming args.kv_streams[h], at least one token in each, every listed block in a pool's
 /// pages with storage. (The CPU backend also checks each stream's live count against the masks.)
@@ -131,6 +159,31 @@ class KvBackend {
   [[nodiscard]] virtual Status read_staged(int stream, int row, float* k, float* v) const = 0;
   [[nodiscard]] virtual Status attend(const AttendView& view, const DecodeAttentionArgs& args) const = 0;
   [[nodiscard]] virtual BackendStats stats() const = 0;
+  /// state_io_backend's calls; a backend without raw access answers kUnsupported.
+  [[nodiscard]] virtual Status read_page(Precision, std::uint32_t, std::span<std::uint8_t>) const {
+    return unsupported("read_page");
+  }
+  [[nodiscard]] virtual Status write_page(Precision, std::uint32_t, std::span<const std::uint8_t>) {
+    return unsupported("write_page");
+  }
+  [[nodiscard]] virtual Status read_record(std::uint32_t, std::span<std::uint8_t>) const {
+    return unsupported("read_record");
+  }
+  [[nodiscard]] virtual Status write_record(std::uint32_t, std::span<const std::uint8_t>) {
+    return unsupported("write_record");
+  }
+  [[nodiscard]] virtual Status read_stream_scales(int, std::span<float>) const {
+    return unsupported("read_stream_scales");
+  }
+  [[nodiscard]] virtual Status write_stream_scales(int, std::span<const float>) {
+    return unsupported("write_stream_scales");
+  }
+
+ protected:
+  [[nodiscard]] Status unsupported(const char* call) const {
+    return {StatusCode::kUnsupported, "backend '" + std::string(name()) + "' has no raw storage access (" + call +
+                                          "): saving and loading sequence state needs a state_io_backend"};
+  }
 };
 
 /// Wraps a concept model B as a KvBackend.
@@ -149,6 +202,30 @@ class BackendModel final : public KvBackend {
   Status read_staged(int s, int r, float* k, float* v) const override { return b_.read_staged(s, r, k, v); }
   Status attend(const AttendView& w, const DecodeAttentionArgs& a) const override { return b_.attend(w, a); }
   BackendStats stats() const override { return b_.stats(); }
+  Status read_page(Precision p, std::uint32_t i, std::span<std::uint8_t> out) const override {
+    if constexpr (state_io_backend<B>) return b_.read_page(p, i, out);
+    return unsupported("read_page");
+  }
+  Status write_page(Precision p, std::uint32_t i, std::span<const std::uint8_t> in) override {
+    if constexpr (state_io_backend<B>) return b_.write_page(p, i, in);
+    return unsupported("write_page");
+  }
+  Status read_record(std::uint32_t r, std::span<std::uint8_t> out) const override {
+    if constexpr (state_io_backend<B>) return b_.read_record(r, out);
+    return unsupported("read_record");
+  }
+  Status write_record(std::uint32_t r, std::span<const std::uint8_t> in) override {
+    if constexpr (state_io_backend<B>) return b_.write_record(r, in);
+    return unsupported("write_record");
+  }
+  Status read_stream_scales(int s, std::span<float> out) const override {
+    if constexpr (state_io_backend<B>) return b_.read_stream_scales(s, out);
+    return unsupported("read_stream_scales");
+  }
+  Status write_stream_scales(int s, std::span<const float> in) override {
+    if constexpr (state_io_backend<B>) return b_.write_stream_scales(s, in);
+    return unsupported("write_stream_scales");
+  }
   [[nodiscard]] B& get() noexcept { return b_; }
   [[nodiscard]] const B& get() const noexcept { return b_; }
 
@@ -175,11 +252,21 @@ class DynamicBackend {
   Status read_staged(int s, int r, float* k, float* v) const { return impl_->read_staged(s, r, k, v); }
   Status attend(const AttendView& w, const DecodeAttentionArgs& a) const { return impl_->attend(w, a); }
   BackendStats stats() const { return impl_->stats(); }
+  Status read_page(Precision p, std::uint32_t i, std::span<std::uint8_t> out) const {
+    return impl_->read_page(p, i, out);
+  }
+  Status write_page(Precision p, std::uint32_t i, std::span<const std::uint8_t> in) {
+    return impl_->write_page(p, i, in);
+  }
+  Status read_record(std::uint32_t r, std::span<std::uint8_t> out) const { return impl_->read_record(r, out); }
+  Status write_record(std::uint32_t r, std::span<const std::uint8_t> in) { return impl_->write_record(r, in); }
+  Status read_stream_scales(int s, std::span<float> out) const { return impl_->read_stream_scales(s, out); }
+  Status write_stream_scales(int s, std::span<const float> in) { return impl_->write_stream_scales(s, in); }
   [[nodiscard]] KvBackend* get() const noexcept { return impl_.get(); }
 
  private:
   std::unique_ptr<KvBackend> impl_;
 };
-static_assert(kv_backend<DynamicBackend>);
+static_assert(kv_backend<DynamicBackend> && state_io_backend<DynamicBackend>);
 
 }  // namespace thinkv

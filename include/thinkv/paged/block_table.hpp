@@ -52,6 +52,28 @@ struct PlanClaims {
   }
 };
 
+/// One held block of a stream as saved and restored (BlockTable::export_stream / import_stream):
+/// its metadata without its id. Slots past `fill` are unwritten; a set mask bit is a hole.
+struct BlockImage {
+  ThoughtType thought = ThoughtType::kReasoning;
+  std::uint16_t fill = 0;
+  std::uint32_t seg_lo = 0xFFFFFFFFu, seg_hi = 0;  ///< segment ids written into the block, min / max
+  std::vector<std::uint64_t> mask;                 ///< [evict_mask_words] eviction bits
+  /// [block_size] the live slot's key-scale record as an index into the stream's saved records
+  /// (numbered in order of first use), kNoRecord for a hole, an unwritten slot or a BF16 block
+  std::vector<std::uint32_t> slot_record;
+  std::vector<std::uint32_t> slot_segment;  ///< [block_size]
+  std::vector<std::int32_t> slot_position;  ///< [block_size]
+  friend bool operator==(const BlockImage&, const BlockImage&) = default;
+};
+/// A stream's pages as BlockTable holds them: its blocks in allocation order and how many
+/// key-scale records their live slots use. The staging set is not part of it.
+struct StreamImage {
+  std::vector<BlockImage> blocks;
+  std::uint32_t records = 0;
+  friend bool operator==(const StreamImage&, const StreamImage&) = default;
+};
+
 struct BlockTableStats {
   std::int64_t commits = 0;        ///< staged groups written into pages
   std::int64_t slots_written = 0;  ///< slots written by commits (fresh + reused)
@@ -784,6 +806,227 @@ class BlockTable {
     t.next_position = 0;
     t.max_blocks = 0;
     release_empty_chunks();
+  }
+
+  // ---- saving and restoring a stream (sequence state) -----------------------------------------
+
+  /// A stream's blocks as an image, and the ids they have here: `block_ids[i]` is the block of
+  /// image.blocks[i], `record_ids[j]` the record the image numbers j.
+  void export_stream(int stream, StreamImage& image, std::vector<std::uint32_t>& block_ids,
+                     std::vector<std::uint32_t>& record_ids) const {
+    const StreamState& s = stream_(stream);
+    const int bs = config_.block_size;
+    image.blocks.assign(s.blocks.size(), BlockImage{});
+    block_ids.assign(s.blocks.begin(), s.blocks.end());
+    record_ids.clear();
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> seen;  // (record, index), sorted
+    for (std::size_t k = 0; k < s.blocks.size(); ++k) {
+      const std::uint32_t b = s.blocks[k];
+      const Loc l = loc(b);
+      BlockImage& bi = image.blocks[k];
+      bi.thought = l.pool->thought[l.local];
+      bi.fill = l.pool->fill[l.local];
+      bi.seg_lo = l.pool->seg_lo[l.local];
+      bi.seg_hi = l.pool->seg_hi[l.local];
+      const auto words = evict_mask(b);
+      bi.mask.assign(words.begin(), words.end());
+      const std::size_t first = slot_index(l, 0);
+      bi.slot_segment.assign(l.pool->slot_segment.begin() + static_cast<std::ptrdiff_t>(first),
+                             l.pool->slot_segment.begin() + static_cast<std::ptrdiff_t>(first + bs));
+      bi.slot_position.assign(l.pool->slot_position.begin() + static_cast<std::ptrdiff_t>(first),
+                              l.pool->slot_position.begin() + static_cast<std::ptrdiff_t>(first + bs));
+      bi.slot_record.assign(static_cast<std::size_t>(bs), kNoRecord);
+      for (int i = 0; i < bi.fill; ++i) {
+        const SlotRef r{b, static_cast<std::uint32_t>(i)};
+        const std::uint32_t rec = l.pool->slot_record[first + static_cast<std::size_t>(i)];
+        if (rec == kNoRecord || is_evicted(r)) continue;  // a hole's record may belong to another stream now
+        auto it = std::lower_bound(seen.begin(), seen.end(), std::make_pair(rec, std::uint32_t{0}));
+        if (it == seen.end() || it->first != rec) {
+          it = seen.insert(it, {rec, static_cast<std::uint32_t>(record_ids.size())});
+          record_ids.push_back(rec);
+        }
+        bi.slot_record[static_cast<std::size_t>(i)] = it->second;
+      }
+    }
+    image.records = static_cast<std::uint32_t>(record_ids.size());
+  }
+
+  /// Checks that an image (from a saved state: any bytes) describes blocks this table could hold:
+  /// sizes, thought types, fills, masks (no hole past fill, a live slot in every block), records
+  /// (a live quantized slot names one, each is named, a group's g slots share one at most), the
+  /// fill order plan_commit relies on (only a thought type's last block is partly written).
+  /// kCorruptData names what is wrong.
+  [[nodiscard]] Status check_image(const StreamImage& image) const {
+    const int bs = config_.block_size;
+    const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
+    std::vector<int> uses(image.records, 0);
+    bool partial[kNumThoughtTypes] = {};
+    for (std::size_t k = 0; k < image.blocks.size(); ++k) {
+      const BlockImage& bi = image.blocks[k];
+      auto bad = [k](const std::string& what) {
+        return Status{StatusCode::kCorruptData, "block " + std::to_string(k) + " of the stream: " + what};
+      };
+      if (static_cast<int>(bi.thought) >= kNumThoughtTypes) return bad("thought type out of range");
+      if (bi.mask.size() != words || bi.slot_record.size() != static_cast<std::size_t>(bs) ||
+          bi.slot_segment.size() != static_cast<std::size_t>(bs) ||
+          bi.slot_position.size() != static_cast<std::size_t>(bs)) {
+        return bad("metadata sizes do not match block_size " + std::to_string(bs));
+      }
+      if (bi.fill == 0 || bi.fill > bs)
+        return bad("fill " + std::to_string(bi.fill) + " outside 1.." + std::to_string(bs));
+      const int t = static_cast<int>(bi.thought);
+      if (partial[t])
+        return bad("a block of type " + std::string(to_string(bi.thought)) + " follows a partly written one");
+      partial[t] = bi.fill < bs;
+      const Precision p = config_.precision.precision_of(bi.thought);
+      int live = 0;
+      for (int i = 0; i < bs; ++i) {
+        const bool hole = ((bi.mask[static_cast<std::size_t>(i / 64)] >> (i % 64)) & 1u) != 0;
+        if (hole && i >= bi.fill) return bad("hole at unwritten slot " + std::to_string(i));
+        const bool is_live = i < bi.fill && !hole;
+        live += is_live ? 1 : 0;
+        const std::uint32_t rec = bi.slot_record[static_cast<std::size_t>(i)];
+        if (!is_live || !has_group_scale(p)) {
+          if (rec != kNoRecord) return bad("slot " + std::to_string(i) + " names a record it cannot have");
+          continue;
+        }
+        if (rec >= image.records)
+          return bad("slot " + std::to_string(i) + " names record " + std::to_string(rec) + " of " +
+                     std::to_string(image.records));
+        if (++uses[rec] > config_.group_size) {
+          return bad("record " + std::to_string(rec) + " serves more than group_size slots");
+        }
+      }
+      if (live == 0) return bad("no live slot (a held block has one)");
+      if (bi.seg_lo > bi.seg_hi)
+        return bad("segment range " + std::to_string(bi.seg_lo) + ".." + std::to_string(bi.seg_hi));
+    }
+    for (std::uint32_t r = 0; r < image.records; ++r) {
+      if (uses[r] == 0) return {StatusCode::kCorruptData, "record " + std::to_string(r) + " of the stream is unused"};
+    }
+    return Status::ok();
+  }
+
+  /// Where images of streams (checked) go: their blocks' ids, their records' ids, in stream order,
+  /// taken from the free ones as commits take them. kPoolExhausted (nothing changes) when a
+  /// pool's range, the record range or memory_limit_bytes cannot hold them; `claims` says what
+  /// the pools give.
+  [[nodiscard]] Status plan_import(std::span<const StreamImage> images, PlanClaims& claims,
+                                   std::vector<std::vector<std::uint32_t>>& block_ids,
+                                   std::vector<std::vector<std::uint32_t>>& record_ids) const {
+    claims = PlanClaims{};
+    block_ids.assign(images.size(), {});
+    record_ids.assign(images.size(), {});
+    for (std::size_t k = 0; k < images.size(); ++k) {
+      for (const BlockImage& bi : images[k].blocks) {
+        const Precision p = config_.precision.precision_of(bi.thought);
+        const std::uint32_t b = nth_free_block(p, claims.blocks[static_cast<int>(p)]++);
+        if (b == kNoBlock) {
+          return {StatusCode::kPoolExhausted, "the " + std::string(to_string(p)) + " pool has " +
+                                                  std::to_string(pools_.count[static_cast<int>(p)]) +
+                                                  " blocks and cannot hold the saved state's; raise pool_blocks[" +
+                                                  std::string(to_string(p)) + "] or end sequences"};
+        }
+        block_ids[k].push_back(b);
+      }
+      for (std::uint32_t r = 0; r < images[k].records; ++r) {
+        const std::uint32_t id = nth_free_record(claims.records++);
+        if (id == kNoRecord) {
+          return {StatusCode::kPoolExhausted, "the key-scale record pool (" + std::to_string(record_capacity()) +
+                                                  " records) cannot hold the saved state's; raise record_capacity"};
+        }
+        record_ids[k].push_back(id);
+      }
+    }
+    return check_limit(claims, "loading a saved state");
+  }
+  /// Blocks pool p and records must have storage for before import_stream writes `ids`.
+  [[nodiscard]] std::uint32_t blocks_needed(Precision p, std::span<const std::vector<std::uint32_t>> ids) const {
+    const int pi = static_cast<int>(p);
+    std::uint32_t need = pool_[pi].grown;
+    for (const auto& list : ids) {
+      for (std::uint32_t b : list) {
+        if (pools_.precision_of(b) != p) continue;
+        const std::uint32_t local = b - pools_.base[pi];
+        if (local >= need) need = round_blocks(p, local + 1);
+      }
+    }
+    return need;
+  }
+  [[nodiscard]] std::uint32_t records_needed(std::span<const std::vector<std::uint32_t>> ids) const {
+    std::uint32_t need = records_grown_;
+    for (const auto& list : ids) {
+      for (std::uint32_t r : list) {
+        if (r >= need) need = round_records(r + 1);
+      }
+    }
+    return need;
+  }
+  /// Gives an empty stream (no block, no record) the image's blocks at `block_ids` and records
+  /// at `record_ids` (plan_import's, applied in the order planned). The staging set is left as
+  /// it is (set_staged restores it).
+  void import_stream(int stream, const StreamImage& image, std::span<const std::uint32_t> block_ids,
+                     std::span<const std::uint32_t> record_ids) {
+    ++op_;
+    StreamState& s = stream_(stream);
+    const int bs = config_.block_size;
+    const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
+    for (std::size_t k = 0; k < image.blocks.size(); ++k) {
+      const BlockImage& bi = image.blocks[k];
+      const std::uint32_t b = block_ids[k];
+      const Precision p = pools_.precision_of(b);
+      const int pi = static_cast<int>(p);
+      grow_pool(p, round_blocks(p, b - pools_.base[pi] + 1));
+      PoolState& ps = pool_[pi];
+      const std::uint32_t local = b - pools_.base[pi];
+      ps.free.erase(b);
+      ++ps.free_version;
+      ps.owner[local] = stream;
+      ps.thought[local] = bi.thought;
+      ps.fill[local] = bi.fill;
+      ps.seg_lo[local] = bi.seg_lo;
+      ps.seg_hi[local] = bi.seg_hi;
+      std::copy_n(bi.mask.begin(), words, ps.mask.begin() + static_cast<std::ptrdiff_t>(local * words));
+      const std::size_t first = slot_index(local, 0);
+      int holes = 0;
+      for (int i = 0; i < bs; ++i) {
+        const std::size_t si = first + static_cast<std::size_t>(i);
+        const std::uint32_t rec = bi.slot_record[static_cast<std::size_t>(i)];
+        ps.slot_record[si] = rec == kNoRecord ? kNoRecord : record_ids[rec];
+        ps.slot_segment[si] = bi.slot_segment[static_cast<std::size_t>(i)];
+        ps.slot_position[si] = bi.slot_position[static_cast<std::size_t>(i)];
+        holes += static_cast<int>((bi.mask[static_cast<std::size_t>(i / 64)] >> (i % 64)) & 1u);
+      }
+      ps.live[local] = static_cast<std::uint16_t>(bi.fill - holes);
+      touch(ps, local);
+      ++ps.chunk_held[local / chunk_[pi]];
+      s.blocks.push_back(b);
+      s.thoughts.push_back(bi.thought);
+      s.live += bi.fill - holes;
+      s.holes += holes;
+      s.holes_by_thought[static_cast<int>(bi.thought)] += holes;
+      ++stats_.blocks_allocated;
+    }
+    for (std::uint32_t r : record_ids) {
+      if (r >= records_grown_) grow_records(round_records(r + 1));
+    }
+    for (std::uint32_t r : record_ids) {
+      free_records_.erase(std::find(free_records_.begin(), free_records_.end(), r));
+      record_refs_[r] = 0;
+      record_owner_[r] = stream;
+      ++s.records;
+      ++stats_.records_allocated;
+    }
+    for (std::size_t k = 0; k < image.blocks.size(); ++k) {
+      for (std::uint32_t rec : image.blocks[k].slot_record) {
+        if (rec != kNoRecord) ++record_refs_[record_ids[rec]];
+      }
+    }
+    if (!image.blocks.empty()) {
+      s.list_version = list_changed(stream);
+      StageSet& t = set_of(stream);
+      t.max_blocks = std::max(t.max_blocks, static_cast<std::uint32_t>(s.blocks.size()));
+    }
   }
 
   // ---- accounting --------------------------------------------------------------------------

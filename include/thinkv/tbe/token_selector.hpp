@@ -29,8 +29,20 @@ struct SegmentTokens {
   int head_dim = 0;
   int stream = 0;             ///< the stream (sequence, layer, KV head) the segment belongs to
   std::uint32_t segment = 0;  ///< the segment's id
+  /// The stream's index within its sequence (layer * num_kv_heads + KV head), or -1 when the
+  /// caller has no sequences (then `stream` stands for it). Selections are seeded by it, not by
+  /// the stream, so a sequence takes the same decisions in whichever sequence slot it runs (a
+  /// loaded state continues as it was saved).
+  int lane = -1;
   [[nodiscard]] int count() const noexcept { return static_cast<int>(positions.size()); }
 };
+
+/// The seed of a segment's K-means selection (KmeansSelector and the backends' selection jobs):
+/// the selector's seed mixed with the stream's lane and the segment id.
+constexpr std::uint64_t selection_seed(std::uint64_t seed, std::int64_t lane, std::uint32_t segment) noexcept {
+  std::uint64_t mix = seed ^ (static_cast<std::uint64_t>(lane) << 32) ^ segment;
+  return splitmix64(mix);
+}
 
 /// A TBE token selector policy: what BasicThinKvCache calls on it.
 ///  - check(): are its settings valid (the Status names the bad one; called at construction);
@@ -71,7 +83,7 @@ struct NoSelection {
 };
 
 /// ThinKV's selector: the tokens nearest the K-means centroids of the segment's keys
-/// (kmeans_select), seeded per stream and segment so that every run makes the same choice.
+/// (kmeans_select), seeded per stream lane and segment so that every run makes the same choice.
 struct KmeansSelector {
   KmeansOptions options{};
 
@@ -85,8 +97,7 @@ struct KmeansSelector {
   [[nodiscard]] bool reads_keys() const noexcept { return true; }
   [[nodiscard]] std::vector<int> select(const SegmentTokens& t, int keep) const {
     KmeansOptions ko = options;
-    std::uint64_t mix = ko.seed ^ (static_cast<std::uint64_t>(t.stream) << 32) ^ t.segment;
-    ko.seed = splitmix64(mix);
+    ko.seed = selection_seed(ko.seed, t.lane >= 0 ? t.lane : t.stream, t.segment);
     return kmeans_select(t.keys.data(), t.count(), t.head_dim, keep, ko);
   }
   [[nodiscard]] std::string to_string() const { return "kmeans"; }

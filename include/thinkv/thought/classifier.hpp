@@ -332,6 +332,12 @@ class BasicThoughtTracker {
     ++stats_.tokens[static_cast<std::size_t>(current_)];
     return current_;
   }
+  /// Sets the current type and the counters (a saved sequence state being restored); the
+  /// classifier itself is this tracker's (it keeps no per-sequence state beyond observe()).
+  void restore(ThoughtType current, const ThoughtStats& stats) noexcept {
+    current_ = current;
+    stats_ = stats;
+  }
   /// Passes a token's hint to the classifier (every token, before its K/V).
   void observe(std::int64_t position, const TokenHint& hint) { classifier_.observe(position, hint); }
   /// Classifies a refresh step and makes the result the current type. Returns kInvalidArgument
