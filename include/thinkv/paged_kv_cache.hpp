@@ -588,24 +588,10 @@ class PagedKvCache {
     PlanClaims claims;
     std::vector<std::vector<std::uint32_t>> block_ids, record_ids;
     THINKV_RETURN_IF_ERROR(table_.plan_import(images, claims, block_ids, record_ids));
-    // Storage first (nothing changes when it fails), then the table, then the bytes.
-    for (Precision p : kAllPrecisions) {
-      const int i = static_cast<int>(p);
-      const std::uint32_t need = table_.blocks_needed(p, block_ids);
-      if (need <= backend_blocks_[i]) continue;
-      if (Status e = backend_.resize_pool(p, need); !e.is_ok()) {
-        (void)follow_table();
-        return e;
-      }
-      backend_blocks_[i] = need;
-    }
-    if (const std::uint32_t need = table_.records_needed(record_ids); need > backend_records_) {
-      if (Status e = backend_.resize_records(need); !e.is_ok()) {
-        (void)follow_table();
-        return e;
-      }
-      backend_records_ = need;
-    }
+    // Storage first (nothing changes when it fails), then the bytes, then the table.
+    std::uint32_t blocks[kNumPrecisions];
+    for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.blocks_needed(p, block_ids);
+    THINKV_RETURN_IF_ERROR(grow_storage(blocks, table_.records_needed(record_ids)));
     // The bytes go into pages and records still free in the table (free storage may hold any
     // bytes): a failure takes back the storage and the streams' scales and staging, and the
     // table never saw anything.
@@ -707,6 +693,11 @@ class PagedKvCache {
       blocks[p] = std::max(blocks[p], table_.blocks_needed(plan));
       records = std::max(records, table_.records_needed(plan));
     }
+    return grow_storage(blocks, records);
+  }
+  /// Gives the backend storage for `blocks[p]` pages of each pool and `records` records where it
+  /// has fewer (nothing changes on an error: what grew is taken back to the table's allocation).
+  [[nodiscard]] Status grow_storage(const std::uint32_t (&blocks)[kNumPrecisions], std::uint32_t records) {
     for (Precision p : kAllPrecisions) {
       const int i = static_cast<int>(p);
       if (blocks[i] <= backend_blocks_[i]) continue;

@@ -534,17 +534,8 @@ class BasicThinKvCache {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     const std::string call =
         "remove(" + std::to_string(seq) + ", " + std::to_string(p0) + ", " + std::to_string(p1) + ")";
-    if (step_.open && std::find(step_.seqs.begin(), step_.seqs.end(), seq) != step_.seqs.end()) {
-      return {StatusCode::kInvalidArgument, call + ": the sequence is in the open step (end_step it first)"};
-    }
-    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    THINKV_RETURN_IF_ERROR(settle_quiet(seq, call));
     SeqState& s = seq_(seq);
-    if (s.faulted) return fault_status(seq);
-    if (s.in_token || s.prompt > 0) {
-      return {StatusCode::kInvalidArgument,
-              call + ": the sequence has an open " +
-                  (s.in_token ? "token (end_token it first)" : "prompt (end_prompt it first)")};
-    }
     const std::int32_t pend = s.position;
     const std::int32_t lo = std::max<std::int32_t>(p0, 0);
     const std::int32_t end = p1 < 0 ? pend : std::min(p1, pend);
@@ -736,8 +727,7 @@ class BasicThinKvCache {
   /// step, or with an open token or prompt (kInvalidArgument).
   [[nodiscard]] Status save_sequence(int seq, std::vector<std::uint8_t>& out) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
-    THINKV_RETURN_IF_ERROR(check_quiet(seq, "save_sequence"));
-    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    THINKV_RETURN_IF_ERROR(settle_quiet(seq, "save_sequence(" + std::to_string(seq) + ")"));
     const SeqState& s = seq_(seq);
     const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
     std::vector<StreamSnapshot> snaps(static_cast<std::size_t>(last - first));
@@ -817,8 +807,7 @@ class BasicThinKvCache {
   /// past max_tokens), kPoolExhausted (the pools cannot hold it).
   [[nodiscard]] Status load_sequence(int seq, std::span<const std::uint8_t> in) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
-    THINKV_RETURN_IF_ERROR(check_quiet(seq, "load_sequence"));
-    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    THINKV_RETURN_IF_ERROR(settle_quiet(seq, "load_sequence(" + std::to_string(seq) + ")"));
     const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
     {
       const SeqState& d = seq_(seq);
@@ -1463,17 +1452,19 @@ class BasicThinKvCache {
     std::vector<std::uint8_t> appended;  // [num_layers] append_batch done
   };
 
-  /// save_sequence / load_sequence: the sequence is not busy (open step, token or prompt) nor faulted.
-  [[nodiscard]] Status check_quiet(int seq, const char* call) const {
-    const std::string who = std::string(call) + "(" + std::to_string(seq) + ")";
+  /// The checks of the calls that change or read a whole sequence between tokens (remove,
+  /// save_sequence, load_sequence): not in the open step; its pending selections settled; not
+  /// faulted; no open token or prompt. `call` names the call in the message.
+  [[nodiscard]] Status settle_quiet(int seq, const std::string& call) {
     if (step_.open && std::find(step_.seqs.begin(), step_.seqs.end(), seq) != step_.seqs.end()) {
-      return {StatusCode::kInvalidArgument, who + ": the sequence is in the open step (end_step it first)"};
+      return {StatusCode::kInvalidArgument, call + ": the sequence is in the open step (end_step it first)"};
     }
+    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
     const SeqState& s = seq_(seq);
     if (s.faulted) return fault_status(seq);
     if (s.in_token || s.prompt > 0) {
       return {StatusCode::kInvalidArgument,
-              who + ": the sequence has an open " +
+              call + ": the sequence has an open " +
                   (s.in_token ? "token (end_token it first)" : "prompt (end_prompt it first)")};
     }
     return Status::ok();

@@ -241,10 +241,13 @@ TEST_CASE("CudaKvBackend stores, reads back and attends exactly as CpuKvBackend"
   }
 }
 
-TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[cuda_backend]") {
-  TT_SEEDED_RNG();
+namespace {
+
+// The ThinKvCache both decision tests run: 2 layers x 2 KV heads (8 query heads), head_dim 64,
+// budget 160 in segments of 64, R4E4T2, a three-type classifier (tau 64).
+thinkv::ThinKvConfig decision_config(int sequences) {
   thinkv::ThinKvConfig c;
-  c.num_sequences = 1;
+  c.num_sequences = sequences;
   c.num_layers = 2;
   c.num_kv_heads = 2;
   c.num_q_heads = 8;
@@ -254,10 +257,22 @@ TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[
   c.max_tokens = 1200;
   c.segment_len = 64;
   c.token_budget = 160;
+  return c;
+}
+thinkv::ThinKvPolicy decision_policy() {
   thinkv::ThinKvPolicy p;
   p.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
   p.precision = thinkv::kR4E4T2;
   p.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[cuda_backend]") {
+  TT_SEEDED_RNG();
+  const thinkv::ThinKvConfig c = decision_config(1);
+  const thinkv::ThinKvPolicy p = decision_policy();
   thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
   thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -497,21 +512,8 @@ TEST_CASE("A sequence's saved state moves between the CPU and the GPU caches bit
   // layout, are the CPU backend's), saving the GPU's loaded sequence gives the CPU's bytes back,
   // and all four sequences decode on alike.
   TT_SEEDED_RNG();
-  thinkv::ThinKvConfig c;
-  c.num_sequences = 2;
-  c.num_layers = 2;
-  c.num_kv_heads = 2;
-  c.num_q_heads = 8;
-  c.head_dim = 64;
-  c.group_size = 16;
-  c.block_size = 16;
-  c.max_tokens = 1200;
-  c.segment_len = 64;
-  c.token_budget = 160;
-  thinkv::ThinKvPolicy p;
-  p.retention = thinkv::RetentionSchedule({32, 16, 8, 4});
-  p.precision = thinkv::kR4E4T2;
-  p.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
+  const thinkv::ThinKvConfig c = decision_config(2);
+  const thinkv::ThinKvPolicy p = decision_policy();
   thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
   thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
   std::normal_distribution<float> nd(0.0f, 1.0f);

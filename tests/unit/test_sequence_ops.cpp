@@ -18,6 +18,7 @@
 #include "../../examples/decoder/thinkv_spec.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
+#include "sequence_test_util.hpp"
 #include "test_util.hpp"
 
 using thinkv::Status;
@@ -27,25 +28,6 @@ using thinkv::decoder::ThinKvSpec;
 using thinkv::decoder::with_cache;
 
 namespace {
-
-ThinKvSpec seq_config(CacheMode mode) {
-  ThinKvSpec c;
-  c.mode = mode;
-  c.num_sequences = 3;
-  c.num_layers = 2;
-  c.num_kv_heads = 2;
-  c.num_q_heads = 4;
-  c.head_dim = 16;
-  c.group_size = 8;
-  c.block_size = 16;
-  c.max_tokens = 4000;
-  c.segment_len = 32;
-  c.retention = thinkv::RetentionSchedule({16, 8, 4});
-  c.token_budget = 96;
-  c.precision = thinkv::kR4E4T2;
-  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 32, 2);
-  return c;
-}
 
 /// One cell of the model: a position's K/V per layer ([num_kv_heads * head_dim] each).
 struct Cell {
@@ -82,23 +64,6 @@ bool refused(const SeqModel& m, std::int32_t p0, std::int32_t p1, int g) {
   after.seq_rm(p0, p1);
   const std::int32_t next = after.next();
   return next < G && next % g != 0;
-}
-
-/// The live positions of every stream of a sequence (pages and staging).
-template <class Cache>
-std::vector<std::set<std::int32_t>> held_positions(const Cache& cache, int seq) {
-  const auto& t = cache.paged().table();
-  const auto& c = cache.config();
-  std::vector<std::set<std::int32_t>> out;
-  for (int l = 0; l < c.num_layers; ++l) {
-    for (int h = 0; h < c.num_kv_heads; ++h) {
-      const int st = cache.stream_of(seq, l, h);
-      std::set<std::int32_t>& s = out.emplace_back();
-      for (const thinkv::SlotRef r : t.live_slot_list(st)) s.insert(t.slot_position(r));
-      for (int row = 0; row < t.staged_count(st); ++row) s.insert(t.staged_position(st, row));
-    }
-  }
-  return out;
 }
 
 /// Every segment's size must be the most tokens of it any stream holds (pages and staging),
@@ -197,7 +162,7 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
   for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq}) {
     INFO("mode " << thinkv::decoder::to_string(mode));
     auto rng = tt::make_rng("sequence_ops_cells");
-    const ThinKvSpec cfg = seq_config(mode);
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
     with_cache(cfg, [&](auto& cache) {
       const int g = cfg.group_size;
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
@@ -247,7 +212,7 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
           REQUIRE(cache.position(s) == ms.next());
           std::set<std::int32_t> want;
           for (const auto& [pos, x] : ms.cells) want.insert(pos);
-          for (const auto& held : held_positions(cache, s)) REQUIRE(held == want);
+          for (const auto& held : tt::held_positions(cache, s)) REQUIRE(held == want);
           REQUIRE(cache.live_tokens(s) == static_cast<std::int64_t>(want.size()));
           std::int64_t in_segments = 0;
           for (const auto& seg : cache.segments(s)) in_segments += seg.size;
@@ -275,7 +240,7 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
   for (CacheMode mode : {CacheMode::kTbe, CacheMode::kThinKv}) {
     INFO("mode " << thinkv::decoder::to_string(mode));
     auto rng = tt::make_rng("sequence_ops_tbe");
-    const ThinKvSpec cfg = seq_config(mode);
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
     with_cache(cfg, [&](auto& cache) {
       const int g = cfg.group_size;
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
@@ -310,7 +275,7 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
         std::set<std::int32_t> all;
         for (const auto& [pos, x] : m.cells) all.insert(pos);
         std::set<std::int32_t> any;
-        for (const auto& held : held_positions(cache, seq)) {
+        for (const auto& held : tt::held_positions(cache, seq)) {
           for (std::int32_t p : held) REQUIRE(all.count(p) == 1);  // nothing removed comes back
           any.insert(held.begin(), held.end());
           if (decoded) REQUIRE(held.count(m.pos_max()) == 1);  // a new token is in every stream
@@ -334,7 +299,7 @@ TEST_CASE("Sequence ops: roll backs within the open group and to group boundarie
           "[sequence_ops]") {
   // Speculative decoding's pattern: decode, roll back to an accepted prefix, decode on. Every
   // token decoded after a roll back attends to exactly the model's cells (FullKV: BF16 pages).
-  const ThinKvSpec cfg = seq_config(CacheMode::kFull);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kFull);
   with_cache(cfg, [&](auto& cache) {
     auto rng = tt::make_rng("sequence_ops_replay");
     const auto& table = cache.paged().table();
@@ -375,7 +340,7 @@ TEST_CASE("Sequence ops: a roll back continues after the last position any strea
   // TBE keeping each segment's last tokens: a shrunk segment holds only its end. Removing from
   // inside a segment before its survivors leaves nothing of it below p0, so the sequence continues
   // after the previous segment's last survivor, earlier than p0 (llama.cpp: pos_max + 1).
-  ThinKvSpec cfg = seq_config(CacheMode::kTbe);
+  ThinKvSpec cfg = tt::sequence_spec(CacheMode::kTbe);
   cfg.selection = thinkv::SegmentSelection::kLast;
   cfg.classifier = thinkv::ThoughtClassifier{};  // every token R: only the budget evicts
   with_cache(cfg, [&](auto& cache) {
@@ -387,7 +352,7 @@ TEST_CASE("Sequence ops: a roll back continues after the last position any strea
     while (i + 2 < segs.size() && !(segs[i].size == 4 && segs[i + 1].size == 4)) ++i;
     REQUIRE(i + 2 < segs.size());
     const std::int32_t start = segs[i + 1].start;  // its survivors: start + 28 .. start + 31
-    for (const auto& held : held_positions(cache, 0)) {
+    for (const auto& held : tt::held_positions(cache, 0)) {
       REQUIRE(held.count(start + 28) == 1);
       REQUIRE(held.count(start + 8) == 0);
       REQUIRE(held.count(start - 1) == 1);  // the segment before ends with its survivors
@@ -402,7 +367,7 @@ TEST_CASE("Sequence ops: a roll back continues after the last position any strea
 }
 
 TEST_CASE("Sequence ops: bad calls are refused and change nothing", "[sequence_ops]") {
-  const ThinKvSpec cfg = seq_config(CacheMode::kTbq);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kTbq);
   with_cache(cfg, [&](auto& cache) {
     auto rng = tt::make_rng("sequence_ops_errors");
     SeqModel m0, m1;

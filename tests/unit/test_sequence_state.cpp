@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <array>
 #include <bit>
 #include <functional>
 #include <map>
@@ -18,6 +19,7 @@
 #include "../../examples/decoder/thinkv_spec.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
+#include "sequence_test_util.hpp"
 #include "test_util.hpp"
 
 using thinkv::Status;
@@ -27,25 +29,6 @@ using thinkv::decoder::ThinKvSpec;
 using thinkv::decoder::with_cache;
 
 namespace {
-
-ThinKvSpec state_config(CacheMode mode) {
-  ThinKvSpec c;
-  c.mode = mode;
-  c.num_sequences = 3;
-  c.num_layers = 2;
-  c.num_kv_heads = 2;
-  c.num_q_heads = 4;
-  c.head_dim = 16;
-  c.group_size = 8;
-  c.block_size = 16;
-  c.max_tokens = 4000;
-  c.segment_len = 32;
-  c.retention = thinkv::RetentionSchedule({16, 8, 4});
-  c.token_budget = 96;
-  c.precision = thinkv::kR4E4T2;
-  c.classifier = thinkv::ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 32, 2);
-  return c;
-}
 
 /// One token's inputs: per layer K, V ([kv heads x head_dim]) and Q ([q heads x head_dim]).
 struct TokenInputs {
@@ -78,22 +61,6 @@ std::vector<float> decode(Cache& cache, int seq, const TokenInputs& t) {
   return outs;
 }
 
-/// Every stream's live positions (pages and staging), in stream order.
-template <class Cache>
-std::vector<std::set<std::int32_t>> held_positions(const Cache& cache, int seq) {
-  const auto& t = cache.paged().table();
-  std::vector<std::set<std::int32_t>> out;
-  for (int l = 0; l < cache.config().num_layers; ++l) {
-    for (int h = 0; h < cache.config().num_kv_heads; ++h) {
-      const int st = cache.stream_of(seq, l, h);
-      std::set<std::int32_t>& s = out.emplace_back();
-      for (const thinkv::SlotRef r : t.live_slot_list(st)) s.insert(t.slot_position(r));
-      for (int row = 0; row < t.staged_count(st); ++row) s.insert(t.staged_position(st, row));
-    }
-  }
-  return out;
-}
-
 /// Two sequences (possibly of two caches) are in the same state.
 template <class CacheA, class CacheB>
 void require_same_sequence(const CacheA& a, int sa, const CacheB& b, int sb) {
@@ -102,7 +69,7 @@ void require_same_sequence(const CacheA& a, int sa, const CacheB& b, int sb) {
   REQUIRE(a.tracker(sa).current() == b.tracker(sb).current());
   REQUIRE(a.live_tokens(sa) == b.live_tokens(sb));
   REQUIRE(a.pos_min(sa) == b.pos_min(sb));
-  REQUIRE(held_positions(a, sa) == held_positions(b, sb));
+  REQUIRE(tt::held_positions(a, sa) == tt::held_positions(b, sb));
   REQUIRE(a.memory(sa) == b.memory(sb));
   REQUIRE(a.tracker(sa).stats().tokens == b.tracker(sb).stats().tokens);
 }
@@ -195,7 +162,7 @@ TEST_CASE("Sequence state: a loaded sequence continues exactly as the saved one,
   for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
     INFO("mode " << thinkv::decoder::to_string(mode));
     auto rng = tt::make_rng("sequence_state_round_trip");
-    const ThinKvSpec cfg = state_config(mode);
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
     with_cache(cfg, [&](auto& a) {
       using Cache = std::decay_t<decltype(a)>;
       Cache b(cfg.config(), a.policy());
@@ -246,7 +213,7 @@ TEST_CASE("Sequence state: a loaded sequence continues exactly as the saved one,
 }
 
 TEST_CASE("Sequence state: an empty sequence saves and loads", "[sequence_state]") {
-  const ThinKvSpec cfg = state_config(CacheMode::kThinKv);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   with_cache(cfg, [&](auto& a) {
     std::vector<std::uint8_t> state;
     REQUIRE(a.save_sequence(1, state).is_ok());
@@ -261,7 +228,7 @@ TEST_CASE("Sequence state: an empty sequence saves and loads", "[sequence_state]
 TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states are errors that change nothing",
           "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_errors");
-  const ThinKvSpec cfg = state_config(CacheMode::kThinKv);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   with_cache(cfg, [&](auto& a) {
     grow(a, 0, 300, rng);
     grow(a, 1, 50, rng);
@@ -367,7 +334,7 @@ TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states ar
 TEST_CASE("Sequence state: a cache of another geometry or precision map refuses the state, naming the value",
           "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_foreign");
-  const ThinKvSpec cfg = state_config(CacheMode::kThinKv);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   std::vector<std::uint8_t> state;
   with_cache(cfg, [&](auto& a) {
     grow(a, 0, 100, rng);
@@ -414,7 +381,7 @@ TEST_CASE("Sequence state: a cache of another geometry or precision map refuses 
 TEST_CASE("Sequence state: a backend that fails half way through a load leaves the cache as it was",
           "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_backend");
-  const ThinKvSpec cfg = state_config(CacheMode::kThinKv);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   auto fail_at = std::make_shared<int>(-1);
   with_cache(
       cfg,
@@ -437,6 +404,13 @@ TEST_CASE("Sequence state: a backend that fails half way through a load leaves t
           REQUIRE(a.position(2) == 0);
           REQUIRE(a.allocated_bytes() == allocated);
           TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(a.paged()));
+          // The streams' second-level scales are as an empty stream's (0: the first commit sets
+          // them), or the next sequence in this slot would quantize with the failed load's.
+          for (int st = a.stream_of(2, 0, 0); st < a.stream_of(3, 0, 0); ++st) {
+            std::array<float, 2 * thinkv::kNumPrecisions> scales{};
+            REQUIRE(a.paged().backend().cpu().read_stream_scales(st, scales).is_ok());
+            for (float x : scales) REQUIRE(x == 0.0f);
+          }
         }
         REQUIRE(failures == 5);
         *fail_at = -1;
@@ -448,7 +422,7 @@ TEST_CASE("Sequence state: a backend that fails half way through a load leaves t
 
 TEST_CASE("Sequence state: the block table refuses a stream image it could not hold", "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_images");
-  const ThinKvSpec cfg = state_config(CacheMode::kThinKv);
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   with_cache(cfg, [&](auto& a) {
     grow(a, 0, 300, rng);
     const auto& table = a.paged().table();
