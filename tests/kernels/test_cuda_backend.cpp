@@ -467,10 +467,10 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
     CHECK(s.message().find("init") != std::string::npos);
   }
   SECTION("an attention shape the kernel does not serve") {
-    const Shape sh{"D=32", 32, 16, 16, thinkv::kR4E4T2};
+    const Shape sh{"D=48", 48, 16, 16, thinkv::kR4E4T2};  // 8, 32, 64, 128, 256 are served
     const CacheConfig cfg = make_config(sh, 1, 64);
     PagedKvCache<CudaKvBackend> gpu(cfg);
-    std::vector<float> k(32, 0.5f), v(32, 0.25f), q(32, 1.0f), out(32);
+    std::vector<float> k(48, 0.5f), v(48, 0.25f), q(48, 1.0f), out(48);
     REQUIRE(gpu.append(0, k, v, thinkv::ThoughtType::kReasoning).is_ok());
     std::int32_t stream = 0;
     thinkv::DecodeAttentionArgs a;
@@ -481,7 +481,7 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
     a.out = out.data();
     const thinkv::Status s = gpu.attend(a);
     CHECK(s.code() == thinkv::StatusCode::kUnsupported);
-    CHECK(s.message().find("head_dim 32") != std::string::npos);
+    CHECK(s.message().find("head_dim 48") != std::string::npos);
   }
   SECTION("device memory exhausted when a pool grows") {
     if (std::getenv("THINKV_UNDER_SANITIZER") != nullptr) {

@@ -151,7 +151,8 @@ void compact_records(thinkv::StreamImage& m) {
 /// Rewrites a state's header size and checksum after its body was edited (so that the parser's
 /// own checks, not the checksum, must catch what is wrong).
 void reseal(std::vector<std::uint8_t>& bytes) {
-  bytes.resize(bytes.size() - 4);
+  REQUIRE(bytes.size() >= 4);
+  bytes.erase(bytes.end() - 4, bytes.end());  // the old CRC-32 trailer
   thinkv::finish_state(bytes);
 }
 
