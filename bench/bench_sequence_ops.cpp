@@ -13,6 +13,8 @@
 //                      record, scale and the metadata, into a checksummed byte vector
 //   LoadSequence       load_sequence(seq, bytes) into an empty sequence (llama_state_seq_set_data),
 //                      checks and checksum included; the reset that empties it is not timed
+//   CopySequence       copy_sequence(0, 1) (llama_memory_seq_cp) into an empty sequence: the
+//                      source's snapshot and its load, no codec; the reset is not timed
 // Counters: held = live tokens per stream, streams = 256, state_MB = the saved state's size,
 // GB/s = its bytes per second of the call.
 //   bench_sequence_ops --benchmark_filter=/4096 --benchmark_counters_tabular=true
@@ -172,5 +174,22 @@ void BM_LoadSequence(benchmark::State& state) {
   state_counters(state, cache, bytes.size());
 }
 BENCHMARK(BM_LoadSequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+void BM_CopySequence(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0));
+  Cache cache = two_sequences(tokens);
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  std::vector<std::uint8_t> bytes;  // the state's size, for the same GB/s as save and load
+  if (!cache.save_sequence(0, bytes).is_ok()) state.SkipWithError("save failed");
+  for (auto _ : state) {
+    if (!cache.copy_sequence(0, 1).is_ok()) state.SkipWithError("copy failed");
+    state.PauseTiming();
+    if (!cache.reset_sequence(1).is_ok()) state.SkipWithError("reset failed");
+    state.ResumeTiming();
+  }
+  state_counters(state, cache, bytes.size());
+}
+BENCHMARK(BM_CopySequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -512,6 +512,7 @@ class BasicThinKvCache {
   // A sequence's tokens have positions 0, 1, ... in decode order; llama.cpp's operations map as
   //     llama_memory_seq_rm(mem, seq, p0, p1)   ->  cache.remove(seq, p0, p1)
   //     llama_memory_seq_keep(mem, seq)         ->  cache.keep_only(seq)
+  //     llama_memory_seq_cp(mem, src, dst, p0, p1) -> cache.copy_sequence(src, dst, p0, p1)
   //     llama_memory_seq_pos_min / _max         ->  cache.pos_min(seq) / cache.pos_max(seq)
   //     llama_memory_clear / a whole seq_rm     ->  cache.reset_sequence(seq) for each
   // docs/design.md ("Sequence operations") says what each costs and where ThinKV differs.
@@ -540,54 +541,16 @@ class BasicThinKvCache {
     const std::int32_t lo = std::max<std::int32_t>(p0, 0);
     const std::int32_t end = p1 < 0 ? pend : std::min(p1, pend);
     if (lo >= end) return Status::ok();
+    std::int32_t next = pend;
+    THINKV_RETURN_IF_ERROR(check_remove(seq, lo, end, call, seq, next));
     const bool tail = end >= pend;
     const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
     const BlockTable& table = cache_.table();
     const int staged = table.staged_count(first);  // every stream of the set holds the same rows
     const std::int32_t G = staged > 0 ? table.staged_position(first, 0) : pend;  // first staged position
     auto inside = [&](std::int32_t pos) { return pos >= lo && pos < end; };
-    // A slot's segment tells where to look: segment ids grow with position, so only the blocks
-    // holding a segment that overlaps a range of positions are walked (live_segment_slots).
     auto seg_end = [&](std::size_t i) { return i + 1 < s.segments.size() ? s.segments[i + 1].start : pend; };
     std::vector<SlotRef> slots;
-    // Where the sequence continues: its last live position + 1 (staged rows are live everywhere).
-    std::int32_t next = pend;
-    if (tail) {
-      next = 0;
-      for (int r = 0; r < staged; ++r) {
-        const std::int32_t pos = table.staged_position(first, r);
-        if (!inside(pos)) next = std::max(next, pos + 1);
-      }
-      // Pages hold positions below G and nothing at or after lo stays: the latest segment before
-      // lo with a live slot in any stream holds the answer.
-      for (std::size_t i = s.segments.size(); i-- > 0 && next < G && next < lo;) {
-        if (s.segments[i].start >= lo) continue;
-        for (int st = first; st < last && next < lo; ++st) {
-          table.live_segment_slots(st, s.segments[i].id, slots);
-          for (const SlotRef r : slots) {
-            const std::int32_t pos = table.slot_position(r);
-            if (!inside(pos)) next = std::max(next, pos + 1);
-          }
-        }
-        if (next > s.segments[i].start) break;  // found in this segment: no earlier one can be later
-      }
-    }
-    // What the storage cannot do exactly, before anything changes.
-    if (!tail && staged > 0 && lo < pend && end > G) {
-      return {StatusCode::kUnsupported,
-              call + ": positions [" + std::to_string(std::max(lo, G)) + ", " + std::to_string(end) +
-                  ") are in the open quantization group (staged from position " + std::to_string(G) +
-                  ") and later positions stay; remove them together with the end of the sequence (p1 = -1)"};
-    }
-    const int g = config_.group_size;
-    if (tail && next < G && next % g != 0) {
-      return {StatusCode::kUnsupported,
-              call + ": the sequence would continue at position " + std::to_string(next) +
-                  ", inside a quantization group whose first tokens are already quantized (positions " +
-                  std::to_string(next / g * g) + ".." + std::to_string(next - 1) +
-                  "); remove from a multiple of group_size (" + std::to_string(g) + ") instead, e.g. remove(" +
-                  std::to_string(seq) + ", " + std::to_string(next / g * g) + ", -1), and decode those tokens again"};
-    }
     if (tail && next == 0) return reset_sequence(seq);  // nothing is left
     // Per segment (in s.segments' order) the most and least tokens any stream holds once the
     // range is gone. A stream holds `size` tokens of every segment but the ragged ones (a remove()
@@ -714,6 +677,71 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
+  /// Copies sequence `src`'s positions [p0, p1) into sequence `dst` (llama.cpp's seq_cp: p0 < 0
+  /// means 0, p1 < 0 means to the end). `dst` must be empty (never decoded, or reset): unlike
+  /// llama.cpp's cells, a ThinKV stream cannot merge two histories. The copy is whole: pages
+  /// (holes included), key-scale records, second-level scales, staged tokens, segments, thought
+  /// type and tracker, so `dst` then decodes exactly as `src` would (K-means selections are
+  /// seeded by a stream's lane in its sequence, not by the sequence). A range that is not the
+  /// whole sequence is the copy cut by remove(dst, 0, p0) and remove(dst, p1, -1), with
+  /// remove's rules: their refusals (kUnsupported) are found before anything is copied. The copy's blocks are
+  /// its own: memory is copied, not shared (docs/design.md, "Sequence operations"). src == dst
+  /// changes nothing. Errors (nothing changes): a sequence out of range; either faulted, in the
+  /// open step or with an open token or prompt, or `dst` not empty (kInvalidArgument);
+  /// kPoolExhausted when the pools cannot hold the copy; remove's refusals for the range.
+  [[nodiscard]] Status copy_sequence(int src, int dst, std::int32_t p0 = -1,
+                                     std::int32_t p1 = -1) requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(src));
+    THINKV_RETURN_IF_ERROR(check_seq(dst));
+    const std::string call = "copy_sequence(" + std::to_string(src) + ", " + std::to_string(dst) + ", " +
+                             std::to_string(p0) + ", " + std::to_string(p1) + ")";
+    THINKV_RETURN_IF_ERROR(settle_quiet(src, call));
+    if (src == dst) return Status::ok();
+    THINKV_RETURN_IF_ERROR(settle_quiet(dst, call));
+    THINKV_RETURN_IF_ERROR(check_empty(dst, call, "a copy"));
+    const SeqState& s = seq_(src);
+    const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+    const std::int32_t hi = p1 < 0 ? s.position : std::min(p1, s.position);
+    if (s.position == 0 || lo >= hi) return Status::ok();  // nothing to copy
+    // The cuts, checked on the source before anything is copied (the copy is the source's state):
+    // remove(dst, 0, lo), then remove(dst, hi, -1). The front cut leaves the open group alone
+    // (or is refused), so the tail cut continues where it would on the source, unless nothing of
+    // [lo, hi) is held: then the copy would be empty.
+    std::int32_t next = s.position;
+    auto refused = [&](const Status& why) {
+      return Status{why.code(), call + ": the range cannot be cut from the copy: " + why.message()};
+    };
+    if (lo > 0) {
+      const std::string cut = "remove(" + std::to_string(dst) + ", 0, " + std::to_string(lo) + ")";
+      if (Status c = check_remove(src, 0, lo, cut, dst, next); !c.is_ok()) return refused(c);
+    }
+    if (hi < s.position) {
+      const std::string cut = "remove(" + std::to_string(dst) + ", " + std::to_string(hi) + ", -1)";
+      if (Status c = check_remove(src, hi, s.position, cut, dst, next); !c.is_ok()) return refused(c);
+      if (next <= lo) return Status::ok();  // nothing of the range is held
+    }
+    std::vector<StreamSnapshot> snaps;
+    StageSnapshot stage;
+    THINKV_RETURN_IF_ERROR(snapshot_sequence(src, snaps, stage));
+    THINKV_RETURN_IF_ERROR(cache_.load_streams(stream_of(dst, 0, 0), snaps, stage));
+    SeqState copy = seq_(src);
+    copy.reserved = PlanClaims{};
+    copy.generation = seq_(dst).generation;
+    release_reservation(seq_(dst));
+    seq_(dst) = std::move(copy);
+    // The cuts (checked above). What they drop was never the destination's: not counted as removed.
+    const std::int64_t removed = stats_.tokens_removed;
+    Status cut = lo > 0 ? remove(dst, 0, lo) : Status::ok();
+    if (cut.is_ok() && hi < seq_(dst).position) cut = remove(dst, hi, -1);
+    stats_.tokens_removed = removed;
+    seq_(dst).tokens_removed = seq_(src).tokens_removed;
+    if (!cut.is_ok()) {
+      THINKV_RETURN_IF_ERROR(reset_sequence(dst));
+      return {StatusCode::kInternal, call + ": a cut checked before failed: " + cut.message()};
+    }
+    return Status::ok();
+  }
+
   // ---- saving and loading a sequence's state (llama_state_seq_get_data / set_data) ------------
 
   /// Writes sequence `seq`'s whole state into `out` (replaced): its pages, key-scale records,
@@ -729,12 +757,9 @@ class BasicThinKvCache {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     THINKV_RETURN_IF_ERROR(settle_quiet(seq, "save_sequence(" + std::to_string(seq) + ")"));
     const SeqState& s = seq_(seq);
-    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
-    std::vector<StreamSnapshot> snaps(static_cast<std::size_t>(last - first));
-    for (int st = first; st < last; ++st) {
-      THINKV_RETURN_IF_ERROR(cache_.save_stream(st, snaps[static_cast<std::size_t>(st - first)]));
-    }
-    const StageSnapshot stage = cache_.stage_snapshot(first);
+    std::vector<StreamSnapshot> snaps;
+    StageSnapshot stage;
+    THINKV_RETURN_IF_ERROR(snapshot_sequence(seq, snaps, stage));
     std::vector<std::uint8_t> bytes;
     begin_state(bytes);
     StateWriter w(bytes);
@@ -809,14 +834,7 @@ class BasicThinKvCache {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     THINKV_RETURN_IF_ERROR(settle_quiet(seq, "load_sequence(" + std::to_string(seq) + ")"));
     const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
-    {
-      const SeqState& d = seq_(seq);
-      if (d.position != 0 || !d.segments.empty() || cache_.table().staged_count(first) != 0) {
-        return {StatusCode::kInvalidArgument, "load_sequence(" + std::to_string(seq) + "): the sequence holds " +
-                                                  std::to_string(d.position) +
-                                                  " positions; reset_sequence it first (a load replaces nothing)"};
-      }
-    }
+    THINKV_RETURN_IF_ERROR(check_empty(seq, "load_sequence(" + std::to_string(seq) + ")", "a load"));
     std::span<const std::uint8_t> body;
     THINKV_RETURN_IF_ERROR(open_state(in, body));
     StateReader r(body);
@@ -1451,6 +1469,86 @@ class BasicThinKvCache {
     std::vector<float> sparsity;
     std::vector<std::uint8_t> appended;  // [num_layers] append_batch done
   };
+
+  /// remove()'s checks, before anything changes: where sequence `seq` would continue once
+  /// [lo, end) is gone (`next`; lo < end <= position), and kUnsupported for what the storage
+  /// cannot do exactly. The message starts with `call`; its hint names sequence `named`.
+  [[nodiscard]] Status check_remove(int seq, std::int32_t lo, std::int32_t end, const std::string& call, int named,
+                                    std::int32_t& next) const {
+    const SeqState& s = seq_(seq);
+    const std::int32_t pend = s.position;
+    const bool tail = end >= pend;
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    const BlockTable& table = cache_.table();
+    const int staged = table.staged_count(first);  // every stream of the set holds the same rows
+    const std::int32_t G = staged > 0 ? table.staged_position(first, 0) : pend;  // first staged position
+    auto inside = [&](std::int32_t pos) { return pos >= lo && pos < end; };
+    // A slot's segment tells where to look: segment ids grow with position, so only the blocks
+    // holding a segment that overlaps a range of positions are walked (live_segment_slots).
+    std::vector<SlotRef> slots;
+    // Where the sequence continues: its last live position + 1 (staged rows are live everywhere).
+    next = pend;
+    if (tail) {
+      next = 0;
+      for (int r = 0; r < staged; ++r) {
+        const std::int32_t pos = table.staged_position(first, r);
+        if (!inside(pos)) next = std::max(next, pos + 1);
+      }
+      // Pages hold positions below G and nothing at or after lo stays: the latest segment before
+      // lo with a live slot in any stream holds the answer.
+      for (std::size_t i = s.segments.size(); i-- > 0 && next < G && next < lo;) {
+        if (s.segments[i].start >= lo) continue;
+        for (int st = first; st < last && next < lo; ++st) {
+          table.live_segment_slots(st, s.segments[i].id, slots);
+          for (const SlotRef r : slots) {
+            const std::int32_t pos = table.slot_position(r);
+            if (!inside(pos)) next = std::max(next, pos + 1);
+          }
+        }
+        if (next > s.segments[i].start) break;  // found in this segment: no earlier one can be later
+      }
+    }
+    // What the storage cannot do exactly, before anything changes.
+    if (!tail && staged > 0 && lo < pend && end > G) {
+      return {StatusCode::kUnsupported,
+              call + ": positions [" + std::to_string(std::max(lo, G)) + ", " + std::to_string(end) +
+                  ") are in the open quantization group (staged from position " + std::to_string(G) +
+                  ") and later positions stay; remove them together with the end of the sequence (p1 = -1)"};
+    }
+    const int g = config_.group_size;
+    if (tail && next < G && next % g != 0) {
+      return {StatusCode::kUnsupported,
+              call + ": the sequence would continue at position " + std::to_string(next) +
+                  ", inside a quantization group whose first tokens are already quantized (positions " +
+                  std::to_string(next / g * g) + ".." + std::to_string(next - 1) +
+                  "); remove from a multiple of group_size (" + std::to_string(g) + ") instead, e.g. remove(" +
+                  std::to_string(named) + ", " + std::to_string(next / g * g) + ", -1), and decode those tokens again"};
+    }
+    return Status::ok();
+  }
+
+  /// A sequence that receives a whole state (load_sequence, copy_sequence's destination) must
+  /// hold nothing: never decoded, or reset. `what` names the operation in the message.
+  [[nodiscard]] Status check_empty(int seq, const std::string& call, const char* what) const {
+    const SeqState& d = seq_(seq);
+    if (d.position != 0 || !d.segments.empty() || cache_.table().staged_count(stream_of(seq, 0, 0)) != 0) {
+      return {StatusCode::kInvalidArgument, call + ": sequence " + std::to_string(seq) + " holds " +
+                                                std::to_string(d.position) + " positions; reset_sequence it first (" +
+                                                what + " replaces nothing)"};
+    }
+    return Status::ok();
+  }
+  /// Every stream of a settled sequence and its open group, as load_streams restores them.
+  [[nodiscard]] Status snapshot_sequence(int seq, std::vector<StreamSnapshot>& snaps,
+                                         StageSnapshot& stage) const requires state_io_backend<B> {
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    snaps.assign(static_cast<std::size_t>(last - first), StreamSnapshot{});
+    for (int st = first; st < last; ++st) {
+      THINKV_RETURN_IF_ERROR(cache_.save_stream(st, snaps[static_cast<std::size_t>(st - first)]));
+    }
+    stage = cache_.stage_snapshot(first);
+    return Status::ok();
+  }
 
   /// The checks of the calls that change or read a whole sequence between tokens (remove,
   /// save_sequence, load_sequence): not in the open step; its pending selections settled; not

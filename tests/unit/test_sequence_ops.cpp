@@ -1,11 +1,12 @@
 // llama.cpp-style sequence operations on BasicThinKvCache (remove = seq_rm with roll-back,
-// keep_only = seq_keep, pos_min / pos_max), checked against an independent model of llama.cpp's
+// keep_only = seq_keep, copy_sequence = seq_cp, pos_min / pos_max), checked against an independent model of llama.cpp's
 // cells written from its documented behaviour: a sequence is a set of positions, each with the
 // K/V it was decoded with; seq_rm(p0, p1) drops the positions in [p0, p1) (p0 < 0: from 0, p1 < 0:
 // to the end); the next token of a sequence is at pos_max + 1; seq_keep drops every other
-// sequence. On top of that model, ThinKV's two documented refusals (kUnsupported): removing
-// staged tokens while a later one stays, and rolling back to a position that is not a multiple of
-// group_size behind the open quantization group.
+// sequence; seq_cp(src, dst, p0, p1) gives dst src's cells in [p0, p1). On top of that model, ThinKV's two documented
+// refusals (kUnsupported): removing staged tokens while a later one stays, and rolling back to a position that is not a
+// multiple of group_size behind the open quantization group (a copy's range is cut by the same rules), and copies only
+// into an empty sequence (kInvalidArgument: a stream holds one history).
 
 #include <catch2/catch.hpp>
 
@@ -153,6 +154,38 @@ std::pair<std::int32_t, std::int32_t> random_range(std::mt19937_64& rng, const S
   }
 }
 
+/// llama.cpp's seq_cp(src, dst, p0, p1) into an empty dst, in the model: dst gets src's cells
+/// in [p0, p1).
+SeqModel copied(const SeqModel& src, std::int32_t p0, std::int32_t p1) {
+  SeqModel d = src;
+  d.seq_rm(p1 < 0 ? INT32_MAX : p1, -1);
+  d.seq_rm(-1, std::max<std::int32_t>(p0, 0));
+  return d;
+}
+
+/// Whether ThinKV refuses copy_sequence(src, dst, p0, p1) (dst empty): the copy is cut as
+/// remove(dst, 0, p0) then remove(dst, p1, -1) would cut it, with remove's refusals.
+bool copy_refused(const SeqModel& src, std::int32_t p0, std::int32_t p1, int g) {
+  const std::int32_t lo = std::max<std::int32_t>(p0, 0), hi = p1 < 0 ? src.next() : std::min(p1, src.next());
+  if (src.cells.empty() || lo >= hi) return false;
+  if (lo > 0 && refused(src, 0, lo, g)) return true;
+  SeqModel m = src;
+  m.seq_rm(0, lo);
+  return hi < m.next() && refused(m, hi, -1, g);
+}
+
+/// A random seq_cp range: mostly the whole sequence (parallel sequences after a prompt).
+std::pair<std::int32_t, std::int32_t> random_copy_range(std::mt19937_64& rng, const SeqModel& m, int g) {
+  if (tt::uniform_int(rng, 0, 1) == 0) return {-1, -1};
+  const std::int32_t P = m.next();
+  const std::int32_t a = tt::uniform_int(rng, -1, std::max(0, P - 1));
+  switch (tt::uniform_int(rng, 0, 2)) {
+    case 0: return {a, -1};
+    case 1: return {a, std::max(0, a + tt::uniform_int(rng, 0, 4 * g)) / g * g};
+    default: return {a, a + tt::uniform_int(rng, 0, 4 * g)};
+  }
+}
+
 }  // namespace
 
 TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp's cells exactly without eviction",
@@ -168,14 +201,14 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
       const std::int64_t empty_bytes = cache.allocated_bytes();
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
-      int removes = 0, refusals = 0, rollbacks = 0, keeps = 0;
+      int removes = 0, refusals = 0, rollbacks = 0, keeps = 0, copies = 0, copy_refusals = 0;
       for (int op = 0; op < 1500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
         const int what = tt::uniform_int(rng, 0, 99);
         if (what < 75) {
           decode_one(cache, seq, m, rng, mode == CacheMode::kFull && op % 3 == 0);
-        } else if (what < 99) {
+        } else if (what < 95) {
           const auto [p0, p1] = random_range(rng, m, g);
           INFO("op " << op << ": remove(" << seq << ", " << p0 << ", " << p1 << ") at next " << m.next());
           const bool refuse = refused(m, p0, p1, g);
@@ -194,6 +227,32 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
             m.seq_rm(p0, p1);
             ++removes;
             rollbacks += m.next() < next_before ? 1 : 0;
+          }
+        } else if (what < 99) {
+          const int dst = (seq + tt::uniform_int(rng, 1, cfg.num_sequences - 1)) % cfg.num_sequences;
+          SeqModel& md = model[static_cast<std::size_t>(dst)];
+          if (tt::uniform_int(rng, 0, 2) != 0) {  // llama.cpp's callers clear the target first
+            REQUIRE(cache.reset_sequence(dst).is_ok());
+            md.cells.clear();
+          }
+          const auto [p0, p1] = random_copy_range(rng, m, g);
+          INFO("op " << op << ": copy_sequence(" << seq << ", " << dst << ", " << p0 << ", " << p1 << ") at next "
+                     << m.next());
+          const auto before = tt::snapshot_cache(cache.paged());
+          const Status s = cache.copy_sequence(seq, dst, p0, p1);
+          INFO(s);
+          if (!md.cells.empty()) {
+            REQUIRE(s.code() == StatusCode::kInvalidArgument);  // ThinKV does not merge histories
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            ++copy_refusals;
+          } else if (copy_refused(m, p0, p1, g)) {
+            REQUIRE(s.code() == StatusCode::kUnsupported);
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            ++copy_refusals;
+          } else {
+            REQUIRE(s.is_ok());
+            md = copied(m, p0, p1);
+            ++copies;
           }
         } else {
           INFO("op " << op << ": keep_only(" << seq << ")");
@@ -220,8 +279,11 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
           check_segment_sizes(cache, s);
         }
       }
-      INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps);
+      INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps
+                      << ", copies " << copies << ", copies refused " << copy_refusals);
       CHECK(removes > 100);
+      CHECK(copies > 20);
+      CHECK(copy_refusals > 5);
       CHECK(refusals > 10);
       CHECK(rollbacks > 50);
       CHECK(keeps > 3);
@@ -245,11 +307,44 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
       const int g = cfg.group_size;
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
-      int removes = 0;
+      int removes = 0, copies = 0;
       for (int op = 0; op < 2500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
-        const bool decoded = tt::uniform_int(rng, 0, 99) < 90;
+        const int what = tt::uniform_int(rng, 0, 99);
+        const bool decoded = what < 90;
+        if (what >= 97) {
+          // seq_cp into a cleared sequence: the copy holds what the source holds of the range.
+          const int dst = (seq + tt::uniform_int(rng, 1, cfg.num_sequences - 1)) % cfg.num_sequences;
+          REQUIRE(cache.reset_sequence(dst).is_ok());
+          SeqModel& md = model[static_cast<std::size_t>(dst)];
+          md.cells.clear();
+          const auto [p0, p1] = random_copy_range(rng, m, g);
+          INFO("op " << op << ": copy_sequence(" << seq << ", " << dst << ", " << p0 << ", " << p1 << ")");
+          const std::vector<std::set<std::int32_t>> src_held = tt::held_positions(cache, seq);
+          const Status s = cache.copy_sequence(seq, dst, p0, p1);
+          INFO(s);
+          REQUIRE((s.is_ok() || s.code() == StatusCode::kUnsupported));
+          if (!s.is_ok()) {
+            REQUIRE(cache.position(dst) == 0);
+            continue;
+          }
+          ++copies;
+          md = copied(m, p0, p1);
+          md.seq_rm(cache.position(dst), -1);  // as after a remove: it continues after its last held
+          const std::int32_t lo = std::max<std::int32_t>(p0, 0), hi = p1 < 0 ? INT32_MAX : p1;
+          const std::vector<std::set<std::int32_t>> dst_held = tt::held_positions(cache, dst);
+          for (std::size_t k = 0; k < src_held.size(); ++k) {
+            std::set<std::int32_t> want;
+            for (std::int32_t p : src_held[k]) {
+              if (p >= lo && p < hi && p < cache.position(dst)) want.insert(p);
+            }
+            REQUIRE(dst_held[k] == want);  // stream by stream, what the source held of the range
+          }
+          REQUIRE(cache.pos_max(dst) == md.pos_max());
+          check_segment_sizes(cache, dst);
+          continue;
+        }
         if (decoded) {
           const std::int64_t unreachable = cache.stats().budget_unreachable;
           decode_one(cache, seq, m, rng, false);
@@ -286,6 +381,7 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
         check_segment_sizes(cache, seq);
       }
       CHECK(removes > 100);
+      CHECK(copies > 20);
       CHECK(cache.stats().tokens_evicted > 0);
       for (int s = 0; s < cfg.num_sequences; ++s) REQUIRE(cache.remove(s, 0, -1).is_ok());
       // Every block chunk released (key-scale record chunks are kept once grown: block_table.hpp).

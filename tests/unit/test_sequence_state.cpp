@@ -421,6 +421,163 @@ TEST_CASE("Sequence state: a backend that fails half way through a load leaves t
       FailingWrites(fail_at));
 }
 
+TEST_CASE("Sequence copy: a copy continues exactly as its source and is its own", "[sequence_state][sequence_copy]") {
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kTbe, CacheMode::kThinKv}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    auto rng = tt::make_rng("sequence_copy");
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
+    with_cache(cfg, [&](auto& a) {
+      grow(a, 2, 30, rng);  // another sequence's blocks in the pools first
+      std::int64_t copied_blocks = 0;
+      for (int round = 0; round < 3; ++round) {
+        INFO("round " << round);
+        grow(a, 0, tt::uniform_int(rng, 60, 260), rng);
+        REQUIRE(a.reset_sequence(1).is_ok());
+        const std::int64_t removed = a.stats().tokens_removed;
+        const thinkv::MemoryUsage held = a.memory();
+        const Status c = a.copy_sequence(0, 1);
+        INFO(c);
+        REQUIRE(c.is_ok());
+        require_same_sequence(a, 0, a, 1);
+        REQUIRE(a.stats().tokens_removed == removed);
+        // Copied, not shared: the cache holds the copy's blocks and records on top.
+        REQUIRE(a.memory().blocks_held - held.blocks_held == a.memory(1).blocks_held);
+        REQUIRE(a.memory().records_held - held.records_held == a.memory(1).records_held);
+        copied_blocks += a.memory(1).blocks_held;
+        std::vector<std::uint8_t> s0, s1;
+        REQUIRE(a.save_sequence(0, s0).is_ok());
+        REQUIRE(a.save_sequence(1, s1).is_ok());
+        REQUIRE(s0 == s1);  // the whole state, counters included
+        // The two decode on alike: outputs bit for bit, decisions, removes.
+        for (int i = 0; i < 160; ++i) {
+          const TokenInputs t = random_token(rng, cfg.config());
+          REQUIRE(decode(a, 1, t) == decode(a, 0, t));
+          if (i % 50 == 49) {
+            const std::int32_t lo = tt::uniform_int(rng, 0, a.position(0) - 1);
+            REQUIRE(a.remove(1, lo, -1).code() == a.remove(0, lo, -1).code());
+          }
+        }
+        require_same_sequence(a, 0, a, 1);
+        // Its own: the source decoding other tokens, or freed, changes nothing of the copy. Its
+        // twin (sequence 2, loaded from the copy's state) decodes what the copy decodes.
+        REQUIRE(a.save_sequence(1, s1).is_ok());
+        REQUIRE(a.reset_sequence(2).is_ok());
+        REQUIRE(a.load_sequence(2, s1).is_ok());
+        for (int i = 0; i < 40; ++i) {
+          (void)decode(a, 0, random_token(rng, cfg.config()));
+          const TokenInputs t = random_token(rng, cfg.config());
+          REQUIRE(decode(a, 1, t) == decode(a, 2, t));
+        }
+        REQUIRE(a.reset_sequence(0).is_ok());
+        const TokenInputs t = random_token(rng, cfg.config());
+        REQUIRE(decode(a, 1, t) == decode(a, 2, t));
+        require_same_sequence(a, 1, a, 2);
+        REQUIRE(a.reset_sequence(2).is_ok());
+      }
+      CHECK(copied_blocks > 0);
+      if (mode == CacheMode::kTbe || mode == CacheMode::kThinKv) CHECK(a.stats().tokens_evicted > 0);
+    });
+  }
+}
+
+TEST_CASE("Sequence copy: a range is the copy cut by remove, or refused with the copy's destination left empty",
+          "[sequence_state][sequence_copy]") {
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq, CacheMode::kThinKv}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    auto rng = tt::make_rng("sequence_copy_range");
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
+    const int g = cfg.group_size;
+    with_cache(cfg, [&](auto& a) {
+      int copied = 0, refused = 0;
+      for (int round = 0; round < 40; ++round) {
+        REQUIRE(a.reset_sequence(0).is_ok());
+        grow(a, 0, tt::uniform_int(rng, 1, 200), rng);
+        const std::int32_t P = a.position(0);
+        std::int32_t p0 = tt::uniform_int(rng, -2, P), p1 = tt::uniform_int(rng, -1, P + 3);
+        if (round % 4 == 0) p1 = -1;
+        if (round % 4 == 1) p0 = p1 < 0 ? P / g * g : std::min(p1, P) / g * g / 2 / g * g;  // aligned
+        INFO("round " << round << ": copy_sequence(0, 1, " << p0 << ", " << p1 << ") of " << P << " positions");
+        // The reference: sequence 2, a whole copy cut by remove (the tail first, then the front:
+        // copy_sequence cuts the front first; the two orders accept and keep alike).
+        REQUIRE(a.reset_sequence(1).is_ok());
+        REQUIRE(a.reset_sequence(2).is_ok());
+        REQUIRE(a.copy_sequence(0, 2).is_ok());
+        const std::int32_t lo = std::max<std::int32_t>(p0, 0), hi = p1 < 0 ? P : std::min(p1, P);
+        Status want = Status::ok();
+        if (lo < hi) {
+          if (hi < P) want = a.remove(2, hi, -1);
+          if (want.is_ok() && lo > 0) want = a.remove(2, 0, lo);
+        } else {
+          REQUIRE(a.reset_sequence(2).is_ok());  // an empty range copies nothing
+        }
+        const auto before = tt::snapshot_cache(a.paged());
+        const std::int64_t removed = a.stats().tokens_removed;
+        const Status c = a.copy_sequence(0, 1, p0, p1);
+        INFO(c);
+        REQUIRE(c.code() == want.code());
+        REQUIRE(a.stats().tokens_removed == removed);
+        if (!c.is_ok()) {
+          REQUIRE(c.message().find("copy_sequence(0, 1, ") != std::string::npos);
+          REQUIRE(c.message().find("remove(1, ") != std::string::npos);  // the cut refused
+          REQUIRE(a.position(1) == 0);
+          TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(a.paged()));
+          ++refused;
+          continue;
+        }
+        ++copied;
+        require_same_sequence(a, 1, a, 2);
+        for (const auto& held : tt::held_positions(a, 1)) {
+          for (std::int32_t p : held) REQUIRE((p >= lo && p < hi));
+        }
+        for (int i = 0; i < 20; ++i) {
+          const TokenInputs t = random_token(rng, cfg.config());
+          REQUIRE(decode(a, 1, t) == decode(a, 2, t));
+        }
+      }
+      CHECK(copied > 15);
+      CHECK(refused > 3);
+    });
+  }
+}
+
+TEST_CASE("Sequence copy: bad calls are refused and change nothing", "[sequence_state][sequence_copy]") {
+  auto rng = tt::make_rng("sequence_copy_errors");
+  ThinKvSpec cfg = tt::sequence_spec(CacheMode::kFull);
+  cfg.pool_blocks = 40;  // 100 tokens of 4 streams take 24 BF16 blocks (4 staged): not twice
+  with_cache(cfg, [&](auto& a) {
+    for (int i = 0; i < 100; ++i) (void)decode(a, 0, random_token(rng, cfg.config()));
+    for (int i = 0; i < 5; ++i) (void)decode(a, 2, random_token(rng, cfg.config()));
+    REQUIRE(a.memory(0).blocks_held == 24);
+    const auto before = tt::snapshot_cache(a.paged());
+    auto unchanged = [&](const Status& s, StatusCode want, const char* names) {
+      INFO(s);
+      REQUIRE(s.code() == want);
+      REQUIRE(s.message().find(names) != std::string::npos);
+      REQUIRE(a.position(1) == 0);
+      REQUIRE(a.position(2) == 5);
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(a.paged()));
+    };
+    unchanged(a.copy_sequence(0, 3), StatusCode::kOutOfRange, "sequence 3");
+    unchanged(a.copy_sequence(-1, 1), StatusCode::kOutOfRange, "sequence -1");
+    unchanged(a.copy_sequence(0, 2), StatusCode::kInvalidArgument, "reset_sequence");
+    unchanged(a.copy_sequence(0, 1), StatusCode::kPoolExhausted, "");
+    // src == dst, and an empty source or range: nothing to do.
+    REQUIRE(a.copy_sequence(0, 0).is_ok());
+    REQUIRE(a.copy_sequence(1, 0).code() == StatusCode::kInvalidArgument);
+    REQUIRE(a.copy_sequence(0, 1, 50, 50).is_ok());
+    REQUIRE(a.position(1) == 0);
+    REQUIRE(a.reset_sequence(2).is_ok());
+    REQUIRE(a.copy_sequence(2, 1).is_ok());
+    REQUIRE(a.position(1) == 0);
+    // A source with an open token.
+    REQUIRE(a.begin_token(0).is_ok());
+    const Status busy = a.copy_sequence(0, 1);
+    INFO(busy);
+    REQUIRE(busy.code() == StatusCode::kInvalidArgument);
+    REQUIRE(a.position(1) == 0);
+  });
+}
+
 TEST_CASE("Sequence state: the block table refuses a stream image it could not hold", "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_images");
   const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
