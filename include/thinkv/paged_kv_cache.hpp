@@ -535,10 +535,11 @@ class PagedKvCache {
   /// Restores streams first .. first + in.size() - 1, whole staging sets that hold nothing (no
   /// block, no staged token), from snapshots, and their sets' open group from `stage`. All or
   /// nothing: kCorruptData (a snapshot this cache cannot hold: sizes, metadata, non-finite staged
-  /// values), kInvalidArgument (streams not empty or not whole sets), kPoolExhausted; on any error
-  /// the streams stay empty and nothing else changes.
-  [[nodiscard]] Status load_streams(int first, std::span<const StreamSnapshot> in,
-                                    const StageSnapshot& stage) requires state_io_backend<B> {
+  /// values), kInvalidArgument (streams not empty or not whole sets), kPoolExhausted (with what
+  /// `reserved` keeps for open tokens: a load never takes blocks or records an open token was
+  /// promised); on any error the streams stay empty and nothing else changes.
+  [[nodiscard]] Status load_streams(int first, std::span<const StreamSnapshot> in, const StageSnapshot& stage,
+                                    const PlanClaims& reserved = {}) requires state_io_backend<B> {
     const int n = static_cast<int>(in.size());
     const int set = config().stage_set_streams;
     const int g = config().group_size;
@@ -588,6 +589,7 @@ class PagedKvCache {
     PlanClaims claims;
     std::vector<std::vector<std::uint32_t>> block_ids, record_ids;
     THINKV_RETURN_IF_ERROR(table_.plan_import(images, claims, block_ids, record_ids));
+    THINKV_RETURN_IF_ERROR(table_.check_claims(claims, reserved, "loading a sequence's state"));
     // Storage first (nothing changes when it fails), then the bytes, then the table.
     std::uint32_t blocks[kNumPrecisions];
     for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.blocks_needed(p, block_ids);

@@ -688,7 +688,8 @@ class BasicThinKvCache {
   /// its own: memory is copied, not shared (docs/design.md, "Sequence operations"). src == dst
   /// changes nothing. Errors (nothing changes): a sequence out of range; either faulted, in the
   /// open step or with an open token or prompt, or `dst` not empty (kInvalidArgument);
-  /// kPoolExhausted when the pools cannot hold the copy; remove's refusals for the range.
+  /// kPoolExhausted when the pools cannot hold the copy beside what other sequences' open tokens
+  /// reserved; remove's refusals for the range.
   [[nodiscard]] Status copy_sequence(int src, int dst, std::int32_t p0 = -1,
                                      std::int32_t p1 = -1) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(src));
@@ -723,7 +724,7 @@ class BasicThinKvCache {
     std::vector<StreamSnapshot> snaps;
     StageSnapshot stage;
     THINKV_RETURN_IF_ERROR(snapshot_sequence(src, snaps, stage));
-    THINKV_RETURN_IF_ERROR(cache_.load_streams(stream_of(dst, 0, 0), snaps, stage));
+    THINKV_RETURN_IF_ERROR(cache_.load_streams(stream_of(dst, 0, 0), snaps, stage, reserved_));
     SeqState copy = seq_(src);
     copy.reserved = PlanClaims{};
     copy.generation = seq_(dst).generation;
@@ -829,7 +830,8 @@ class BasicThinKvCache {
   /// damaged: the checksum, or inconsistent: the message names the field), kUnsupported (another
   /// format version), kInvalidArgument (saved by a cache of another geometry or precision map:
   /// the message names the value; the sequence is not empty, or busy), kOutOfRange (positions
-  /// past max_tokens), kPoolExhausted (the pools cannot hold it).
+  /// past max_tokens), kPoolExhausted (the pools cannot hold it beside what other sequences' open
+  /// tokens reserved: begin_token's promise that the token's commits fit holds across a load).
   [[nodiscard]] Status load_sequence(int seq, std::span<const std::uint8_t> in) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     THINKV_RETURN_IF_ERROR(settle_quiet(seq, "load_sequence(" + std::to_string(seq) + ")"));
@@ -921,7 +923,7 @@ class BasicThinKvCache {
     }
     if (r.left() != 0) return r.bad("body", "has " + std::to_string(r.left()) + " bytes past its last stream");
     THINKV_RETURN_IF_ERROR(check_loaded(s, current, stage));
-    THINKV_RETURN_IF_ERROR(cache_.load_streams(first, snaps, stage));
+    THINKV_RETURN_IF_ERROR(cache_.load_streams(first, snaps, stage, reserved_));
     s.tracker.restore(current, ts);
     release_reservation(seq_(seq));
     seq_(seq) = std::move(s);

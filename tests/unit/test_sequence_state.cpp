@@ -578,6 +578,46 @@ TEST_CASE("Sequence copy: bad calls are refused and change nothing", "[sequence_
   });
 }
 
+TEST_CASE("Sequence state: a load or a copy never takes the blocks another sequence's open token reserved",
+          "[sequence_state][sequence_copy]") {
+  // begin_token promises that the token's commits fit. Sequence 0 holds 12 BF16 blocks (48
+  // tokens, 4 streams); sequence 2 holds 8 and its open 40th token completes a group that needs
+  // a new block in each stream (4 reserved). With 34 blocks, 14 are free: a copy or load of
+  // sequence 0 (12) fits the free blocks but not beside the reservation.
+  auto rng = tt::make_rng("sequence_state_reserved");
+  ThinKvSpec cfg = tt::sequence_spec(CacheMode::kFull);
+  cfg.pool_blocks = 34;
+  with_cache(cfg, [&](auto& a) {
+    for (int i = 0; i < 48; ++i) (void)decode(a, 0, random_token(rng, cfg.config()));
+    for (int i = 0; i < 39; ++i) (void)decode(a, 2, random_token(rng, cfg.config()));
+    REQUIRE(a.memory(0).blocks_held == 12);
+    REQUIRE(a.memory(2).blocks_held == 8);
+    std::vector<std::uint8_t> state;
+    REQUIRE(a.save_sequence(0, state).is_ok());
+    REQUIRE(a.begin_token(2).is_ok());
+    const auto before = tt::snapshot_cache(a.paged());
+    for (const Status& s : {a.copy_sequence(0, 1), a.load_sequence(1, state)}) {
+      INFO(s);
+      REQUIRE(s.code() == StatusCode::kPoolExhausted);
+      REQUIRE(s.message().find("reserved") != std::string::npos);
+      REQUIRE(a.position(1) == 0);
+      TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(a.paged()));
+    }
+    // The promise held: the open token completes.
+    const TokenInputs t = random_token(rng, cfg.config());
+    for (int l = 0; l < cfg.num_layers; ++l) {
+      std::vector<float> out(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
+      REQUIRE(a.append(2, l, t.k[static_cast<std::size_t>(l)], t.v[static_cast<std::size_t>(l)]).is_ok());
+      REQUIRE(a.attend(2, l, t.q[static_cast<std::size_t>(l)], out).is_ok());
+    }
+    REQUIRE(a.end_token(2).is_ok());
+    REQUIRE(a.memory(2).blocks_held == 12);
+    // With sequence 2 freed (22 blocks free), the copy fits.
+    REQUIRE(a.reset_sequence(2).is_ok());
+    REQUIRE(a.copy_sequence(0, 1).is_ok());
+  });
+}
+
 TEST_CASE("Sequence state: the block table refuses a stream image it could not hold", "[sequence_state]") {
   auto rng = tt::make_rng("sequence_state_images");
   const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
