@@ -684,12 +684,12 @@ class BasicThinKvCache {
   /// type and tracker, so `dst` then decodes exactly as `src` would (K-means selections are
   /// seeded by a stream's lane in its sequence, not by the sequence). A range that is not the
   /// whole sequence is the copy cut by remove(dst, 0, p0) and remove(dst, p1, -1), with
-  /// remove's rules: their refusals (kUnsupported) are found before anything is copied. The copy's blocks are
-  /// its own: memory is copied, not shared (docs/design.md, "Sequence operations"). src == dst
-  /// changes nothing. Errors (nothing changes): a sequence out of range; either faulted, in the
-  /// open step or with an open token or prompt, or `dst` not empty (kInvalidArgument);
-  /// kPoolExhausted when the pools cannot hold the copy beside what other sequences' open tokens
-  /// reserved; remove's refusals for the range.
+  /// remove's rules: their refusals (kUnsupported) are found before anything is copied. The
+  /// copy's blocks are its own: memory is copied, not shared (docs/design.md, "Sequence
+  /// operations"). src == dst changes nothing. Errors (nothing changes): a sequence out of
+  /// range; either faulted, in the open step or with an open token or prompt, or `dst` not
+  /// empty (kInvalidArgument); kPoolExhausted when the pools cannot hold the copy beside what
+  /// other sequences' open tokens reserved; remove's refusals for the range.
   [[nodiscard]] Status copy_sequence(int src, int dst, std::int32_t p0 = -1,
                                      std::int32_t p1 = -1) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(src));
