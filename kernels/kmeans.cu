@@ -6,11 +6,13 @@
 /// round-to-nearest intrinsic (__fsub_rn, __fmul_rn, __fadd_rn, __fdiv_rn: nvcc never contracts
 /// them into FMAs) and every sum runs in the CPU's order:
 ///  - squared distances: one thread per (point, centre) pair, channels 0..d-1 in order;
-///  - k-means++ D(x)^2 total and running sum: one thread (lane 0 of warp 0), index order; the CPU's
-///    total and its running sum are the same chain of partial sums, so one pass gives both and the
-///    first index with run > target (and not chosen) is then found in parallel (min index);
+///  - k-means++ D(x)^2 total and running sum: one chain in index order, run by every lane of
+///    warp 0 with the values shuffled in (each lane keeps the running sums of its own 4 points);
+///    the CPU's total and its running sum are the same chain of partial sums, so one pass gives
+///    both and the first index with run > target (and not chosen) is then found in parallel;
 ///  - centre means: one thread per (centre, channel), the centre's points in index order, then
-///    sum / float(count) as the CPU divides.
+///    sum / float(count) as the CPU divides. The member lists are integer work (match_any ranks
+///    per warp, per-warp counts, a warp scan for the offsets): exact by construction.
 /// Argmins reproduce the CPU's sequential "first candidate, then strictly smaller" rule, which
 /// for FP32 values (NaN included) equals: the first candidate when its value is NaN, otherwise
 /// the lowest-index minimum over the non-NaN values. Lloyd's assignment splits the centres of a
@@ -20,7 +22,7 @@
 ///
 /// Shared memory (dynamic, see Layout): the segment's points transposed (pT[j][i], point index
 /// XOR-swizzled by (j & 31) so both per-point columns and per-channel rows are conflict-free),
-/// the centres [max_k, d], a scratch area (k-means++ D(x)^2 and running sums; Lloyd's partial
+/// the centres [max_k, d], a scratch area (k-means++ D(x)^2; Lloyd's partial
 /// argmins; a 16-centre tile of selection distances) and small index arrays.
 
 #include <cuda_runtime.h>
@@ -39,14 +41,13 @@ constexpr int kThreads = 256;  // per CTA; >= 2 * kKmeansMaxPoints (two point gr
 constexpr int kTile = 8;       // centres per register tile of the distance loop
 constexpr int kSelTile = 16;   // centres whose distances are materialized per selection round
 constexpr unsigned kFull = 0xFFFFFFFFu;
-static_assert(kThreads >= 2 * kKmeansMaxPoints, "two point groups per CTA");
+static_assert(kThreads >= 2 * kKmeansMaxPoints, "two point groups per CTA (and the scratch holds the init's D(x)^2)");
 static_assert(kKmeansMaxPoints % 32 == 0 && kKmeansMaxPoints <= 128, "selection: 4 points per lane");
 
 /// Byte offsets of the shared-memory regions of one CTA (host and device agree).
 struct Layout {
   int stride = 0;  ///< S: point index stride of pT and of the selection tile, multiple of 32
-  std::size_t pt = 0, cen = 0, scratch = 0, assign = 0, members = 0, counts = 0, offsets = 0, picks = 0, flags = 0,
-              total = 0;
+  std::size_t pt = 0, cen = 0, scratch = 0, assign = 0, members = 0, counts = 0, offsets = 0, wcount = 0, total = 0;
 };
 
 __host__ __device__ constexpr std::size_t max_sz(std::size_t a, std::size_t b) { return a > b ? a : b; }
@@ -62,8 +63,8 @@ __host__ __device__ constexpr Layout make_layout(int d, int max_points, int max_
   off += D * S * sizeof(float);
   L.cen = off;  // float [K][D], 16-byte aligned rows (D % 4 == 0)
   off += K * D * sizeof(float);
-  L.scratch = off;  // float: init [2][S] | Lloyd [kThreads] + int [kThreads] | selection [kSelTile][S]
-  off += max_sz(max_sz(2 * S, 2 * static_cast<std::size_t>(kThreads)), kSelTile * S) * sizeof(float);
+  L.scratch = off;  // float: init [kKmeansMaxPoints] | Lloyd [kThreads] + int [kThreads] | selection [kSelTile][S]
+  off += max_sz(2 * static_cast<std::size_t>(kThreads), kSelTile * S) * sizeof(float);
   L.assign = off;  // int [S]
   off += S * sizeof(int);
   L.members = off;  // int [S]
@@ -72,10 +73,8 @@ __host__ __device__ constexpr Layout make_layout(int d, int max_points, int max_
   off += K * sizeof(int);
   L.offsets = off;  // int [K]
   off += K * sizeof(int);
-  L.picks = off;  // int [K]
-  off += K * sizeof(int);
-  L.flags = off;  // unsigned char [S]
-  off += S;
+  L.wcount = off;  // int [kKmeansMaxPoints / 32][K]: Lloyd's per-warp member counts
+  off += kKmeansMaxPoints / 32 * K * sizeof(int);
   L.total = (off + 15) / 16 * 16;
   return L;
 }
@@ -88,44 +87,56 @@ __device__ __forceinline__ float add_sq(float s, float a, float b) {
   return __fadd_rn(s, __fmul_rn(t, t));
 }
 
-/// Squared distances from point i to centres [cb, ce), each summed over channels 0..D-1 in
-/// order; sink(c, dist) is called for c ascending. kTile independent chains at a time.
+/// Squared distances from point i to the T centres c0 .. c0+T-1, each summed over channels
+/// 0..D-1 in order (T independent chains); sink(c, dist) for c ascending.
+template <int D, int T, typename Sink>
+__device__ __forceinline__ void distance_tile(const float* __restrict__ pT, int S, int i, const float* __restrict__ cen,
+                                              int c0, Sink& sink) {
+  float s[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) s[t] = 0.0f;
+  const float* row = cen + c0 * D;
+#pragma unroll 4
+  for (int j = 0; j < D; j += 4) {
+    const float* col = pT + j * S;
+    const int sw = j & 31;  // j % 4 == 0, so (j + u) & 31 == sw + u for u < 4
+    const float x0 = col[i ^ sw];
+    const float x1 = col[S + (i ^ (sw + 1))];
+    const float x2 = col[2 * S + (i ^ (sw + 2))];
+    const float x3 = col[3 * S + (i ^ (sw + 3))];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float4 cv = *reinterpret_cast<const float4*>(row + t * D + j);
+      float a = s[t];
+      a = add_sq(a, x0, cv.x);
+      a = add_sq(a, x1, cv.y);
+      a = add_sq(a, x2, cv.z);
+      a = add_sq(a, x3, cv.w);
+      s[t] = a;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t) sink(c0 + t, s[t]);
+}
+
+/// Squared distances from point i to centres [cb, ce), c ascending: tiles of kTile centres, then
+/// one tile of 4, 2 and 1 for the rest (a thread of a small segment may own 1 or 2 centres: no
+/// chain is computed for a centre it does not own).
 template <int D, typename Sink>
 __device__ __forceinline__ void centre_distances(const float* __restrict__ pT, int S, int i,
                                                  const float* __restrict__ cen, int cb, int ce, Sink&& sink) {
-  for (int c0 = cb; c0 < ce; c0 += kTile) {
-    float s[kTile];
-    const float* row[kTile];
-#pragma unroll
-    for (int t = 0; t < kTile; ++t) {
-      s[t] = 0.0f;
-      const int c = c0 + t < ce ? c0 + t : ce - 1;  // clamp: tail results are discarded
-      row[t] = cen + c * D;
-    }
-#pragma unroll 4
-    for (int j = 0; j < D; j += 4) {
-      const float* col = pT + j * S;
-      const int sw = j & 31;  // j % 4 == 0, so (j + u) & 31 == sw + u for u < 4
-      const float x0 = col[i ^ sw];
-      const float x1 = col[S + (i ^ (sw + 1))];
-      const float x2 = col[2 * S + (i ^ (sw + 2))];
-      const float x3 = col[3 * S + (i ^ (sw + 3))];
-#pragma unroll
-      for (int t = 0; t < kTile; ++t) {
-        const float4 cv = *reinterpret_cast<const float4*>(row[t] + j);
-        float a = s[t];
-        a = add_sq(a, x0, cv.x);
-        a = add_sq(a, x1, cv.y);
-        a = add_sq(a, x2, cv.z);
-        a = add_sq(a, x3, cv.w);
-        s[t] = a;
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kTile; ++t) {
-      if (c0 + t < ce) sink(c0 + t, s[t]);
-    }
+  int c0 = cb;
+  for (; c0 + kTile <= ce; c0 += kTile) distance_tile<D, kTile>(pT, S, i, cen, c0, sink);
+  static_assert(kTile == 8, "the tail below covers fewer than 8 centres");
+  if (c0 + 4 <= ce) {
+    distance_tile<D, 4>(pT, S, i, cen, c0, sink);
+    c0 += 4;
   }
+  if (c0 + 2 <= ce) {
+    distance_tile<D, 2>(pT, S, i, cen, c0, sink);
+    c0 += 2;
+  }
+  if (c0 < ce) distance_tile<D, 1>(pT, S, i, cen, c0, sink);
 }
 
 template <int D>
@@ -157,12 +168,10 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
   int* const members = reinterpret_cast<int*>(smem + L.members);
   int* const counts = reinterpret_cast<int*>(smem + L.counts);
   int* const offsets = reinterpret_cast<int*>(smem + L.offsets);
-  int* const picks = reinterpret_cast<int*>(smem + L.picks);
-  unsigned char* const chosen = smem + L.flags;
-  float* const dist = scratch;        // k-means++: D(x)^2 [S]
-  float* const prefix = scratch + S;  // k-means++: running sums [S]
+  int* const wcount = reinterpret_cast<int*>(smem + L.wcount);
+  float* const dist = scratch;  // k-means++: D(x)^2 [S]
 
-  std::uint64_t state = p.seeds != nullptr ? p.seeds[seg] : p.seed;  // used by thread 0 only
+  std::uint64_t state = p.seeds != nullptr ? p.seeds[seg] : p.seed;  // warp 0's lanes draw alike
 
   // ---- load the points, transposed and swizzled: pT[j * S + (i ^ (j & 31))] = x[i][j] -------
   const float* __restrict__ src = p.points + static_cast<std::ptrdiff_t>(seg) * p.max_points * D;
@@ -171,74 +180,90 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
     const int j = e % D;
     pT[j * S + (i ^ (j & 31))] = src[e];
   }
-  for (int i = tid; i < n; i += kThreads) {
-    dist[i] = __int_as_float(0x7F800000);  // +inf
-    chosen[i] = 0;
-    assign[i] = -1;
+  for (int i = tid; i < kKmeansMaxPoints; i += kThreads) {  // scratch holds >= 2 kThreads floats
+    dist[i] = i < n ? __int_as_float(0x7F800000) : 0.0f;    // +inf; past n 0 (adds nothing below)
   }
-  if (tid == 0) picks[0] = static_cast<int>(splitmix64(state) % static_cast<std::uint64_t>(n));
+  for (int i = tid; i < S; i += kThreads) assign[i] = -1;
+  for (int t = tid; t < kKmeansMaxPoints / 32 * k; t += kThreads) wcount[t] = 0;
   __syncthreads();
 
   // ---- 1. k-means++ initialisation ---------------------------------------------------------
+  // Round c: warp 0 picks centre c and copies that point into cen[c]; then D(x)^2 = min(D(x)^2,
+  // |x - cen[c]|^2) for every point (one thread each).
+  unsigned mine_chosen = 0;  // warp 0: bit t = point 4 lane + t is a centre
   for (int c = 0; c < k; ++c) {
-    if (c > 0) {
-      if (warp == 0) {
-        float target = 0.0f;
-        int pos = 0;
-        if (lane == 0) {
-          // total = sum of D(x)^2 in index order; the CPU's running sum is the same chain.
-          float run = 0.0f;
-          for (int i = 0; i < n; ++i) {
-            run = __fadd_rn(run, dist[i]);
-            prefix[i] = run;
-          }
-          pos = run > 0.0f;
-          if (pos) {
-            const float u = __fmul_rn(static_cast<float>(splitmix64(state) >> 40), 0x1p-24f);
-            target = __fmul_rn(u, run);
+    if (warp == 0) {
+      int pick = 0;
+      if (c == 0) {
+        pick = static_cast<int>(splitmix64(state) % static_cast<std::uint64_t>(n));
+      } else {
+        // total = sum of D(x)^2 in index order; the CPU's running sum is the same chain. Lane l
+        // holds D(x)^2 of points 4l .. 4l+3 (0 past n: x + 0 == x for every sum here, which is
+        // never -0); every lane runs the whole chain (the values shuffled in, the adds in index
+        // order) and keeps the running sums of its own points.
+        const float4 dv = *reinterpret_cast<const float4*>(dist + 4 * lane);
+        float run = 0.0f;
+        float pre[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // running sums at points 4 lane .. 4 lane + 3
+#pragma unroll 8
+        for (int q = 0; q < kKmeansMaxPoints / 4; ++q) {
+          const float x0 = __shfl_sync(kFull, dv.x, q);
+          const float x1 = __shfl_sync(kFull, dv.y, q);
+          const float x2 = __shfl_sync(kFull, dv.z, q);
+          const float x3 = __shfl_sync(kFull, dv.w, q);
+          const float r0 = __fadd_rn(run, x0);
+          const float r1 = __fadd_rn(r0, x1);
+          const float r2 = __fadd_rn(r1, x2);
+          run = __fadd_rn(r2, x3);
+          if (lane == q) {
+            pre[0] = r0;
+            pre[1] = r1;
+            pre[2] = r2;
+            pre[3] = run;
           }
         }
-        __syncwarp();
-        pos = __shfl_sync(kFull, pos, 0);
-        target = __shfl_sync(kFull, target, 0);
+        const bool pos = run > 0.0f;
+        float target = 0.0f;
+        if (pos) {  // the same draw in every lane
+          const float u = __fmul_rn(static_cast<float>(splitmix64(state) >> 40), 0x1p-24f);
+          target = __fmul_rn(u, run);
+        }
         int first_hit = INT_MAX;   // first i with run_i > target and not chosen
         int first_free = INT_MAX;  // lowest unchosen i (fallback)
 #pragma unroll
-        for (int q = 0; q < kKmeansMaxPoints / 32; ++q) {
-          const int i = lane + 32 * q;
-          if (i < n && chosen[i] == 0) {
+        for (int t = 0; t < 4; ++t) {
+          const int i = 4 * lane + t;
+          if (i < n && ((mine_chosen >> t) & 1u) == 0) {
             if (first_free == INT_MAX) first_free = i;
-            if (pos != 0 && first_hit == INT_MAX && prefix[i] > target) first_hit = i;
+            if (pos && first_hit == INT_MAX && pre[t] > target) first_hit = i;
           }
         }
         first_hit = __reduce_min_sync(kFull, first_hit);
         first_free = __reduce_min_sync(kFull, first_free);
-        if (lane == 0) picks[c] = first_hit != INT_MAX ? first_hit : first_free;
+        pick = first_hit != INT_MAX ? first_hit : first_free;
       }
-      __syncthreads();
+      if ((pick >> 2) == lane) mine_chosen |= 1u << (pick & 3);
+      for (int j = lane; j < D; j += 32) cen[c * D + j] = pT[j * S + (pick ^ (j & 31))];
     }
-    const int pick = picks[c];
-    if (tid == 0) chosen[pick] = 1;
-    if (c + 1 < k && tid < n) {  // D(x)^2 = min(D(x)^2, |x - x_pick|^2); unused after the last
+    __syncthreads();
+    if (c + 1 < k && tid < n) {  // unused after the last centre
       const int i = tid;
+      const float* __restrict__ crow = cen + c * D;
       float s = 0.0f;
 #pragma unroll 8
-      for (int j = 0; j < D; ++j) {
+      for (int j = 0; j < D; j += 4) {
         const float* col = pT + j * S;
-        const int sw = j & 31;
-        s = add_sq(s, col[i ^ sw], col[pick ^ sw]);
+        const int sw = j & 31;  // j % 4 == 0, so (j + u) & 31 == sw + u for u < 4
+        const float4 cv = *reinterpret_cast<const float4*>(crow + j);
+        s = add_sq(s, col[i ^ sw], cv.x);
+        s = add_sq(s, col[S + (i ^ (sw + 1))], cv.y);
+        s = add_sq(s, col[2 * S + (i ^ (sw + 2))], cv.z);
+        s = add_sq(s, col[3 * S + (i ^ (sw + 3))], cv.w);
       }
       const float old = dist[i];
       dist[i] = s < old ? s : old;  // std::min(old, s)
     }
     __syncthreads();
   }
-  for (int e = tid; e < k * D; e += kThreads) {  // centre c = point picks[c]
-    const int c = e / D;
-    const int j = e % D;
-    cen[e] = pT[j * S + (picks[c] ^ (j & 31))];
-  }
-  __syncthreads();
 
   // ---- thread roles for the distance passes: point i of group g ------------------------------
   const int group = (n + 31) / 32 * 32;  // threads per group
@@ -289,22 +314,52 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
         }
       }
       if (__syncthreads_or(changed) == 0) break;
-      // New centres: mean of the members in index order (empty clusters keep their centre).
-      if (tid < k) {
-        int cnt = 0;
-        for (int x = 0; x < n; ++x) cnt += assign[x] == tid ? 1 : 0;
-        counts[tid] = cnt;
+      // New centres: mean of the members in index order (empty clusters keep their centre). The
+      // member lists are built with integer counts and ranks (exact): warp w of group 0 ranks
+      // each point among its lanes of the same centre (match_any) and counts them per centre
+      // (wcount[w][c]); warp 0 turns the counts into offsets and per-warp bases.
+      int own = -1;                           // group 0: this point's centre
+      int below = 0;                          // lanes before this one in the warp with the same centre
+      if (tid < group) {                      // whole warps (group is a multiple of 32)
+        own = i < n ? assign[i] : -1 - lane;  // past n: a key no other lane has
+        const unsigned same = __match_any_sync(kFull, own);
+        below = __popc(same & ((1u << lane) - 1u));
+        if (i < n && below == 0) wcount[warp * k + own] = __popc(same);
       }
       __syncthreads();
-      if (tid < k) {
-        int off = 0;
-        for (int c = 0; c < tid; ++c) off += counts[c];
-        offsets[tid] = off;
-        for (int x = 0; x < n; ++x) {
-          if (assign[x] == tid) members[off++] = x;
+      if (warp == 0) {
+        const int warps = group / 32;
+        int cnt[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // centres lane and lane + 32 (k <= 64)
+          const int c = lane + 32 * h;
+          cnt[h] = 0;
+          if (c < k) {
+            for (int w = 0; w < warps; ++w) {  // wcount becomes the count of earlier warps
+              const int v = wcount[w * k + c];
+              wcount[w * k + c] = cnt[h];
+              cnt[h] += v;
+            }
+            counts[c] = cnt[h];
+          }
+        }
+        int base = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // exclusive scan over the centres
+          int x = cnt[h];
+#pragma unroll
+          for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(kFull, x, off);
+            if (lane >= off) x += y;
+          }
+          if (lane + 32 * h < k) offsets[lane + 32 * h] = base + x - cnt[h];
+          base += __shfl_sync(kFull, x, 31);
         }
       }
       __syncthreads();
+      if (tid < group && i < n) members[offsets[own] + wcount[warp * k + own] + below] = i;
+      __syncthreads();
+      for (int t = tid; t < kKmeansMaxPoints / 32 * k; t += kThreads) wcount[t] = 0;  // next iteration
       for (int e = tid; e < k * D; e += kThreads) {
         const int c = e / D;
         const int j = e % D;
