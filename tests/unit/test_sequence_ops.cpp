@@ -1,12 +1,12 @@
 // llama.cpp-style sequence operations on BasicThinKvCache (remove = seq_rm with roll-back,
-// keep_only = seq_keep, copy_sequence = seq_cp, pos_min / pos_max), checked against an independent model of llama.cpp's
-// cells written from its documented behaviour: a sequence is a set of positions, each with the
-// K/V it was decoded with; seq_rm(p0, p1) drops the positions in [p0, p1) (p0 < 0: from 0, p1 < 0:
-// to the end); the next token of a sequence is at pos_max + 1; seq_keep drops every other
-// sequence; seq_cp(src, dst, p0, p1) gives dst src's cells in [p0, p1). On top of that model, ThinKV's two documented
-// refusals (kUnsupported): removing staged tokens while a later one stays, and rolling back to a position that is not a
-// multiple of group_size behind the open quantization group (a copy's range is cut by the same rules), and copies only
-// into an empty sequence (kInvalidArgument: a stream holds one history).
+// keep_only = seq_keep, copy_sequence = seq_cp, pos_min / pos_max, save_sequence / load_sequence =
+// llama_state_seq_get_data / set_data), checked against an independent model of llama.cpp's cells written from its
+// documented behaviour: a sequence is a set of positions, each with the K/V it was decoded with; seq_rm(p0, p1) drops
+// the positions in [p0, p1) (p0 < 0: from 0, p1 < 0: to the end); the next token of a sequence is at pos_max + 1;
+// seq_keep drops every other sequence; seq_cp(src, dst, p0, p1) gives dst src's cells in [p0, p1). On top of that
+// model, ThinKV's two documented refusals (kUnsupported): removing staged tokens while a later one stays, and rolling
+// back to a position that is not a multiple of group_size behind the open quantization group (a copy's range is cut by
+// the same rules), and copies only into an empty sequence (kInvalidArgument: a stream holds one history).
 
 #include <catch2/catch.hpp>
 
@@ -201,14 +201,14 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
       const std::int64_t empty_bytes = cache.allocated_bytes();
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
-      int removes = 0, refusals = 0, rollbacks = 0, keeps = 0, copies = 0, copy_refusals = 0;
+      int removes = 0, refusals = 0, rollbacks = 0, keeps = 0, copies = 0, copy_refusals = 0, loads = 0;
       for (int op = 0; op < 1500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
         const int what = tt::uniform_int(rng, 0, 99);
         if (what < 75) {
           decode_one(cache, seq, m, rng, mode == CacheMode::kFull && op % 3 == 0);
-        } else if (what < 95) {
+        } else if (what < 93) {
           const auto [p0, p1] = random_range(rng, m, g);
           INFO("op " << op << ": remove(" << seq << ", " << p0 << ", " << p1 << ") at next " << m.next());
           const bool refuse = refused(m, p0, p1, g);
@@ -228,6 +228,31 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
             ++removes;
             rollbacks += m.next() < next_before ? 1 : 0;
           }
+        } else if (what < 95) {
+          // llama_state_seq_get_data / set_data: the state loads into a cleared sequence (another
+          // one or the same) as a copy of every cell; a damaged state changes nothing.
+          const int dst = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
+          SeqModel& md = model[static_cast<std::size_t>(dst)];
+          INFO("op " << op << ": save_sequence(" << seq << ") then load_sequence(" << dst << ") at next " << m.next());
+          std::vector<std::uint8_t> state;
+          REQUIRE(cache.save_sequence(seq, state).is_ok());
+          const SeqModel saved = m;
+          REQUIRE(cache.reset_sequence(dst).is_ok());
+          md.cells.clear();
+          std::vector<std::uint8_t> bad = state;
+          // a bit from the body size on (a version or flags bit is kUnsupported: test_sequence_state)
+          bad[static_cast<std::size_t>(tt::uniform_int(rng, 16, static_cast<int>(bad.size()) - 1))] ^=
+              static_cast<std::uint8_t>(1u << tt::uniform_int(rng, 0, 7));
+          const auto before = tt::snapshot_cache(cache.paged());
+          const Status sb = cache.load_sequence(dst, bad);
+          INFO(sb);
+          REQUIRE(sb.code() == StatusCode::kCorruptData);
+          TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+          const Status sl = cache.load_sequence(dst, state);
+          INFO(sl);
+          REQUIRE(sl.is_ok());
+          md = saved;
+          ++loads;
         } else if (what < 99) {
           const int dst = (seq + tt::uniform_int(rng, 1, cfg.num_sequences - 1)) % cfg.num_sequences;
           SeqModel& md = model[static_cast<std::size_t>(dst)];
@@ -280,8 +305,9 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
         }
       }
       INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps
-                      << ", copies " << copies << ", copies refused " << copy_refusals);
+                      << ", copies " << copies << ", copies refused " << copy_refusals << ", loads " << loads);
       CHECK(removes > 100);
+      CHECK(loads > 10);
       CHECK(copies > 20);
       CHECK(copy_refusals > 5);
       CHECK(refusals > 10);
@@ -307,12 +333,35 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
       const int g = cfg.group_size;
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
-      int removes = 0, copies = 0;
+      int removes = 0, copies = 0, loads = 0;
       for (int op = 0; op < 2500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
         const int what = tt::uniform_int(rng, 0, 99);
-        const bool decoded = what < 90;
+        const bool decoded = what < 88;
+        if (what >= 95 && what < 97) {
+          // A saved state loads into a cleared sequence (another one or the same) holding, stream
+          // by stream, exactly what the saved sequence held.
+          const int dst = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
+          INFO("op " << op << ": save_sequence(" << seq << ") then load_sequence(" << dst << ")");
+          std::vector<std::uint8_t> state;
+          REQUIRE(cache.save_sequence(seq, state).is_ok());
+          const std::vector<std::set<std::int32_t>> src_held = tt::held_positions(cache, seq);
+          const SeqModel saved = m;
+          const std::vector<thinkv::SegmentState> saved_segments = cache.segments(seq);
+          REQUIRE(cache.reset_sequence(dst).is_ok());
+          model[static_cast<std::size_t>(dst)].cells.clear();
+          const Status s = cache.load_sequence(dst, state);
+          INFO(s);
+          REQUIRE(s.is_ok());
+          model[static_cast<std::size_t>(dst)] = saved;
+          REQUIRE(tt::held_positions(cache, dst) == src_held);
+          REQUIRE(cache.segments(dst) == saved_segments);
+          REQUIRE(cache.pos_max(dst) == saved.pos_max());
+          check_segment_sizes(cache, dst);
+          ++loads;
+          continue;
+        }
         if (what >= 97) {
           // seq_cp into a cleared sequence: the copy holds what the source holds of the range.
           const int dst = (seq + tt::uniform_int(rng, 1, cfg.num_sequences - 1)) % cfg.num_sequences;
@@ -382,6 +431,7 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
       }
       CHECK(removes > 100);
       CHECK(copies > 20);
+      CHECK(loads > 20);
       CHECK(cache.stats().tokens_evicted > 0);
       for (int s = 0; s < cfg.num_sequences; ++s) REQUIRE(cache.remove(s, 0, -1).is_ok());
       // Every block chunk released (key-scale record chunks are kept once grown: block_table.hpp).
