@@ -745,7 +745,8 @@ class BasicThinKvCache {
 
   // ---- saving and loading a sequence's state (llama_state_seq_get_data / set_data) ------------
 
-  /// Writes sequence `seq`'s whole state into `out` (replaced): its pages, key-scale records,
+  /// Writes sequence `seq`'s whole state into `out` (replaced; its capacity is reused, so a
+  /// runtime that saves often can keep one buffer): its pages, key-scale records,
   /// second-level scales, staged tokens, block metadata (holes included), segments, thought type
   /// and counters, bit for bit, in the versioned and checksummed format of
   /// seq/state_codec.hpp (docs/formats.md, "Sequence state"). load_sequence restores it into an
@@ -761,8 +762,18 @@ class BasicThinKvCache {
     std::vector<StreamSnapshot> snaps;
     StageSnapshot stage;
     THINKV_RETURN_IF_ERROR(snapshot_sequence(seq, snaps, stage));
-    std::vector<std::uint8_t> bytes;
+    // Nothing below fails: write into `out` itself, so a caller that saves again and again keeps
+    // its buffer (its capacity is reused; one reserve instead of growth by copies).
+    std::size_t estimate = 4096 + 20 * s.segments.size() + 4 * (s.ragged.size() + stage.segments.size());
+    const auto block_bytes = 11 + 8 * static_cast<std::size_t>(cache_.layout().evict_mask_words()) +
+                             12 * static_cast<std::size_t>(config_.block_size);
+    for (const StreamSnapshot& sn : snaps) {
+      estimate += 32 + sn.image.blocks.size() * block_bytes + sn.pages.size() + sn.records.size() +
+                  4 * (sn.scales.size() + sn.staged.size());
+    }
+    std::vector<std::uint8_t>& bytes = out;
     begin_state(bytes);
+    bytes.reserve(estimate);
     StateWriter w(bytes);
     write_fingerprint(w);
     w.put(s.position);
@@ -820,7 +831,6 @@ class BasicThinKvCache {
       w.put_span(std::span<const float>(sn.staged));
     }
     finish_state(bytes);
-    out = std::move(bytes);
     return Status::ok();
   }
 

@@ -33,21 +33,45 @@ inline constexpr std::uint32_t kSequenceStateVersion = 1;
 inline constexpr std::size_t kSequenceStateHeaderBytes = 24;
 
 /// CRC-32 (reflected polynomial 0xEDB88320, initial and final XOR 0xFFFFFFFF): zlib's crc32.
-/// `crc` continues an earlier call's result (0 to start).
+/// `crc` continues an earlier call's result (0 to start). Slicing-by-8: eight bytes per step
+/// through eight 256-entry tables (tables[0] is the classic byte table; tables[s][i] is i's CRC
+/// followed by s zero bytes), then byte by byte for the tail; ~8x the speed of the byte loop.
 inline std::uint32_t crc32(std::span<const std::uint8_t> bytes, std::uint32_t crc = 0) noexcept {
-  static constexpr auto kTable = [] {
-    std::array<std::uint32_t, 256> t{};
+  static constexpr auto kTables = [] {
+    std::array<std::array<std::uint32_t, 256>, 8> t{};
     for (std::uint32_t i = 0; i < 256; ++i) {
       std::uint32_t c = i;
       for (int k = 0; k < 8; ++k) c = (c & 1u) != 0 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
+      t[0][i] = c;
+    }
+    for (std::size_t s = 1; s < 8; ++s) {
+      for (std::size_t i = 0; i < 256; ++i) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
     }
     return t;
   }();
+  const auto le32 = [](const std::uint8_t* p) {
+    return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
+           static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
+  };
   crc = ~crc;
-  for (std::uint8_t b : bytes) crc = kTable[(crc ^ b) & 0xFFu] ^ (crc >> 8);
+  const std::uint8_t* p = bytes.data();
+  std::size_t n = bytes.size();
+  for (; n >= 8; n -= 8, p += 8) {
+    const std::uint32_t lo = le32(p) ^ crc, hi = le32(p + 4);
+    crc = kTables[7][lo & 0xFFu] ^ kTables[6][(lo >> 8) & 0xFFu] ^ kTables[5][(lo >> 16) & 0xFFu] ^
+          kTables[4][lo >> 24] ^ kTables[3][hi & 0xFFu] ^ kTables[2][(hi >> 8) & 0xFFu] ^
+          kTables[1][(hi >> 16) & 0xFFu] ^ kTables[0][hi >> 24];
+  }
+  for (; n > 0; --n, ++p) crc = kTables[0][(crc ^ *p) & 0xFFu] ^ (crc >> 8);
   return ~crc;
 }
+
+/// Whether values of T are stored as their own bytes (little-endian host, no validation on read):
+/// spans of them are copied whole. Enums and bools go value by value (a read checks them).
+template <class T>
+inline constexpr bool kRawStateField =
+    std::endian::native == std::endian::little&& std::is_arithmetic_v<T> && !std::is_same_v<T, bool> &&
+    (std::is_integral_v<T> || sizeof(T) == 4 || sizeof(T) == 8);
 
 /// Appends little-endian fields to a byte vector.
 class StateWriter {
@@ -72,7 +96,12 @@ class StateWriter {
   }
   template <class T>
   void put_span(std::span<const T> values) {
-    for (const T& v : values) put(v);
+    if constexpr (kRawStateField<T>) {
+      const auto* b = reinterpret_cast<const std::uint8_t*>(values.data());
+      out_.insert(out_.end(), b, b + values.size_bytes());
+    } else {
+      for (const T& v : values) put(v);
+    }
   }
   void put_bytes(std::span<const std::uint8_t> bytes) { out_.insert(out_.end(), bytes.begin(), bytes.end()); }
   [[nodiscard]] std::size_t size() const noexcept { return out_.size(); }
@@ -115,9 +144,19 @@ class StateReader {
   /// Reads n values into `out` (resized), after checking that n of them fit in what is left.
   template <class T>
   [[nodiscard]] Status get_vector(std::vector<T>& out, std::size_t n, const char* field) {
-    THINKV_RETURN_IF_ERROR(need(n * sizeof(T), field));
+    if (n > left() / sizeof(T)) {  // (n * sizeof(T) could wrap)
+      return {StatusCode::kCorruptData, std::string("sequence state: truncated at ") + field + " (byte " +
+                                            std::to_string(at_) + " needs " + std::to_string(n) + " values of " +
+                                            std::to_string(sizeof(T)) + " bytes, " + std::to_string(left()) +
+                                            " bytes left)"};
+    }
     out.resize(n);
-    for (T& v : out) THINKV_RETURN_IF_ERROR(get(v, field));
+    if constexpr (kRawStateField<T>) {
+      if (n != 0) std::memcpy(out.data(), in_.data() + at_, n * sizeof(T));
+      at_ += n * sizeof(T);
+    } else {
+      for (T& v : out) THINKV_RETURN_IF_ERROR(get(v, field));
+    }
     return Status::ok();
   }
   [[nodiscard]] Status get_bytes(std::vector<std::uint8_t>& out, std::size_t n, const char* field) {
