@@ -561,7 +561,7 @@ class PagedKvCache {
                                             " tokens before position " + std::to_string(stage.next_position) +
                                             ") is not one this cache can hold (group_size " + std::to_string(g) + ")"};
     }
-    std::vector<StreamImage> images;
+    std::vector<const StreamImage*> images;  // the snapshots' own (no copy)
     images.reserve(in.size());
     for (int k = 0; k < n; ++k) {
       const StreamSnapshot& sn = in[static_cast<std::size_t>(k)];
@@ -584,7 +584,7 @@ class PagedKvCache {
       for (float x : sn.staged) {
         if (!std::isfinite(x)) return where({StatusCode::kCorruptData, "a staged value is not finite"});
       }
-      images.push_back(sn.image);
+      images.push_back(&sn.image);
     }
     PlanClaims claims;
     std::vector<std::vector<std::uint32_t>> block_ids, record_ids;
@@ -603,7 +603,7 @@ class PagedKvCache {
       return e;
     }
     for (int k = 0; k < n; ++k) {
-      table_.import_stream(first + k, images[static_cast<std::size_t>(k)], block_ids[static_cast<std::size_t>(k)],
+      table_.import_stream(first + k, *images[static_cast<std::size_t>(k)], block_ids[static_cast<std::size_t>(k)],
                            record_ids[static_cast<std::size_t>(k)]);
     }
     for (int k = 0; k < n; k += set) {
