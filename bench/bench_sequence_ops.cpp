@@ -8,7 +8,7 @@
 //                      of n tokens; the tokens are decoded again outside the timing)
 //   RemoveInGroup/n    the same inside the open quantization group (n < P % group_size)
 //   RemoveMiddle/n     remove(seq, p, p + n) in the budget-shrunk history (a new range each time)
-//   PosMin             pos_min(seq): a walk over the held slots
+//   PosMin             pos_min(seq): the blocks holding the first non-empty segment
 //   SaveSequence       save_sequence(seq, bytes) (llama_state_seq_get_data): every held page,
 //                      record, scale and the metadata, into a checksummed byte vector
 //   LoadSequence       load_sequence(seq, bytes) into an empty sequence (llama_state_seq_set_data),

@@ -636,19 +636,33 @@ class BasicThinKvCache {
   }
 
   /// The lowest position any stream of the sequence holds (live in a page or staged); -1 when
-  /// the sequence holds nothing. Walks the sequence's blocks: O(held slots).
+  /// the sequence holds nothing. Segments cover increasing ranges of positions and a segment's
+  /// size is the most tokens of it any stream holds, so the answer lies in the first segment of
+  /// non-zero size: only the blocks that hold tokens of that segment are walked.
   [[nodiscard]] std::int32_t pos_min(int seq) const {
     if (!check_seq(seq).is_ok()) return -1;
     const BlockTable& table = cache_.table();
     const int first = stream_of(seq, 0, 0);
-    std::int32_t lo = table.staged_count(first) > 0 ? table.staged_position(first, 0) : -1;
-    for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
-      for (const SlotRef r : table.live_slot_list(st)) {
-        const std::int32_t pos = table.slot_position(r);
-        if (lo < 0 || pos < lo) lo = pos;
+    std::vector<SlotRef> slots;
+    for (const SegmentState& seg : seq_(seq).segments) {
+      if (seg.size == 0) continue;  // only the open segment can be empty (remove() drops the others)
+      std::int32_t lo = -1;
+      for (int row = 0; row < table.staged_count(first); ++row) {  // staged rows: in position order
+        if (table.staged_segment(first, row) == seg.id) {
+          lo = table.staged_position(first, row);
+          break;
+        }
       }
+      for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+        table.live_segment_slots(st, seg.id, slots);
+        for (const SlotRef r : slots) {
+          const std::int32_t pos = table.slot_position(r);
+          if (lo < 0 || pos < lo) lo = pos;
+        }
+      }
+      return lo;
     }
-    return lo;
+    return -1;
   }
   /// The highest position the sequence holds: position(seq) - 1, held by at least one stream
   /// (a decoded token joins the open segment, which TBE never evicts, and remove() rolls back to
