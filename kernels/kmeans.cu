@@ -175,10 +175,24 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
 
   // ---- load the points, transposed and swizzled: pT[j * S + (i ^ (j & 31))] = x[i][j] -------
   const float* __restrict__ src = p.points + static_cast<std::ptrdiff_t>(seg) * p.max_points * D;
-  for (int e = tid; e < n * D; e += kThreads) {
-    const int i = e / D;
-    const int j = e % D;
-    pT[j * S + (i ^ (j & 31))] = src[e];
+  if ((reinterpret_cast<std::uintptr_t>(src) & 15u) == 0) {  // 4 channels per load, 4 loads in flight
+#pragma unroll 4
+    for (int e = 4 * tid; e < n * D; e += 4 * kThreads) {
+      const float4 x = *reinterpret_cast<const float4*>(src + e);
+      const int i = e / D;
+      const int j = e % D;  // j % 4 == 0: channels j + u swizzle by (j & 31) + u
+      const int sw = j & 31;
+      pT[j * S + (i ^ sw)] = x.x;
+      pT[(j + 1) * S + (i ^ (sw + 1))] = x.y;
+      pT[(j + 2) * S + (i ^ (sw + 2))] = x.z;
+      pT[(j + 3) * S + (i ^ (sw + 3))] = x.w;
+    }
+  } else {
+    for (int e = tid; e < n * D; e += kThreads) {
+      const int i = e / D;
+      const int j = e % D;
+      pT[j * S + (i ^ (j & 31))] = src[e];
+    }
   }
   for (int i = tid; i < kKmeansMaxPoints; i += kThreads) {  // scratch holds >= 2 kThreads floats
     dist[i] = i < n ? __int_as_float(0x7F800000) : 0.0f;    // +inf; past n 0 (adds nothing below)
@@ -369,7 +383,13 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
         const float* col = pT + j * S;
         const int sw = j & 31;
         float acc = 0.0f;
-        for (int m = 0; m < cnt; ++m) acc = __fadd_rn(acc, col[mem[m] ^ sw]);
+        int m = 0;
+        for (; m + 4 <= cnt; m += 4) {  // four members' loads in flight, added in index order
+          const float x0 = col[mem[m] ^ sw], x1 = col[mem[m + 1] ^ sw];
+          const float x2 = col[mem[m + 2] ^ sw], x3 = col[mem[m + 3] ^ sw];
+          acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, x0), x1), x2), x3);
+        }
+        for (; m < cnt; ++m) acc = __fadd_rn(acc, col[mem[m] ^ sw]);
         cen[e] = __fdiv_rn(acc, static_cast<float>(cnt));
       }
       __syncthreads();

@@ -4,7 +4,8 @@
 // test_util.hpp); the output is poisoned (0x7F bytes) before every launch. Many segments of
 // different n, K and seeds share one launch. Inputs: Gaussian points, exact duplicates, all points
 // identical (zero distances, the k-means++ fallback), key-like points with a few large channels,
-// points on a {-1, 0, 1} grid (many exactly tied distances), overflowing and non-finite values.
+// points on a {-1, 0, 1} grid (many exactly tied distances), overflowing and non-finite values;
+// points at 16-byte-aligned addresses (the kernel's float4 loads) and unaligned ones (a float at a time).
 // THINKV_TEST_SMALL (set by bench/run_gpu_suite.sh under compute-sanitizer) keeps only small
 // segments. Without a GPU the binary prints the skip message and exits 77 (catch_main.cpp).
 
@@ -83,6 +84,7 @@ struct Batch {
   std::uint64_t seed = thinkv::KmeansOptions{}.seed;
   std::vector<Seg> segs;
   std::vector<float> points;  // [segs, max_points, d]
+  int offset = 0;             // floats between the allocation and `points` on the device (alignment)
 };
 
 std::uint64_t draw_seed(std::mt19937_64& rng) { return rng(); }
@@ -195,16 +197,17 @@ int run_batch(const Batch& b, const char* what) {
     k[s] = b.segs[s].k;
     seeds[s] = b.segs[s].seed;
   }
-  DeviceArray<float> d_points(b.points.size());
+  DeviceArray<float> d_points(b.points.size() + static_cast<std::size_t>(b.offset));
   DeviceArray<int> d_n(S), d_k(S), d_kept(S * static_cast<std::size_t>(b.max_k));
   DeviceArray<std::uint64_t> d_seeds(S);
-  d_points.put(b.points);
+  CHECK_CUDA(
+      cudaMemcpy(d_points.ptr + b.offset, b.points.data(), b.points.size() * sizeof(float), cudaMemcpyHostToDevice));
   d_n.put(n);
   d_k.put(k);
   d_seeds.put(seeds);
   CHECK_CUDA(cudaMemset(d_kept.ptr, 0x7F, d_kept.count * sizeof(int)));  // poison
   tk::KmeansSelectParams p = params_for(b);
-  p.points = d_points.ptr;
+  p.points = d_points.ptr + b.offset;
   p.num_points = d_n.ptr;
   p.k = d_k.ptr;
   p.seeds = b.shared_seed ? nullptr : d_seeds.ptr;
@@ -247,6 +250,20 @@ TEST_CASE("kmeans kernel equals kmeans_select: Gaussian points, (n, K) edges, ev
              rng);
     fill_points(b, Data::kGauss, rng);
     CHECK(run_batch(b, name_of(Data::kGauss)) == 0);
+  }
+}
+
+TEST_CASE("kmeans kernel equals kmeans_select: points not 16-byte aligned (read a float at a time)", "[gpu][kmeans]") {
+  TT_SEEDED_RNG();
+  for (int d : {8, 128}) {
+    for (int offset : {1, 3}) {
+      Batch b;
+      b.d = d;
+      b.offset = offset;
+      add_grid(b, {1, 4, 16, 64}, 128, 4, rng);
+      fill_points(b, Data::kGauss, rng);
+      CHECK(run_batch(b, offset == 1 ? "offset 1" : "offset 3") == 0);
+    }
   }
 }
 
