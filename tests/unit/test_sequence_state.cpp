@@ -325,9 +325,23 @@ TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states ar
       TT_REQUIRE_SAME_SNAPSHOT(b1, tt::snapshot_cache(a.paged()));
       REQUIRE(a.begin_token(2).is_ok());
       REQUIRE(a.load_sequence(2, state).code() == StatusCode::kInvalidArgument);
-      std::vector<std::uint8_t> out;
+      // A refused save leaves the caller's buffer as it was.
+      std::vector<std::uint8_t> out(state.begin(), state.begin() + 100);
+      const std::vector<std::uint8_t> out_before = out;
       REQUIRE(a.save_sequence(2, out).code() == StatusCode::kInvalidArgument);
+      REQUIRE(out == out_before);
+      REQUIRE(a.save_sequence(3, out).code() == StatusCode::kOutOfRange);
+      REQUIRE(out == out_before);
       REQUIRE(a.load_sequence(3, state).code() == StatusCode::kOutOfRange);
+    }
+    SECTION("saving again into the same buffer replaces its bytes with the same state") {
+      std::vector<std::uint8_t> out(4 * state.size() + 8192, 0xAB);  // longer than a state, other bytes
+      REQUIRE(a.save_sequence(0, out).is_ok());
+      REQUIRE(out == state);
+      const std::uint8_t* data = out.data();
+      REQUIRE(a.save_sequence(0, out).is_ok());
+      REQUIRE(out == state);
+      REQUIRE(out.data() == data);  // the buffer was reused, not reallocated
     }
   });
 }
