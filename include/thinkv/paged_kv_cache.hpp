@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -583,6 +584,9 @@ class PagedKvCache {
       }
       for (float x : sn.staged) {
         if (!std::isfinite(x)) return where({StatusCode::kCorruptData, "a staged value is not finite"});
+        if ((std::bit_cast<std::uint32_t>(x) & 0xFFFFu) != 0) {  // the staging buffer holds BF16
+          return where({StatusCode::kCorruptData, "a staged value is not a BF16 value (staging holds BF16)"});
+        }
       }
       images.push_back(&sn.image);
     }

@@ -149,4 +149,24 @@ for i, args in enumerate([
     write("corpus", "cache_args", "args%d.txt" % i, "\n".join(args))
 write("regressions", "cache_args", "int_overflow.txt", "\n".join(["--budget", "2147483647", "--segment", "2147483632", "--tau", "2147483632"]))
 write("regressions", "cache_args", "budget_zero.txt", "\n".join(["--mode", "thinkv", "--budget", "0"]))
+# ---- sequence states (fuzz_sequence_state's structured input; see its file comment) -------------
+def seq_state(tokens, seed, reseal=False, truncate=None, edits=()):
+    flags = (1 if reseal else 0) | (2 if truncate is not None else 0)
+    t = truncate or 0
+    out = bytes([tokens, seed, flags, t & 0xFF, (t >> 8) & 0xFF])
+    for at, x in edits:
+        out += struct.pack("<IB", at, x)
+    return out
+
+
+write("corpus", "sequence_state", "empty.bin", seq_state(0, 1))
+write("corpus", "sequence_state", "short.bin", seq_state(10, 2))
+write("corpus", "sequence_state", "evicted.bin", seq_state(100, 3))
+write("corpus", "sequence_state", "edited_resealed.bin", seq_state(60, 4, reseal=True, edits=[(40, 1), (300, 0x80), (2000, 7)]))
+write("corpus", "sequence_state", "edited.bin", seq_state(60, 5, edits=[(1000, 2)]))
+write("corpus", "sequence_state", "truncated.bin", seq_state(40, 6, truncate=700))
+write("corpus", "sequence_state", "truncated_resealed.bin", seq_state(90, 7, reseal=True, truncate=5000))
+# A resealed edit of a staged K/V float's low mantissa bits: the load accepted a value the BF16
+# staging buffer cannot hold and saved back other bytes (now kCorruptData).
+write("regressions", "sequence_state", "staged_not_bf16.bin", bytes([9, 0, 21, 0, 7, 83, 3, 136, 90, 7, 3, 136, 7, 136, 7, 40, 6, 6, 2, 2]))
 print("seeds written under", HERE)

@@ -11,7 +11,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/thinkv_fuzz.XXXXXX")
 artifacts=${3:-$scratch/artifacts}
 mkdir -p "$artifacts"
-targets=(gguf llama2c tokenizer trace calibration cache_args)
+targets=(gguf llama2c tokenizer trace calibration cache_args sequence_state)
 failed=()
 summary=()
 for t in "${targets[@]}"; do

@@ -7,9 +7,11 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -333,6 +335,32 @@ TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states ar
       REQUIRE(a.save_sequence(3, out).code() == StatusCode::kOutOfRange);
       REQUIRE(out == out_before);
       REQUIRE(a.load_sequence(3, state).code() == StatusCode::kOutOfRange);
+    }
+    SECTION("a staged value that is not a BF16 value (staging holds BF16: a save never writes one)") {
+      // Sequence 1 ends with one staged token whose K and V are all 1.2421875 (0x3F9F0000, a BF16
+      // value): its bytes in the state are found, one low mantissa bit set, the state resealed.
+      REQUIRE(a.reset_sequence(1).is_ok());
+      for (int t = 0; t < a.config().group_size; ++t) (void)decode(a, 1, random_token(rng, a.config()));
+      TokenInputs last = random_token(rng, a.config());
+      for (auto& row : last.k) std::fill(row.begin(), row.end(), 1.2421875f);
+      for (auto& row : last.v) std::fill(row.begin(), row.end(), 1.2421875f);
+      (void)decode(a, 1, last);
+      std::vector<std::uint8_t> st1;
+      REQUIRE(a.save_sequence(1, st1).is_ok());
+      const std::uint8_t pattern[4] = {0x00, 0x00, 0x9F, 0x3F};
+      const auto it = std::search(st1.rbegin(), st1.rend(), std::rbegin(pattern), std::rend(pattern));
+      REQUIRE(it != st1.rend());
+      const auto at = static_cast<std::size_t>(st1.rend() - it) - 4;  // the last occurrence
+      REQUIRE(a.load_sequence(2, st1).is_ok());                       // as saved: fine
+      REQUIRE(a.reset_sequence(2).is_ok());
+      st1[at] ^= 0x01;
+      reseal(st1);
+      const auto b1 = tt::snapshot_cache(a.paged());
+      const Status s = a.load_sequence(2, st1);
+      INFO(s);
+      REQUIRE(s.code() == StatusCode::kCorruptData);
+      REQUIRE(s.message().find("BF16") != std::string::npos);
+      TT_REQUIRE_SAME_SNAPSHOT(b1, tt::snapshot_cache(a.paged()));
     }
     SECTION("saving again into the same buffer replaces its bytes with the same state") {
       std::vector<std::uint8_t> out(4 * state.size() + 8192, 0xAB);  // longer than a state, other bytes
