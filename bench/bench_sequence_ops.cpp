@@ -15,8 +15,12 @@
 //                      checks and checksum included; the reset that empties it is not timed
 //   CopySequence       copy_sequence(0, 1) (llama_memory_seq_cp) into an empty sequence: the
 //                      source's snapshot and its load, no codec; the reset is not timed
+//   ContextShift/n     shift_positions(seq, 64 + n, -1, -n) (llama_memory_seq_add) after
+//                      remove(seq, 64, 64 + n) (not timed): llama.cpp's context shift, with BF16
+//                      pages (precision map kFullKvMap; quantized pages refuse a shift): every
+//                      held key after the removed block is read, rotated and written back
 // Counters: held = live tokens per stream, streams = 256, state_MB = the saved state's size,
-// GB/s = its bytes per second of the call.
+// GB/s = its bytes per second of the call; keys_M = keys rotated per shift (millions, the mean).
 //   bench_sequence_ops --benchmark_filter=/4096 --benchmark_counters_tabular=true
 
 #include <benchmark/benchmark.h>
@@ -191,5 +195,31 @@ void BM_CopySequence(benchmark::State& state) {
   state_counters(state, cache, bytes.size());
 }
 BENCHMARK(BM_CopySequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+void BM_ContextShift(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  Policy p = policy();
+  p.precision = thinkv::kFullKvMap;
+  Cache cache(config(tokens), p);
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  const thinkv::RopeSpec rope;  // Llama's: theta 10,000, adjacent pairs
+  double keys = 0;              // summed over the iterations
+  for (auto _ : state) {
+    state.PauseTiming();
+    if (!cache.remove(0, 64, 64 + n).is_ok()) state.SkipWithError("remove failed");
+    for (int st = 0; st < cache.config().streams_per_sequence(); ++st) {
+      for (const thinkv::SlotRef r : cache.paged().table().live_slot_list(st)) {
+        keys += cache.paged().table().slot_position(r) >= 64 + n ? 1 : 0;
+      }
+      keys += cache.paged().table().staged_count(st);
+    }
+    state.ResumeTiming();
+    if (!cache.shift_positions(0, 64 + n, -1, -n, rope).is_ok()) state.SkipWithError("shift failed");
+  }
+  counters(state, cache);
+  state.counters["keys_M"] = keys / static_cast<double>(state.iterations()) / 1e6;  // per shift
+}
+BENCHMARK(BM_ContextShift)->Args({320, 32})->Args({4096, 256})->Iterations(8)->Unit(benchmark::kMillisecond);
 
 }  // namespace

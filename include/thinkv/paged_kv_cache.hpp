@@ -14,6 +14,7 @@
 #include <cassert>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <utility>
@@ -25,6 +26,7 @@
 #include "thinkv/kv_values.hpp"
 #include "thinkv/paged/block_table.hpp"
 #include "thinkv/paged/layout.hpp"
+#include "thinkv/seq/rope.hpp"
 #include "thinkv/status.hpp"
 
 namespace thinkv {
@@ -441,6 +443,106 @@ class PagedKvCache {
                                                 " tokens ending before position " + std::to_string(next)};
     }
     table_.set_staged(stream, t, segments, next);
+    return Status::ok();
+  }
+
+  /// What rotate_keys overwrote, to write back if a later step of a shift fails.
+  struct KeyRotationUndo {
+    struct Page {
+      Precision precision;
+      std::uint32_t page;
+      std::vector<std::uint8_t> bytes;
+    };
+    struct Row {
+      int stream, row;
+      std::vector<float> k, v;
+    };
+    std::vector<Page> pages;
+    std::vector<Row> staged;
+  };
+  /// Rotates the stored keys of the stream's live tokens at positions [lo, hi) through `delta`
+  /// positions of `rope` (RoPE composes: R(p + delta) = R(delta) R(p)): each key is decoded,
+  /// rotated in double and rounded to BF16 once. Only BF16 pages and the staging buffer (BF16)
+  /// can be rotated exactly: a quantized page holding such a token is kUnsupported (callers check
+  /// first; nothing is written then). What is overwritten goes to `undo` before it is written;
+  /// on a backend error the caller writes it back (undo_rotation). Positions do not change here
+  /// (shift_positions).
+  [[nodiscard]] Status rotate_keys(int stream, std::int32_t lo, std::int32_t hi, std::int32_t delta,
+                                   const RopeSpec& rope, KeyRotationUndo& undo) requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    const int d = config().head_dim;
+    const auto rb = static_cast<std::size_t>(layout().row_bytes(Precision::kBf16));
+    std::vector<double> row(static_cast<std::size_t>(d));
+    std::vector<std::uint32_t> rows;
+    const RopeSpec::Turn turn = rope.turn(delta, d);
+    for (const std::uint32_t b : table_.blocks(stream)) {
+      rows.clear();
+      for (int i = 0; i < table_.block_fill(b); ++i) {
+        const SlotRef r{b, static_cast<std::uint32_t>(i)};
+        const std::int32_t pos = table_.slot_position(r);
+        if (pos >= lo && pos < hi && !table_.is_evicted(r)) rows.push_back(r.slot);
+      }
+      if (rows.empty()) continue;
+      const Precision p = table_.block_precision(b);
+      if (p != Precision::kBf16) {
+        return {StatusCode::kUnsupported, "rotate_keys: stream " + std::to_string(stream) + " holds positions of [" +
+                                              std::to_string(lo) + ", " + std::to_string(hi) + ") in a " +
+                                              std::string(to_string(p)) + " page"};
+      }
+      const std::uint32_t page = table_.pools().local_index(b);
+      auto& saved = undo.pages.emplace_back();
+      saved.precision = p;
+      saved.page = page;
+      saved.bytes.resize(static_cast<std::size_t>(layout().page_bytes(p)));
+      THINKV_RETURN_IF_ERROR(backend_.read_page(p, page, saved.bytes));
+      std::vector<std::uint8_t> bytes = saved.bytes;
+      for (const std::uint32_t i : rows) {  // key row i: D BF16 values at i * row_bytes
+        std::uint8_t* key = bytes.data() + i * rb;
+        for (int c = 0; c < d; ++c) {
+          std::uint16_t h = 0;
+          std::memcpy(&h, key + 2 * c, 2);
+          row[static_cast<std::size_t>(c)] = decode_bf16(h);
+        }
+        RopeSpec::apply(row, turn);
+        for (int c = 0; c < d; ++c) {
+          const std::uint16_t h = encode_bf16_from_double(row[static_cast<std::size_t>(c)]);
+          std::memcpy(key + 2 * c, &h, 2);
+        }
+      }
+      THINKV_RETURN_IF_ERROR(backend_.write_page(p, page, bytes));
+    }
+    std::vector<float> k(static_cast<std::size_t>(d)), v(static_cast<std::size_t>(d));
+    for (int r = 0; r < table_.staged_count(stream); ++r) {
+      const std::int32_t pos = table_.staged_position(stream, r);
+      if (pos < lo || pos >= hi) continue;
+      THINKV_RETURN_IF_ERROR(backend_.read_staged(stream, r, k.data(), v.data()));
+      undo.staged.push_back({stream, r, k, v});
+      for (int c = 0; c < d; ++c) row[static_cast<std::size_t>(c)] = k[static_cast<std::size_t>(c)];
+      RopeSpec::apply(row, turn);
+      for (int c = 0; c < d; ++c)
+        k[static_cast<std::size_t>(c)] = decode_bf16(encode_bf16_from_double(row[static_cast<std::size_t>(c)]));
+      THINKV_RETURN_IF_ERROR(backend_.stage(stream, r, k.data(), v.data()));
+    }
+    return Status::ok();
+  }
+  /// Writes back what rotate_keys overwrote (latest first); the first backend error, if any.
+  [[nodiscard]] Status undo_rotation(const KeyRotationUndo& undo) requires state_io_backend<B> {
+    Status first = Status::ok();
+    for (auto it = undo.staged.rbegin(); it != undo.staged.rend(); ++it) {
+      const Status e = backend_.stage(it->stream, it->row, it->k.data(), it->v.data());
+      if (first.is_ok() && !e.is_ok()) first = e;
+    }
+    for (auto it = undo.pages.rbegin(); it != undo.pages.rend(); ++it) {
+      const Status e = backend_.write_page(it->precision, it->page, it->bytes);
+      if (first.is_ok() && !e.is_ok()) first = e;
+    }
+    return first;
+  }
+  /// Moves the positions of the stream's written slots in [lo, hi) by `delta` (metadata only;
+  /// BlockTable::shift_positions). The staging set's rows move with set_staged.
+  [[nodiscard]] Status shift_positions(int stream, std::int32_t lo, std::int32_t hi, std::int32_t delta) {
+    THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
+    table_.shift_positions(stream, lo, hi, delta);
     return Status::ok();
   }
 

@@ -35,6 +35,7 @@
 #include "thinkv/paged_kv_cache.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/policy/cache_policy.hpp"
+#include "thinkv/seq/rope.hpp"
 #include "thinkv/seq/state_codec.hpp"
 #include "thinkv/tbe/token_selector.hpp"
 #include "thinkv/thought/classifier.hpp"
@@ -514,6 +515,8 @@ class BasicThinKvCache {
   //     llama_memory_seq_keep(mem, seq)         ->  cache.keep_only(seq)
   //     llama_memory_seq_cp(mem, src, dst, p0, p1) -> cache.copy_sequence(src, dst, p0, p1)
   //     llama_memory_seq_pos_min / _max         ->  cache.pos_min(seq) / cache.pos_max(seq)
+  //     llama_memory_seq_add(mem, seq, p0, p1, d) -> cache.shift_positions(seq, p0, p1, d, rope)
+  //     llama_memory_seq_div                    ->  not offered (tokens would share positions)
   //     llama_memory_clear / a whole seq_rm     ->  cache.reset_sequence(seq) for each
   // docs/design.md ("Sequence operations") says what each costs and where ThinKV differs.
 
@@ -757,6 +760,183 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
+  /// Adds `delta` to the positions of the sequence's tokens in [p0, p1) (llama.cpp's seq_add: p0 <
+  /// 0 means 0, p1 < 0 means to the end): their stored keys, post-RoPE, are rotated through
+  /// `delta` positions of `rope` (R(p + delta) = R(delta) R(p): decoded, rotated in double and
+  /// rounded to BF16 once), values are untouched, and slot positions, segment starts and the open
+  /// group's positions move. When the range holds the sequence's last position the sequence
+  /// continues at position(seq) + delta. A context shift is remove(seq, k, k + n) then
+  /// shift_positions(seq, k + n, -1, -n, rope). delta = 0 or a range holding no token changes
+  /// nothing. Each key moves by one rounding of BF16 (llama.cpp's F16 cache likewise), so a
+  /// shifted key can differ in its last bit from the key decoded at the new position.
+  /// Errors (nothing changes): sequence out of range, faulted, in the open step, with an open
+  /// token or prompt, or a bad RopeSpec (kInvalidArgument); the moved tokens would reach or pass
+  /// a token that stays, in either direction (kInvalidArgument: a stream keeps its positions in
+  /// order; llama.cpp would let them collide); a position past max_tokens (kOutOfRange);
+  /// kUnsupported for what the storage cannot do:
+  ///  - delta not a multiple of group_size (the open group and thought refreshes stay aligned);
+  ///  - a token of the range in a quantized page: its keys are quantized per channel over a
+  ///    group of tokens, so a rotation, which mixes channel pairs, cannot be stored exactly
+  ///    (llama.cpp requantizes a quantized K cache; ThinKV refuses). BF16 pages (FullKV, a
+  ///    precision map with BF16) and the open group (staged in BF16) shift;
+  ///  - a range holding some tokens of the open group but not all of them;
+  ///  - a token of the pinned prefix moved, or a token moved into it;
+  ///  - a position moved below 0 (llama.cpp drops such cells: remove them first).
+  [[nodiscard]] Status shift_positions(int seq, std::int32_t p0, std::int32_t p1, std::int32_t delta,
+                                       const RopeSpec& rope) requires state_io_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    const std::string call = "shift_positions(" + std::to_string(seq) + ", " + std::to_string(p0) + ", " +
+                             std::to_string(p1) + ", " + std::to_string(delta) + ")";
+    THINKV_RETURN_IF_ERROR(settle_quiet(seq, call));
+    if (Status e = rope.validate(config_.head_dim); !e.is_ok()) return {e.code(), call + ": " + e.message()};
+    SeqState& s = seq_(seq);
+    const std::int32_t pend = s.position;
+    const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+    const std::int32_t hi = p1 < 0 ? pend : std::min(p1, pend);
+    if (delta == 0 || lo >= hi) return Status::ok();
+    // Every held token (pages of every stream, the open group): where it is, where it goes.
+    const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
+    const BlockTable& table = cache_.table();
+    const std::size_t nseg = s.segments.size();
+    constexpr std::int32_t kNone = INT32_MAX;
+    std::int32_t below = -1, in_lo = kNone, in_hi = -1, above = kNone;  // held: < lo, in range, >= hi
+    std::vector<std::int32_t> seg_lo(nseg, kNone), seg_hi(nseg, -1);    // new positions per segment
+    auto index_of = [&](std::uint32_t id) {                             // segment ids grow along s.segments
+      const auto it = std::lower_bound(s.segments.begin(), s.segments.end(), id,
+                                       [](const SegmentState& a, std::uint32_t b) { return a.id < b; });
+      return it != s.segments.end() && it->id == id ? static_cast<std::size_t>(it - s.segments.begin()) : nseg;
+    };
+    int quantized_stream = -1;
+    std::int32_t quantized_pos = 0;
+    Precision quantized = Precision::kBf16;
+    auto held = [&](std::int32_t pos, std::uint32_t segment) {
+      const bool inside = pos >= lo && pos < hi;
+      const std::int32_t moved = inside ? pos + delta : pos;
+      if (pos < lo) below = std::max(below, pos);
+      if (inside) in_lo = std::min(in_lo, pos), in_hi = std::max(in_hi, pos);
+      if (pos >= hi) above = std::min(above, pos);
+      const std::size_t i = index_of(segment);
+      if (i == nseg) return;
+      seg_lo[i] = std::min(seg_lo[i], moved);
+      seg_hi[i] = std::max(seg_hi[i], moved);
+    };
+    for (int st = first; st < last; ++st) {
+      for (const SlotRef r : table.live_slot_list(st)) {
+        const std::int32_t pos = table.slot_position(r);
+        held(pos, table.slot_segment(r));
+        const Precision p = table.block_precision(r.block);
+        if (pos >= lo && pos < hi && p != Precision::kBf16 && quantized_stream < 0) {
+          quantized_stream = st;
+          quantized_pos = pos;
+          quantized = p;
+        }
+      }
+    }
+    const int staged = table.staged_count(first);
+    int staged_in = 0;
+    for (int r = 0; r < staged; ++r) {
+      const std::int32_t pos = table.staged_position(first, r);
+      held(pos, table.staged_segment(first, r));
+      staged_in += pos >= lo && pos < hi ? 1 : 0;
+    }
+    if (in_hi < 0) return Status::ok();  // the range holds no token
+    const int g = config_.group_size;
+    if (delta % g != 0) {
+      const std::int32_t down = delta / g * g - (delta < 0 && delta % g != 0 ? g : 0);
+      return {StatusCode::kUnsupported, call + ": delta " + std::to_string(delta) +
+                                            " is not a multiple of group_size (" + std::to_string(g) +
+                                            "): quantization groups and thought refreshes are aligned to positions; "
+                                            "shift by " +
+                                            std::to_string(down) + " or " + std::to_string(down + g)};
+    }
+    if (quantized_stream >= 0) {
+      const int within = quantized_stream - first;
+      return {StatusCode::kUnsupported,
+              call + ": position " + std::to_string(quantized_pos) + " of layer " +
+                  std::to_string(within / config_.num_kv_heads) + ", KV head " +
+                  std::to_string(within % config_.num_kv_heads) + " is stored in a " +
+                  std::string(to_string(quantized)) +
+                  " page: keys quantized per channel cannot be re-rotated exactly (only BF16 pages and the open "
+                  "group shift; see docs/design.md, \"Shifting positions\")"};
+    }
+    if (staged_in != 0 && staged_in != staged) {
+      return {StatusCode::kUnsupported,
+              call + ": the range holds " + std::to_string(staged_in) + " of the " + std::to_string(staged) +
+                  " tokens of the open quantization group (from "
+                  "position " +
+                  std::to_string(table.staged_position(first, 0)) + "); shift all of them or none"};
+    }
+    if (s.pinned > 0 && (in_lo < s.pinned || in_lo + delta < s.pinned)) {
+      return {StatusCode::kUnsupported, call + ": it would move position " + std::to_string(in_lo) + " to " +
+                                            std::to_string(in_lo + delta) + "; the pinned prefix (positions below " +
+                                            std::to_string(s.pinned) + ") neither moves nor takes moved tokens"};
+    }
+    if (in_lo + delta < 0) {
+      return {StatusCode::kUnsupported, call + ": it would move position " + std::to_string(in_lo) + " to " +
+                                            std::to_string(in_lo + delta) + " (llama.cpp drops such cells; remove(" +
+                                            std::to_string(seq) + ", " + std::to_string(lo) + ", " +
+                                            std::to_string(lo - delta) + ") first)"};
+    }
+    if (below >= 0 && in_lo + delta <= below) {
+      return {StatusCode::kInvalidArgument, call + ": it would move position " + std::to_string(in_lo) + " to " +
+                                                std::to_string(in_lo + delta) + ", not after position " +
+                                                std::to_string(below) + ", which stays: positions keep their order"};
+    }
+    if (above != kNone && in_hi + delta >= above) {
+      return {StatusCode::kInvalidArgument, call + ": it would move position " + std::to_string(in_hi) + " to " +
+                                                std::to_string(in_hi + delta) + ", not before position " +
+                                                std::to_string(above) + ", which stays: positions keep their order"};
+    }
+    const bool tail = in_hi == pend - 1;  // the last position moves: so does the next one
+    const std::int32_t next = tail ? pend + delta : pend;
+    if (next > config_.max_tokens) {
+      return {StatusCode::kOutOfRange, call + ": the sequence would continue at position " + std::to_string(next) +
+                                           ", past max_tokens " + std::to_string(config_.max_tokens)};
+    }
+    // Segment starts: moved with the range, then kept at or before their first token and after
+    // the tokens of the segments before them (a segment whose first tokens were removed may now
+    // start past a moved token of its predecessor, or past its own moved tokens).
+    std::vector<std::int32_t> starts(nseg);
+    std::int32_t prev_hi = -1, prev_start = -1;
+    for (std::size_t i = 0; i < nseg; ++i) {
+      const std::int32_t st = s.segments[i].start;
+      std::int32_t ns = st >= lo && st < hi ? st + delta : st;
+      ns = std::max({ns, prev_hi + 1, prev_start + 1});
+      if (seg_lo[i] != kNone) ns = std::min(ns, seg_lo[i]);
+      if (ns <= prev_start || ns <= prev_hi || ns < 0 || ns >= std::max(next, 1)) {
+        return {StatusCode::kInternal, call + ": segment " + std::to_string(s.segments[i].id) + " (start " +
+                                           std::to_string(st) + ") has no start in order after the shift"};
+      }
+      starts[i] = ns;
+      prev_start = ns;
+      prev_hi = std::max(prev_hi, seg_hi[i]);
+    }
+    // The data first (undone on a backend error), then the metadata (cannot fail).
+    typename PagedKvCache<B>::KeyRotationUndo undo;
+    for (int st = first; st < last; ++st) {
+      if (Status e = cache_.rotate_keys(st, lo, hi, delta, rope, undo); !e.is_ok()) {
+        if (Status u = cache_.undo_rotation(undo); !u.is_ok()) {
+          return {StatusCode::kInternal, call + ": " + e.message() + "; writing the keys back failed too (" +
+                                             u.message() + "): keys of positions [" + std::to_string(lo) + ", " +
+                                             std::to_string(hi) + ") may be partly rotated; reset_sequence(" +
+                                             std::to_string(seq) + ")"};
+        }
+        return {e.code(), call + ": " + e.message()};
+      }
+    }
+    for (int st = first; st < last; ++st) (void)cache_.shift_positions(st, lo, hi, delta);
+    if (tail) {
+      std::vector<std::uint32_t> segs;
+      for (int r = 0; r < staged; ++r) segs.push_back(table.staged_segment(first, r));
+      const Status moved = cache_.set_staged(first, table.staged_thought(first), segs, next);
+      assert(moved.is_ok());  // staged < group_size and next >= staged
+      (void)moved;
+    }
+    for (std::size_t i = 0; i < nseg; ++i) s.segments[i].start = starts[i];
+    s.position = next;
+    return Status::ok();
+  }
+
   // ---- saving and loading a sequence's state (llama_state_seq_get_data / set_data) ------------
 
   /// Writes sequence `seq`'s whole state into `out` (replaced; its capacity is reused, so a
@@ -779,10 +959,8 @@ class BasicThinKvCache {
     // Nothing below fails: write into `out` itself, so a caller that saves again and again keeps
     // its buffer (its capacity is reused; one reserve instead of growth by copies).
     std::size_t estimate = 4096 + 20 * s.segments.size() + 4 * (s.ragged.size() + stage.segments.size());
-    const auto block_bytes = 11 + 8 * static_cast<std::size_t>(cache_.layout().evict_mask_words()) +
-                             12 * static_cast<std::size_t>(config_.block_size);
     for (const StreamSnapshot& sn : snaps) {
-      estimate += 32 + sn.image.blocks.size() * block_bytes + sn.pages.size() + sn.records.size() +
+      estimate += 32 + sn.image.blocks.size() * saved_block_bytes() + sn.pages.size() + sn.records.size() +
                   4 * (sn.scales.size() + sn.staged.size());
     }
     std::vector<std::uint8_t>& bytes = out;
@@ -922,7 +1100,7 @@ class BasicThinKvCache {
       std::uint32_t blocks = 0;
       THINKV_RETURN_IF_ERROR(r.get(blocks, "block count"));
       THINKV_RETURN_IF_ERROR(r.get(sn.image.records, "record count"));
-      if (blocks > r.left() / (11 + 8 * words + 12 * bs)) return r.bad("block count", std::to_string(blocks));
+      if (blocks > r.left() / saved_block_bytes()) return r.bad("block count", std::to_string(blocks));
       sn.image.blocks.resize(blocks);
       for (BlockImage& bi : sn.image.blocks) {
         THINKV_RETURN_IF_ERROR(r.get(bi.thought, "block type"));
@@ -1563,6 +1741,13 @@ class BasicThinKvCache {
                                                 what + " replaces nothing)"};
     }
     return Status::ok();
+  }
+  /// Bytes one block image takes in a saved state (save_sequence writes, load_sequence bounds
+  /// the block count with it): thought (1), fill (2), segment range (4 + 4), the eviction mask,
+  /// and a record, a segment and a position (4 bytes each) per slot.
+  [[nodiscard]] std::size_t saved_block_bytes() const noexcept {
+    return 11 + 8 * static_cast<std::size_t>(cache_.layout().evict_mask_words()) +
+           12 * static_cast<std::size_t>(config_.block_size);
   }
   /// Every stream of a settled sequence and its open group, as load_streams restores them.
   [[nodiscard]] Status snapshot_sequence(int seq, std::vector<StreamSnapshot>& snaps,

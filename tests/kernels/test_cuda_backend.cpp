@@ -625,3 +625,31 @@ TEST_CASE("A sequence copied on the GPU holds the CPU copy's bytes and decodes o
   REQUIRE(gpu.segments(0) == gpu.segments(1));
   compare_storage(cpu.paged(), gpu.paged());
 }
+
+TEST_CASE("A context shift on the GPU stores the keys the CPU's shift stores, and decodes on alike", "[cuda_backend]") {
+  // shift_positions (llama.cpp's seq_add) through CudaKvBackend's raw page reads and writes and its
+  // staging rows: after llama.cpp's context shift (remove a block, move what follows down by its
+  // size) both caches hold the same bytes (compare_storage: the re-rotated BF16 keys included) and
+  // decode on alike (TwinCaches compares every attention output).
+  TT_SEEDED_RNG();
+  const thinkv::ThinKvConfig c = decision_config(2);
+  thinkv::ThinKvPolicy p = decision_policy();
+  p.precision = thinkv::kFullKvMap;  // BF16 pages: quantized pages refuse a shift
+  thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
+  thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
+  TwinCaches<decltype(rng)> twins{cpu, gpu, rng};
+  for (int t = 0; t < 300; ++t) twins.step(t, {0, 1});
+  REQUIRE(cpu.stats().tokens_evicted > 0);
+  const thinkv::RopeSpec rope;
+  REQUIRE(cpu.remove(0, 40, 104).is_ok());
+  REQUIRE(gpu.remove(0, 40, 104).is_ok());
+  REQUIRE(cpu.shift_positions(0, 104, -1, -64, rope).is_ok());
+  const thinkv::Status sg = gpu.shift_positions(0, 104, -1, -64, rope);
+  INFO(sg.to_string());
+  REQUIRE(sg.is_ok());
+  REQUIRE(gpu.position(0) == 236);
+  REQUIRE(cpu.segments(0) == gpu.segments(0));
+  compare_storage(cpu.paged(), gpu.paged());
+  for (int t = 300; t < 420; ++t) twins.step(t, {0, 1});
+  compare_storage(cpu.paged(), gpu.paged());
+}

@@ -1,12 +1,13 @@
 // llama.cpp-style sequence operations on BasicThinKvCache (remove = seq_rm with roll-back,
-// keep_only = seq_keep, copy_sequence = seq_cp, pos_min / pos_max, save_sequence / load_sequence =
-// llama_state_seq_get_data / set_data), checked against an independent model of llama.cpp's cells written from its
-// documented behaviour: a sequence is a set of positions, each with the K/V it was decoded with; seq_rm(p0, p1) drops
-// the positions in [p0, p1) (p0 < 0: from 0, p1 < 0: to the end); the next token of a sequence is at pos_max + 1;
-// seq_keep drops every other sequence; seq_cp(src, dst, p0, p1) gives dst src's cells in [p0, p1). On top of that
-// model, ThinKV's two documented refusals (kUnsupported): removing staged tokens while a later one stays, and rolling
-// back to a position that is not a multiple of group_size behind the open quantization group (a copy's range is cut by
-// the same rules), and copies only into an empty sequence (kInvalidArgument: a stream holds one history).
+// keep_only = seq_keep, copy_sequence = seq_cp, shift_positions = seq_add, pos_min / pos_max, save_sequence /
+// load_sequence = llama_state_seq_get_data / set_data), checked against an independent model of llama.cpp's cells
+// written from its documented behaviour: a sequence is a set of positions, each with the K/V it was decoded with;
+// seq_rm(p0, p1) drops the positions in [p0, p1) (p0 < 0: from 0, p1 < 0: to the end); the next token of a sequence is
+// at pos_max + 1; seq_keep drops every other sequence; seq_cp(src, dst, p0, p1) gives dst src's cells in [p0, p1);
+// seq_add(p0, p1, d) moves the cells in [p0, p1) by d (their keys turned by the test's own RoPE). On top of that model,
+// ThinKV's two documented refusals (kUnsupported): removing staged tokens while a later one stays, and rolling back to
+// a position that is not a multiple of group_size behind the open quantization group (a copy's range is cut by the same
+// rules), and copies only into an empty sequence (kInvalidArgument: a stream holds one history).
 
 #include <catch2/catch.hpp>
 
@@ -48,6 +49,28 @@ struct SeqModel {
       it = in ? cells.erase(it) : std::next(it);
     }
   }
+  /// seq_add(p0, p1, delta): the cells in [p0, p1) move by delta; with `rope`, their keys (as
+  /// BF16 stores them) turn through delta positions and are rounded to BF16 once, as ThinKV's
+  /// shift stores them (`head_dim` channels per head).
+  void seq_add(std::int32_t p0, std::int32_t p1, std::int32_t delta, const thinkv::RopeSpec* rope, int head_dim) {
+    if (p0 < 0) p0 = 0;
+    std::map<std::int32_t, Cell> out;
+    for (auto& [pos, cell] : cells) {
+      const bool in = pos >= p0 && (p1 < 0 || pos < p1);
+      if (in && rope != nullptr) {
+        for (auto& k : cell.k) {
+          for (std::size_t h = 0; h * head_dim < k.size(); ++h) {
+            std::vector<double> x(static_cast<std::size_t>(head_dim));
+            for (int j = 0; j < head_dim; ++j) x[static_cast<std::size_t>(j)] = tt::bf16_round(k[h * head_dim + j]);
+            const std::vector<double> y = tt::rope64(x, delta, *rope);
+            for (int j = 0; j < head_dim; ++j) k[h * head_dim + j] = tt::bf16_nearest(y[static_cast<std::size_t>(j)]);
+          }
+        }
+      }
+      out[in ? pos + delta : pos] = std::move(cell);
+    }
+    cells = std::move(out);
+  }
 };
 
 /// What ThinKV refuses, from the model alone: `g` the group size. The open group holds the
@@ -65,6 +88,56 @@ bool refused(const SeqModel& m, std::int32_t p0, std::int32_t p1, int g) {
   after.seq_rm(p0, p1);
   const std::int32_t next = after.next();
   return next < G && next % g != 0;
+}
+
+/// What ThinKV answers shift_positions(p0, p1, delta), from the model alone (kOk: done, or nothing
+/// to do): `quantized` when committed groups are in quantized pages (everything below the open
+/// group, which holds [g * floor(next / g), next)). In the header's order: delta not a multiple
+/// of g, a quantized token moved, the open group split, a position moved below 0 (kUnsupported);
+/// the order of positions broken (kInvalidArgument); past max_tokens (kOutOfRange).
+StatusCode shift_outcome(const SeqModel& m, std::int32_t p0, std::int32_t p1, std::int32_t delta, int g, bool quantized,
+                         int max_tokens) {
+  const std::int32_t P = m.next();
+  const std::int32_t lo = std::max<std::int32_t>(p0, 0), hi = p1 < 0 ? P : std::min(p1, P);
+  if (delta == 0 || lo >= hi) return StatusCode::kOk;
+  std::vector<std::int32_t> in;
+  std::int32_t below = -1, above = -1;
+  for (const auto& [pos, x] : m.cells) {
+    if (pos >= lo && pos < hi) in.push_back(pos);
+    if (pos < lo) below = pos;
+    if (pos >= hi && above < 0) above = pos;
+  }
+  if (in.empty()) return StatusCode::kOk;
+  if (delta % g != 0) return StatusCode::kUnsupported;
+  const std::int32_t G = P / g * g;
+  if (quantized && in.front() < G) return StatusCode::kUnsupported;
+  const auto staged = std::count_if(m.cells.begin(), m.cells.end(), [&](const auto& c) { return c.first >= G; });
+  const auto staged_in = std::count_if(in.begin(), in.end(), [&](std::int32_t p) { return p >= G; });
+  if (staged_in != 0 && staged_in != staged) return StatusCode::kUnsupported;
+  if (in.front() + delta < 0) return StatusCode::kUnsupported;
+  if (below >= 0 && in.front() + delta <= below) return StatusCode::kInvalidArgument;
+  if (above >= 0 && in.back() + delta >= above) return StatusCode::kInvalidArgument;
+  if (in.back() == P - 1 && P + delta > max_tokens) return StatusCode::kOutOfRange;
+  return StatusCode::kOk;
+}
+
+/// A random seq_add: half of them a context shift's second half (the range after a removed
+/// block, to the end, moved down by the block's size), the others any range and delta, mostly
+/// multiples of g.
+struct ShiftCall {
+  std::int32_t p0, p1, delta;
+  std::int32_t cut = -1;  ///< >= 0: remove(cut, p0) first (a context shift)
+};
+ShiftCall random_shift(std::mt19937_64& rng, const SeqModel& m, int g) {
+  const std::int32_t P = m.next();
+  if (tt::uniform_int(rng, 0, 1) == 0 && P > 1) {
+    const std::int32_t a = tt::uniform_int(rng, 0, P - 1), n = g * tt::uniform_int(rng, 1, 4);
+    return {a + n, -1, -n, a};
+  }
+  const std::int32_t p0 = tt::uniform_int(rng, -2, P);
+  const std::int32_t p1 = tt::uniform_int(rng, 0, 1) == 0 ? -1 : p0 + tt::uniform_int(rng, 0, 3 * g);
+  const std::int32_t delta = tt::chance(rng, 0.8) ? g * tt::uniform_int(rng, -4, 4) : tt::uniform_int(rng, -20, 20);
+  return {p0, p1, delta};
 }
 
 /// Every segment's size must be the most tokens of it any stream holds (pages and staging),
@@ -202,12 +275,41 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
       const std::int64_t empty_bytes = cache.allocated_bytes();
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
       int removes = 0, refusals = 0, rollbacks = 0, keeps = 0, copies = 0, copy_refusals = 0, loads = 0;
+      int shifts = 0, shift_refusals = 0;
+      thinkv::RopeSpec rope;
+      rope.style = thinkv::RopeStyle::kHalves;
       for (int op = 0; op < 1500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
         const int what = tt::uniform_int(rng, 0, 99);
-        if (what < 75) {
+        if (what < 70) {
           decode_one(cache, seq, m, rng, mode == CacheMode::kFull && op % 3 == 0);
+        } else if (what < 79) {
+          // llama.cpp's seq_add (a context shift, or any range): keys re-rotated, or refused as
+          // the model predicts with nothing changed.
+          ShiftCall c = random_shift(rng, m, g);
+          INFO("op " << op << ": shift_positions(" << seq << ", " << c.p0 << ", " << c.p1 << ", " << c.delta
+                     << ") after remove(" << c.cut << ", " << c.p0 << ") at next " << m.next());
+          if (c.cut >= 0) {
+            if (refused(m, c.cut, c.p0, g)) {
+              REQUIRE(cache.remove(seq, c.cut, c.p0).code() == StatusCode::kUnsupported);
+              continue;
+            }
+            REQUIRE(cache.remove(seq, c.cut, c.p0).is_ok());
+            m.seq_rm(c.cut, c.p0);
+          }
+          const StatusCode want = shift_outcome(m, c.p0, c.p1, c.delta, g, mode == CacheMode::kTbq, cfg.max_tokens);
+          const auto before = tt::snapshot_cache(cache.paged());
+          const Status s = cache.shift_positions(seq, c.p0, c.p1, c.delta, rope);
+          INFO(s);
+          REQUIRE(s.code() == want);
+          if (want == StatusCode::kOk) {
+            m.seq_add(c.p0, c.p1, c.delta, &rope, cfg.head_dim);
+            shifts += m.cells.empty() ? 0 : 1;
+          } else {
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            ++shift_refusals;
+          }
         } else if (what < 93) {
           const auto [p0, p1] = random_range(rng, m, g);
           INFO("op " << op << ": remove(" << seq << ", " << p0 << ", " << p1 << ") at next " << m.next());
@@ -302,11 +404,15 @@ TEST_CASE("Sequence ops: remove / keep_only / pos_min / pos_max follow llama.cpp
           for (const auto& seg : cache.segments(s)) in_segments += seg.size;
           REQUIRE(in_segments == static_cast<std::int64_t>(want.size()));
           check_segment_sizes(cache, s);
+          tt::check_segment_ranges(cache, s);
         }
       }
       INFO("removes " << removes << ", refusals " << refusals << ", roll backs " << rollbacks << ", keeps " << keeps
-                      << ", copies " << copies << ", copies refused " << copy_refusals << ", loads " << loads);
+                      << ", copies " << copies << ", copies refused " << copy_refusals << ", loads " << loads
+                      << ", shifts " << shifts << ", shifts refused " << shift_refusals);
       CHECK(removes > 100);
+      CHECK(shifts > (mode == CacheMode::kFull ? 30 : 3));
+      CHECK(shift_refusals > 20);
       CHECK(loads > 10);
       CHECK(copies > 20);
       CHECK(copy_refusals > 5);
@@ -333,12 +439,38 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
       const int g = cfg.group_size;
       std::vector<SeqModel> model(static_cast<std::size_t>(cfg.num_sequences));
       const std::int64_t empty_held = cache.memory().physical_bytes();  // staging and stream headers
-      int removes = 0, copies = 0, loads = 0;
+      int removes = 0, copies = 0, loads = 0, shifts = 0;
       for (int op = 0; op < 2500; ++op) {
         const int seq = tt::uniform_int(rng, 0, cfg.num_sequences - 1);
         SeqModel& m = model[static_cast<std::size_t>(seq)];
         const int what = tt::uniform_int(rng, 0, 99);
-        const bool decoded = what < 88;
+        const bool decoded = what < 83;
+        if (what >= 83 && what < 88) {
+          // seq_add: done (BF16 pages: TBE) or refused with nothing changed (quantized pages, the
+          // open group split, the order broken); the held positions move with the model's cells.
+          const ShiftCall c = random_shift(rng, m, g);
+          INFO("op " << op << ": shift_positions(" << seq << ", " << c.p0 << ", " << c.p1 << ", " << c.delta << ")");
+          const auto before = tt::snapshot_cache(cache.paged());
+          std::set<std::int32_t> held_any;  // before the shift
+          for (const auto& held : tt::held_positions(cache, seq)) held_any.insert(held.begin(), held.end());
+          const Status s = cache.shift_positions(seq, c.p0, c.p1, c.delta, thinkv::RopeSpec{});
+          INFO(s);
+          REQUIRE((s.is_ok() || s.code() == StatusCode::kUnsupported || s.code() == StatusCode::kInvalidArgument));
+          if (!s.is_ok()) {
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            continue;
+          }
+          // The model keeps the cells some stream held (ThinKV keeps the order of those only),
+          // then moves the same range.
+          std::erase_if(m.cells, [&](const auto& cell) { return held_any.count(cell.first) == 0; });
+          m.seq_add(c.p0, c.p1, c.delta, nullptr, cfg.head_dim);
+          ++shifts;
+          REQUIRE(cache.position(seq) == (m.cells.empty() ? 0 : m.next()));
+          REQUIRE(cache.pos_max(seq) == m.pos_max());
+          check_segment_sizes(cache, seq);
+          tt::check_segment_ranges(cache, seq);
+          continue;
+        }
         if (what >= 95 && what < 97) {
           // A saved state loads into a cleared sequence (another one or the same) holding, stream
           // by stream, exactly what the saved sequence held.
@@ -428,15 +560,98 @@ TEST_CASE("Sequence ops: with TBE every stream holds a subset of llama.cpp's cel
         REQUIRE(cache.pos_max(seq) == m.pos_max());
         REQUIRE(cache.pos_min(seq) == (any.empty() ? -1 : *any.begin()));
         check_segment_sizes(cache, seq);
+        tt::check_segment_ranges(cache, seq);
       }
       CHECK(removes > 100);
       CHECK(copies > 20);
+      if (mode == CacheMode::kTbe) CHECK(shifts > 20);
       CHECK(loads > 20);
       CHECK(cache.stats().tokens_evicted > 0);
       for (int s = 0; s < cfg.num_sequences; ++s) REQUIRE(cache.remove(s, 0, -1).is_ok());
       // Every block chunk released (key-scale record chunks are kept once grown: block_table.hpp).
       for (thinkv::Precision p : thinkv::kAllPrecisions) CHECK(cache.paged().table().allocated_blocks(p) == 0);
       CHECK(cache.memory().physical_bytes() == empty_held);
+    });
+  }
+}
+
+TEST_CASE("Sequence ops: context shifts of long sequences follow llama.cpp's cells, keys re-rotated",
+          "[sequence_ops][position_shift]") {
+  // A runtime with a context window: decode until the window is full, then llama.cpp's context
+  // shift (seq_rm(keep, keep + n), seq_add(keep + n, -1, -n)), among random shifts of any range.
+  // FullKV: every outcome as the model predicts, attention exact over the model's rotated keys;
+  // TBE (BF16 pages, evicting): positions a subset of the model's. Segments keep their ranges.
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbe}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    auto rng = tt::make_rng("sequence_ops_context_shift");
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
+    with_cache(cfg, [&](auto& cache) {
+      const int g = cfg.group_size;
+      thinkv::RopeSpec rope;
+      rope.theta = 1000.0;
+      SeqModel m;
+      int context_shifts = 0, shifts = 0, refusals = 0;
+      for (int op = 0; op < 2000; ++op) {
+        const bool full_window = m.next() >= 200;
+        if (!full_window && tt::uniform_int(rng, 0, 19) != 0) {
+          decode_one(cache, 0, m, rng, mode == CacheMode::kFull && op % 4 == 0);
+        } else {
+          ShiftCall c = random_shift(rng, m, g);
+          c.cut = -1;  // any range and delta
+          if (full_window) c = {0, -1, 0, tt::uniform_int(rng, 0, 40)};
+          if (full_window) {
+            const std::int32_t n = g * tt::uniform_int(rng, 4, 12);
+            c.p0 = c.cut + n;
+            c.delta = -n;
+          }
+          INFO("op " << op << ": shift_positions(0, " << c.p0 << ", " << c.p1 << ", " << c.delta << ") after remove("
+                     << c.cut << ", " << c.p0 << ") at next " << m.next());
+          if (c.cut >= 0) {
+            const Status r = cache.remove(0, c.cut, c.p0);
+            REQUIRE(r.code() == (refused(m, c.cut, c.p0, g) ? StatusCode::kUnsupported : StatusCode::kOk));
+            if (!r.is_ok()) continue;
+            m.seq_rm(c.cut, c.p0);
+            if (mode == CacheMode::kTbe) m.seq_rm(cache.position(0), -1);  // continues after its last held
+          }
+          std::set<std::int32_t> held_any;
+          for (const auto& held : tt::held_positions(cache, 0)) held_any.insert(held.begin(), held.end());
+          const auto before = tt::snapshot_cache(cache.paged());
+          const Status s = cache.shift_positions(0, c.p0, c.p1, c.delta, rope);
+          INFO(s);
+          if (mode == CacheMode::kFull) {
+            REQUIRE(s.code() == shift_outcome(m, c.p0, c.p1, c.delta, g, false, cfg.max_tokens));
+          } else {
+            REQUIRE((s.is_ok() || s.code() == StatusCode::kUnsupported || s.code() == StatusCode::kInvalidArgument));
+            std::erase_if(m.cells, [&](const auto& cell) { return held_any.count(cell.first) == 0; });
+          }
+          if (!s.is_ok()) {
+            TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+            ++refusals;
+            continue;
+          }
+          m.seq_add(c.p0, c.p1, c.delta, &rope, cfg.head_dim);
+          ++shifts;
+          context_shifts += full_window ? 1 : 0;
+        }
+        INFO("op " << op);
+        REQUIRE(cache.position(0) == m.next());
+        REQUIRE(cache.pos_max(0) == m.pos_max());
+        std::set<std::int32_t> any;
+        for (const auto& held : tt::held_positions(cache, 0)) {
+          std::set<std::int32_t> want;
+          for (const auto& [pos, x] : m.cells) want.insert(pos);
+          if (mode == CacheMode::kFull) REQUIRE(held == want);
+          for (std::int32_t p : held) REQUIRE(want.count(p) == 1);
+          any.insert(held.begin(), held.end());
+        }
+        REQUIRE(cache.pos_min(0) == (any.empty() ? -1 : *any.begin()));
+        check_segment_sizes(cache, 0);
+        tt::check_segment_ranges(cache, 0);
+      }
+      INFO("context shifts " << context_shifts << ", shifts " << shifts << ", refused " << refusals);
+      CHECK(context_shifts > 20);
+      CHECK(shifts > 40);
+      CHECK(refusals > 10);
     });
   }
 }

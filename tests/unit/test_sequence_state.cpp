@@ -771,3 +771,35 @@ TEST_CASE("Sequence state: the block table refuses a stream image it could not h
     }
   });
 }
+
+TEST_CASE("Position shift: a backend that fails half way through the key rotation leaves the cache as it was",
+          "[sequence_state][position_shift]") {
+  auto rng = tt::make_rng("position_shift_backend");
+  const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kFull);  // BF16 pages: every page of the range is rewritten
+  auto fail_at = std::make_shared<int>(-1);
+  with_cache(
+      cfg,
+      [&](auto& a) {
+        grow(a, 0, 100, rng);
+        grow(a, 1, 30, rng);
+        REQUIRE(a.remove(0, 24, 56).is_ok());
+        const auto before = tt::snapshot_cache(a.paged());
+        const auto segments = a.segments(0);
+        int failures = 0;
+        for (int n : {0, 1, 4, 9}) {
+          INFO("write " << n << " fails");
+          *fail_at = n;
+          const Status s = a.shift_positions(0, 56, -1, -32, thinkv::RopeSpec{});
+          INFO(s);
+          REQUIRE(s.code() == StatusCode::kCudaError);
+          ++failures;
+          REQUIRE(a.position(0) == 100);
+          REQUIRE(a.segments(0) == segments);
+          TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(a.paged()));
+        }
+        *fail_at = -1;
+        REQUIRE(a.shift_positions(0, 56, -1, -32, thinkv::RopeSpec{}).is_ok());
+        CHECK(a.position(0) == 68);
+      },
+      FailingWrites(fail_at));
+}

@@ -4,6 +4,7 @@
 /// (1 sign, 8 exponent bits bias 127, 7 mantissa bits). Encoding matches NVIDIA's
 /// __float2bfloat16_rn bit for bit (see docs/formats.md).
 
+#include <cmath>
 #include <cstdint>
 
 #include "thinkv/config.hpp"
@@ -27,6 +28,24 @@ THINKV_HD constexpr std::uint16_t encode_bf16(float x) noexcept {
 /// The exact float value of BF16 code `h` (NaN codes stay NaN with their payload).
 THINKV_HD constexpr float decode_bf16(std::uint16_t h) noexcept {
   return bits_to_float(static_cast<std::uint32_t>(h) << 16);
+}
+
+/// Rounds a double to the nearest BF16 value, ties to even, in a single rounding (rounding to
+/// float first and then to BF16 rounds twice and can land one BF16 step off). The double goes
+/// to float rounded *to odd* (truncated, its last bit set when inexact), which keeps the 16
+/// bits below BF16's mantissa honest, then to BF16 as encode_bf16 rounds (specials, overflow to
+/// Inf, subnormals alike). Used where the cache computes a stored value in double (the RoPE
+/// re-rotation of a position shift).
+inline std::uint16_t encode_bf16_from_double(double x) noexcept {
+  if (std::isnan(x)) return kBf16CanonicalNan;
+  float f = static_cast<float>(x);
+  const double back = static_cast<double>(f);
+  if (back != x) {
+    std::uint32_t u = float_to_bits(f);
+    if (std::fabs(back) > std::fabs(x)) --u;  // rounded away from zero: one float step back
+    f = bits_to_float(u | 1u);
+  }
+  return encode_bf16(f);
 }
 
 }  // namespace thinkv

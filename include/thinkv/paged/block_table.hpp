@@ -506,6 +506,20 @@ class BlockTable {
     s.next_position = next;
   }
 
+  /// Moves the positions of the stream's written slots (live or evicted) in [lo, hi) by `delta`
+  /// (a position shift: llama.cpp's seq_add). Only the metadata changes; the caller keeps the
+  /// positions in order and the staging set's rows (set_staged). No data moves.
+  void shift_positions(int stream, std::int32_t lo, std::int32_t hi, std::int32_t delta) {
+    for (const std::uint32_t b : stream_(stream).blocks) {
+      std::uint32_t local = 0;
+      PoolState& ps = pool_of(b, local);
+      std::int32_t* pos = ps.slot_position.data() + slot_index(local, 0);
+      for (int i = 0; i < ps.fill[local]; ++i) {
+        if (pos[i] >= lo && pos[i] < hi) pos[i] += delta;
+      }
+    }
+  }
+
   /// Gives the stream's whole staging group a new thought type (nothing is committed yet, so no
   /// data moves). Thought refreshes use it: see ThoughtTracker. No-op when no group is open.
   void relabel_staged(int stream, ThoughtType t) {
