@@ -574,6 +574,17 @@ class PagedKvCache {
         args);
   }
 
+  /// A prompt chunk's attention (batch.hpp, chunk_attending_backend): `streams` names the stream
+  /// of each KV head (a.num_kv_heads), whose stored tokens the chunk's queries attend before its
+  /// own K/V.
+  [[nodiscard]] Status attend_chunk(std::span<const std::int32_t> streams,
+                                    const PromptAttendArgs& a) const requires chunk_attending_backend<B> {
+    for (const std::int32_t st : streams) THINKV_RETURN_IF_ERROR(table_.check_stream(st));
+    std::vector<StreamView> views;
+    views.reserve(streams.size());
+    return backend_.attend_chunk(table_.attend_view(streams, views), a);
+  }
+
   /// Dequantizes one live slot of the cache.
   [[nodiscard]] Status read_token(SlotRef slot, std::span<float> k, std::span<float> v) const {
     if (static_cast<int>(k.size()) != config().head_dim || static_cast<int>(v.size()) != config().head_dim) {

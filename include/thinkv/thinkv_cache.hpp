@@ -1446,84 +1446,110 @@ class BasicThinKvCache {
   // would have stored. Its attention is causal over the prompt's own K/V as given (the input
   // precision, not the cache's), as a runtime's prefill computes it; decode tokens later attend
   // to the prompt as the cache stores it.
+  //
+  // A prompt may come in several chunks (a runtime's ubatches): begin_prompt / prefill /
+  // end_prompt again at the sequence's position P, as long as every token before P is pinned
+  // (no decode token yet). The chunk's tokens are pinned and stored the same way (the cache
+  // holds what the one-token calls would store with pinned_prefix P + tokens), and its queries
+  // attend to the P stored tokens as the cache stores them (quantized pages dequantized, the
+  // open group in BF16), then causally to the chunk's own K/V as given: what a runtime attending
+  // a ubatch over its cache computes. A backend attends a chunk at P > 0 only if it models
+  // chunk_attending_backend (the CPU backend does); on the others a continued chunk can be
+  // stored only (q and out null).
 
-  /// Opens a prompt of `tokens` positions for a sequence at position 0 (a fresh or reset one),
-  /// reserving what every layer's commits will take from the pools, so that no prefill of it can
-  /// fail on a full pool. Pins the prompt: pinned_prefix(seq) becomes max(pinned_prefix(seq),
-  /// tokens). Errors (nothing changes): sequence out of range or faulted, a token or prompt open,
-  /// position > 0 (a prompt after decoding has begun: append it token by token), tokens outside
-  /// 1..max_tokens, kPoolExhausted naming the pool.
+  /// Opens a prompt (or the next chunk of one) of `tokens` positions at the sequence's position
+  /// P, reserving what every layer's commits will take from the pools, so that no prefill of it
+  /// can fail on a full pool. Pins it: pinned_prefix(seq) becomes max(pinned_prefix(seq),
+  /// P + tokens). Errors (nothing changes): sequence out of range or faulted, a token or prompt
+  /// open, a decoded token before P (kUnsupported: P > pinned_prefix; append later tokens with
+  /// begin_step / begin_token), an open group whose positions do not end at P (kUnsupported),
+  /// tokens outside 1..max_tokens - P, kPoolExhausted naming the pool.
   [[nodiscard]] Status begin_prompt(int seq, int tokens) requires batched_kv_backend<B> && prompt_attending_backend<B> {
     THINKV_RETURN_IF_ERROR(poll_faults(false));
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     THINKV_RETURN_IF_ERROR(settle_sequence(seq));
     SeqState& s = seq_(seq);
+    const std::string call = "begin_prompt(" + std::to_string(seq) + ") of " + std::to_string(tokens) + " tokens";
     if (s.faulted) return fault_status(seq);
     if (s.in_token || s.prompt > 0) {
       return {StatusCode::kInvalidArgument,
-              "begin_prompt(" + std::to_string(seq) + "): the sequence has an open " +
+              call + ": the sequence has an open " +
                   (s.in_token ? "token (end_token / end_step it first)" : "prompt (end_prompt it first)")};
     }
-    if (s.position != 0) {
-      return {StatusCode::kInvalidArgument,
-              "begin_prompt(" + std::to_string(seq) + ") at position " + std::to_string(s.position) +
-                  ": a prompt starts a sequence (position 0); append later tokens with begin_step / begin_token"};
+    const std::int32_t start = s.position;
+    if (start > s.pinned) {
+      return {StatusCode::kUnsupported,
+              call + " at position " + std::to_string(start) + ": positions " + std::to_string(s.pinned) + ".." +
+                  std::to_string(start - 1) +
+                  " were decoded (not pinned); a prompt continues only a sequence whose every token is prompt. "
+                  "Append later tokens with begin_step / begin_token"};
     }
-    if (tokens < 1 || tokens > config_.max_tokens) {
-      return {StatusCode::kOutOfRange, "begin_prompt(" + std::to_string(seq) + "): tokens " + std::to_string(tokens) +
-                                           " is out of range; allowed: 1..max_tokens (" +
+    if (tokens < 1 || tokens > config_.max_tokens - start) {
+      return {StatusCode::kOutOfRange, call + ": tokens " + std::to_string(tokens) + " at position " +
+                                           std::to_string(start) + " is out of range; allowed: 1.." +
+                                           std::to_string(config_.max_tokens - start) + " (max_tokens " +
                                            std::to_string(config_.max_tokens) + ")"};
     }
-    // Every stream of the sequence is empty: the prompt's full groups fill fresh R blocks in
-    // order (plan_commit's third case), one key-scale record per group when R is quantized.
+    // The open group (the sequence's staging set, the same in every stream) must hold the
+    // positions just before `start`: the chunk's first tokens complete it.
+    const int first = stream_of(seq, 0, 0), g = config_.group_size;
+    const int open = cache_.table().staged_count(first);
+    for (int r = 0; r < open; ++r) {
+      if (cache_.table().staged_position(first, r) != start - open + r ||
+          cache_.table().staged_thought(first) != ThoughtType::kReasoning) {
+        return {StatusCode::kUnsupported, call + " at position " + std::to_string(start) + ": the open group's " +
+                                              std::to_string(open) + " positions do not end at " +
+                                              std::to_string(start - 1) +
+                                              " (a removal or shift left a gap); append the prompt with begin_token"};
+      }
+    }
+    // Every full group (the open one completed, then the chunk's) is committed as R: per stream,
+    // into its R holes and its newest R block's free slots first, then fresh blocks (plan_commit),
+    // one key-scale record per group when R is quantized.
     const Precision p = map_.precision_of(ThoughtType::kReasoning);
-    const std::int64_t groups = tokens / config_.group_size;
-    const std::int64_t blocks = (groups * config_.group_size + config_.block_size - 1) / config_.block_size;
+    const std::int64_t groups = (open + tokens) / g;
     PlanClaims need;
-    const auto streams = static_cast<std::size_t>(config_.streams_per_sequence());
-    need.blocks[static_cast<int>(p)] = static_cast<std::size_t>(blocks) * streams;
-    need.records = has_group_scale(p) ? static_cast<std::size_t>(groups) * streams : 0;
-    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(
-        need, reserved_ - s.reserved,
-        "begin_prompt(" + std::to_string(seq) + ") of " + std::to_string(tokens) + " tokens"));
+    for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+      const std::int64_t fresh =
+          std::max<std::int64_t>(0, groups * g - cache_.table().slots_before_fresh_block(st, ThoughtType::kReasoning));
+      need.blocks[static_cast<int>(p)] +=
+          static_cast<std::size_t>((fresh + config_.block_size - 1) / config_.block_size);
+      if (has_group_scale(p)) need.records += static_cast<std::size_t>(groups);
+    }
+    THINKV_RETURN_IF_ERROR(
+        cache_.table().check_claims(need, reserved_ - s.reserved, call + " at position " + std::to_string(start)));
     reserved_ = reserved_ - s.reserved + need;
     s.reserved = need;
-    s.pinned = std::max(s.pinned, tokens);
+    s.pinned = std::max(s.pinned, start + tokens);
     s.type = ThoughtType::kReasoning;
     s.prompt = tokens;
-    s.prompt_segment = s.next_segment;
-    for (std::int32_t pos = 0; pos < tokens; ++pos) {  // apply_begin's segments, position by position
-      if (pos % config_.segment_len == 0) {
-        for (SegmentState& seg : s.segments) seg.closed = true;
-        SegmentState seg;
-        seg.id = s.next_segment++;
-        seg.type = ThoughtType::kReasoning;
-        seg.start = pos;
-        seg.pinned = true;
-        s.segments.push_back(seg);
-      }
-      ++s.segments.back().size;
+    s.prompt_start = start;
+    s.prompt_open = open;
+    s.prompt_rows.clear();  // the segment of every row from the open group's first
+    for (int r = 0; r < open; ++r) s.prompt_rows.push_back(cache_.table().staged_segment(first, r));
+    for (std::int32_t pos = start; pos < start + tokens; ++pos) {
+      open_position(s, pos, ThoughtType::kReasoning);  // apply_begin's segments
+      s.prompt_rows.push_back(s.segments.back().id);
     }
-    // The tokens past the last full group stay staged: the sequence's staging set holds them.
-    std::vector<std::uint32_t> tail;
-    for (std::int32_t pos = tokens / config_.group_size * config_.group_size; pos < tokens; ++pos) {
-      tail.push_back(s.prompt_segment + static_cast<std::uint32_t>(pos / config_.segment_len));
-    }
-    THINKV_RETURN_IF_ERROR(cache_.set_staged(stream_of(seq, 0, 0), ThoughtType::kReasoning, tail, tokens));
+    // The rows past the last full group stay staged: the sequence's staging set holds them.
+    const std::span<const std::uint32_t> tail =
+        std::span<const std::uint32_t>(s.prompt_rows).subspan(static_cast<std::size_t>(groups * g));
+    THINKV_RETURN_IF_ERROR(cache_.set_staged(first, ThoughtType::kReasoning, tail, start + tokens));
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
     std::fill(s.appended.begin(), s.appended.end(), 0);
     return Status::ok();
   }
 
-  /// One layer of the open prompt: appends its K/V (k, v: [tokens, num_kv_heads, head_dim] in the
-  /// backend's memory), one stage and at most one commit call per group of group_size tokens,
-  /// then its causal attention (q, out: [tokens, num_q_heads, head_dim]) in one backend call.
+  /// One layer of the open prompt: its causal attention (q, out: [tokens, num_q_heads, head_dim];
+  /// at P > 0 over the stored tokens too, see above) in one backend call, then its K/V (k, v:
+  /// [tokens, num_kv_heads, head_dim] in the backend's memory), one stage and at most one commit
+  /// call per group of group_size rows.
   /// q and out both null: the K/V are stored and nothing is attended (a runtime that computes its
   /// prompt's attention itself, over its own copy of the K/V, hands the cache the K/V only).
   /// K/V values are checked by the backend as in append_batch (a bad value faults the sequence).
   /// Errors before anything is enqueued: no open prompt, layer out of range or already done, null
-  /// tensors. A backend error after the first group leaves the layer part-appended: free the
-  /// sequence with reset_sequence.
+  /// tensors, kUnsupported for a chunk at P > 0 the backend cannot attend. A backend error after
+  /// the first group leaves the layer part-appended: free the sequence with reset_sequence.
   [[nodiscard]] Status prefill(int layer, int seq, TensorRef q, TensorRef k, TensorRef v,
                                MutableTensorRef out) requires batched_kv_backend<B> && prompt_attending_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
@@ -1546,6 +1572,16 @@ class BasicThinKvCache {
       return {StatusCode::kInvalidArgument,
               "prefill: k and v must not be null, and q and out both given or both null (store only)"};
     }
+    const bool continued = s.prompt_start > 0;
+    if constexpr (!chunk_attending_backend<B>) {
+      if (attend && continued) {
+        return {StatusCode::kUnsupported,
+                "prefill: sequence " + std::to_string(seq) + "'s prompt continues at position " +
+                    std::to_string(s.prompt_start) +
+                    " and this backend cannot attend a chunk over stored tokens (chunk_attending_backend); pass q "
+                    "and out null and attend in the runtime, or prefill the prompt in one begin_prompt"};
+      }
+    }
     PromptAttendArgs a;
     a.tokens = s.prompt;
     a.num_q_heads = config_.num_q_heads;
@@ -1563,8 +1599,22 @@ class BasicThinKvCache {
     }
     THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
     const int hkv = config_.num_kv_heads, g = config_.group_size;
-    for (int first = 0; first < s.prompt; first += g) {
-      const int last = std::min(s.prompt, first + g);
+    // The attention first: a continued chunk attends to the tokens stored before it (its own
+    // rows, committed below, must not be read back quantized).
+    if (attend && continued) {
+      if constexpr (chunk_attending_backend<B>) {
+        streams_.resize(static_cast<std::size_t>(hkv));
+        for (int h = 0; h < hkv; ++h) streams_[static_cast<std::size_t>(h)] = stream_of(seq, layer, h);
+        THINKV_RETURN_IF_ERROR(cache_.attend_chunk(streams_, a));
+      }
+    } else if (attend) {
+      THINKV_RETURN_IF_ERROR(cache_.backend().attend_prompt(a));
+    }
+    // Row i of the open group's run (i < prompt_open: already staged) is position
+    // prompt_start - prompt_open + i, staging row i % g; chunk token t is row prompt_open + t.
+    const int rows = s.prompt_open + s.prompt;
+    for (int lo = 0; lo < rows; lo += g) {
+      const int hi = std::min(rows, lo + g);
       rows_.clear();
       batch_plans_.clear();
       meta_segments_.clear();
@@ -1572,13 +1622,14 @@ class BasicThinKvCache {
       PlanClaims claims;
       for (int h = 0; h < hkv; ++h) {
         const int st = stream_of(seq, layer, h);
-        for (int t = first; t < last; ++t) {
-          rows_.push_back(StageRow{st, t - first, t * hkv + h, stream_of(seq, 0, 0), s.generation});
+        for (int i = std::max(lo, s.prompt_open); i < hi; ++i) {
+          const int t = i - s.prompt_open;
+          rows_.push_back(StageRow{st, i - lo, t * hkv + h, stream_of(seq, 0, 0), s.generation});
         }
-        if (last - first == g) {  // a full group: committed with its own metadata
-          for (int t = first; t < last; ++t) {
-            meta_segments_.push_back(s.prompt_segment + static_cast<std::uint32_t>(t / config_.segment_len));
-            meta_positions_.push_back(t);
+        if (hi - lo == g) {  // a full group: committed with its own metadata
+          for (int i = lo; i < hi; ++i) {
+            meta_segments_.push_back(s.prompt_rows[static_cast<std::size_t>(i)]);
+            meta_positions_.push_back(s.prompt_start - s.prompt_open + i);
           }
           CommitPlan& plan = batch_plans_.emplace_back();
           if (Status e = cache_.table().plan_commit(st, ThoughtType::kReasoning, plan, &claims); !e.is_ok()) {
@@ -1595,7 +1646,6 @@ class BasicThinKvCache {
       s.reserved = s.reserved - used;
       reserved_ = reserved_ - used;
     }
-    if (attend) THINKV_RETURN_IF_ERROR(cache_.backend().attend_prompt(a));
     s.appended[static_cast<std::size_t>(layer)] = 1;
     return Status::ok();
   }
@@ -1614,9 +1664,10 @@ class BasicThinKvCache {
                                                   std::to_string(seq) + " was never filled (prefill every layer once)"};
       }
     }
-    s.position = s.prompt;
+    s.position = s.prompt_start + s.prompt;
     stats_.steps += s.prompt;
     s.prompt = 0;
+    s.prompt_rows.clear();
     release_reservation(s);
     return poll_faults(false);
   }
@@ -1655,11 +1706,15 @@ class BasicThinKvCache {
     /// Segments whose streams hold different counts (a remove() cut through them after K-means
     /// chose per stream): their selections count each stream's tokens (selection_jobs).
     std::vector<std::uint32_t> ragged;
-    PlanClaims reserved;               ///< what the open token still holds of the pools
-    bool faulted = false;              ///< a batched append stored a bad K/V value
-    std::int32_t prompt = 0;           ///< tokens of the open prompt (begin_prompt), 0: none
-    std::uint32_t prompt_segment = 0;  ///< id of the open prompt's first segment
-    std::int32_t generation = 0;       ///< reset_sequence calls (tags the backend's faults)
+    PlanClaims reserved;            ///< what the open token still holds of the pools
+    bool faulted = false;           ///< a batched append stored a bad K/V value
+    std::int32_t prompt = 0;        ///< tokens of the open prompt (begin_prompt), 0: none
+    std::int32_t prompt_start = 0;  ///< position of the open prompt's first token
+    std::int32_t prompt_open = 0;   ///< rows of the open group staged before the open prompt
+    /// Segment of each row of the open prompt's run: the open group's prompt_open staged rows,
+    /// then the prompt's tokens.
+    std::vector<std::uint32_t> prompt_rows;
+    std::int32_t generation = 0;  ///< reset_sequence calls (tags the backend's faults)
   };
   /// The open decode step (begin_step .. end_step).
   struct Step {
@@ -1954,20 +2009,7 @@ class BasicThinKvCache {
     reserved_ = reserved_ - s.reserved + need;
     s.reserved = need;
     s.type = type;
-    // Segments start every segment_len positions and at refresh steps; the pinned prefix is
-    // segmented the same way, and the first token after it starts a segment of its own.
-    const bool boundary =
-        starts_segment(s.position, config_.segment_len, s.pinned, s.tracker.is_refresh_step(s.position));
-    if (boundary) {
-      for (SegmentState& seg : s.segments) seg.closed = true;
-      SegmentState seg;
-      seg.id = s.next_segment++;
-      seg.type = s.type;
-      seg.start = s.position;
-      seg.pinned = pinned;
-      s.segments.push_back(seg);
-    }
-    ++s.segments.back().size;
+    open_position(s, s.position, s.type);
     const Status pushed = cache_.push_staged(stream_of(seq, 0, 0), s.type, s.segments.back().id);
     assert(pushed.is_ok());  // plan_begin checked the thought rule
     (void)pushed;
@@ -1975,6 +2017,22 @@ class BasicThinKvCache {
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
     if (!pinned) s.tracker.observe(s.position, hint);
+  }
+  /// Position `pos` (the sequence's next) joins its segments: a new one of thought `type` at a
+  /// boundary, else the last grows. Segments start every segment_len positions and at refresh
+  /// steps; the pinned prefix is segmented the same way, and the first token after it starts a
+  /// segment of its own.
+  void open_position(SeqState& s, std::int32_t pos, ThoughtType type) const {
+    if (s.segments.empty() || starts_segment(pos, config_.segment_len, s.pinned, s.tracker.is_refresh_step(pos))) {
+      for (SegmentState& seg : s.segments) seg.closed = true;
+      SegmentState seg;
+      seg.id = s.next_segment++;
+      seg.type = type;
+      seg.start = pos;
+      seg.pinned = pos < s.pinned;
+      s.segments.push_back(seg);
+    }
+    ++s.segments.back().size;
   }
   [[nodiscard]] Status fault_status(int seq) const {
     const SeqState& s = seq_(seq);

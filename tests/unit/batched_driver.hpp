@@ -80,6 +80,7 @@ struct RunOptions {
   bool wait_faults = false;  ///< poll_faults(true) after a poisoned step (device backends)
   double prompt = 0.0;       ///< chance a joining sequence (at position 0) first prefills a prompt
   int max_prompt = 0;        ///< longest prompt (lengths uniform in 1..max_prompt)
+  int prompt_chunks = 1;     ///< most chunks a prompt comes in (counts uniform in 1..this; cut at random)
   /// Chance per step and running sequence of a llama.cpp seq_rm between steps (remove(), the
   /// same range on both caches, which must answer alike): roll backs inside the open group and
   /// to group boundaries, unaligned ones (refused), middle ranges.
@@ -90,17 +91,20 @@ struct RunOptions {
 };
 
 struct RunReport {
-  std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0, prompts = 0, prompt_tokens = 0;
+  std::int64_t steps = 0, tokens = 0, faults = 0, finishes = 0, max_batch = 0, prompts = 0, prompt_tokens = 0,
+               prompt_chunks = 0;
   std::int64_t removes = 0, removes_refused = 0;
   double worst_rel_err = 0;
   double worst_prompt_err = 0;  ///< largest prefill error against the float64 reference, / max |out|
 };
 
-/// Prefills a prompt of random K/V/q in the batched cache (begin_prompt / prefill / end_prompt) and
-/// feeds the same tokens to the reference one by one after pin_prefix (its outputs unused: the
-/// prefill attends the prompt's own K/V). Checks every prefill output against causal attention in
-/// float64 over the encoded inputs: |error| <= 2^-(mantissa bits of out) * max|out| + 5e-5 * max|v|
-/// (FP32 arithmetic with up to `tokens` terms, and one rounding of the output type).
+/// Prefills a prompt of random K/V/q in the batched cache (begin_prompt / prefill / end_prompt,
+/// in up to o.prompt_chunks chunks cut at random) and feeds the same tokens to the reference one by
+/// one after pin_prefix (its outputs unused: the prefill attends the prompt's own K/V). Checks
+/// every prefill output against attention in float64 over the encoded inputs: a chunk's query t
+/// over the tokens the batched cache stored before the chunk (read back dequantized) and the
+/// chunk's tokens 0..t: |error| <= 2^-(mantissa bits of out) * max|out| + 5e-5 * max|v| (FP32
+/// arithmetic with up to `tokens` terms, and one rounding of the output type).
 template <class Batched, class Reference>
 std::string run_prompt(Batched& bc, Reference& rc, const TensorMemory& mem, std::mt19937_64& rng, const RunOptions& o,
                        int seq, int tokens, RunReport& report) {
@@ -110,76 +114,126 @@ std::string run_prompt(Batched& bc, Reference& rc, const TensorMemory& mem, std:
   auto fail = [&](const std::string& what) {
     return "prompt of sequence " + std::to_string(seq) + " (" + std::to_string(tokens) + " tokens): " + what;
   };
-  if (Status e = bc.begin_prompt(seq, tokens); !e.is_ok()) return fail("begin_prompt: " + e.to_string());
   if (Status e = rc.pin_prefix(seq, tokens); !e.is_ok()) return fail("reference pin_prefix: " + e.to_string());
   std::normal_distribution<float> normal;
   const float sharp = std::vector<float>{0.5f, 1.5f, 4.0f}[rng() % 3];
   Buffer kbuf(mem, T * hkv * d * 4), vbuf(mem, T * hkv * d * 4), qbuf(mem, T * hq * d * 4), obuf(mem, T * hq * d * 4);
-  std::vector<std::uint8_t> kb, vb, qb, ob(T * hq * d * 4);
+  std::vector<std::uint8_t> qb, ob(T * hq * d * 4);
   std::vector<std::vector<float>> ks(static_cast<std::size_t>(L)), vs(ks.size());
-  const double out_eps = o.out_type == ElementType::kF32 ? 0x1p-23 : o.out_type == ElementType::kF16 ? 0x1p-10 : 0x1p-7;
+  std::vector<std::vector<std::uint8_t>> kbytes(ks.size()), vbytes(ks.size());
   for (int l = 0; l < L; ++l) {
-    std::vector<float> k(T * hkv * d), v(k.size()), q(T * hq * d);
+    std::vector<float> k(T * hkv * d), v(k.size());
     for (auto& x : k) x = normal(rng);
     for (auto& x : v) x = normal(rng);
-    for (auto& x : q) x = normal(rng) * sharp;
-    ks[static_cast<std::size_t>(l)] = encode(k, o.kv_type, kb);
-    vs[static_cast<std::size_t>(l)] = encode(v, o.kv_type, vb);
-    const std::vector<float> qr = encode(q, o.q_type, qb);
-    mem.put(kbuf.p, kb.data(), kb.size());
-    mem.put(vbuf.p, vb.data(), vb.size());
-    mem.put(qbuf.p, qb.data(), qb.size());
-    std::vector<std::uint8_t> poison(ob.size(), 0xFF);  // NaN in every element type
-    mem.put(obuf.p, poison.data(), poison.size());
-    if (Status e =
-            bc.prefill(l, seq, {qbuf.p, o.q_type}, {kbuf.p, o.kv_type}, {vbuf.p, o.kv_type}, {obuf.p, o.out_type});
-        !e.is_ok()) {
-      return fail("prefill layer " + std::to_string(l) + ": " + e.to_string());
-    }
-    mem.get(ob.data(), obuf.p, T * hq * d * static_cast<std::size_t>(element_bytes(o.out_type)));
-    const std::vector<float>& kr = ks[static_cast<std::size_t>(l)];
-    const std::vector<float>& vr = vs[static_cast<std::size_t>(l)];
-    const double scale = c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
-    std::vector<double> sc(T), acc(static_cast<std::size_t>(d));
-    for (std::size_t t = 0; t < T; ++t) {
-      for (int h = 0; h < hq; ++h) {
-        const int kvh = h / G;
-        const float* qh = &qr[(t * hq + h) * d];
-        double m = -INFINITY, lsum = 0, vmax = 0;
-        for (std::size_t j = 0; j <= t; ++j) {
-          double dot = 0;
-          for (int x = 0; x < d; ++x) dot += static_cast<double>(qh[x]) * kr[(j * hkv + kvh) * d + x];
-          sc[j] = dot * scale;
-          m = std::max(m, sc[j]);
+    ks[static_cast<std::size_t>(l)] = encode(k, o.kv_type, kbytes[static_cast<std::size_t>(l)]);
+    vs[static_cast<std::size_t>(l)] = encode(v, o.kv_type, vbytes[static_cast<std::size_t>(l)]);
+  }
+  // Chunk boundaries: 0 = cut[0] < ... < cut[n] = tokens.
+  std::vector<int> cut{0, tokens};
+  const int chunks =
+      1 + static_cast<int>(rng() % static_cast<unsigned>(std::max(1, std::min(o.prompt_chunks, tokens))));
+  while (static_cast<int>(cut.size()) < chunks + 1) {
+    const int x = 1 + static_cast<int>(rng() % static_cast<unsigned>(tokens - 1));
+    if (std::find(cut.begin(), cut.end(), x) == cut.end()) cut.insert(std::upper_bound(cut.begin(), cut.end(), x), x);
+  }
+  const double out_eps = o.out_type == ElementType::kF32 ? 0x1p-23 : o.out_type == ElementType::kF16 ? 0x1p-10 : 0x1p-7;
+  const int kvb = element_bytes(o.kv_type);
+  for (std::size_t ci = 0; ci + 1 < cut.size(); ++ci) {
+    const auto c0 = static_cast<std::size_t>(cut[ci]), n = static_cast<std::size_t>(cut[ci + 1]) - c0;
+    auto cfail = [&](const std::string& what) {
+      return fail("chunk " + std::to_string(c0) + ".." + std::to_string(c0 + n - 1) + ": " + what);
+    };
+    if (Status e = bc.begin_prompt(seq, static_cast<int>(n)); !e.is_ok())
+      return cfail("begin_prompt: " + e.to_string());
+    for (int l = 0; l < L; ++l) {
+      const auto lu = static_cast<std::size_t>(l);
+      std::vector<float> q(n * hq * d);
+      for (auto& x : q) x = normal(rng) * sharp;
+      const std::vector<float> qr = encode(q, o.q_type, qb);
+      const std::size_t row_bytes = static_cast<std::size_t>(hkv) * d * kvb;
+      mem.put(kbuf.p, kbytes[lu].data() + c0 * row_bytes, n * row_bytes);
+      mem.put(vbuf.p, vbytes[lu].data() + c0 * row_bytes, n * row_bytes);
+      mem.put(qbuf.p, qb.data(), qb.size());
+      std::vector<std::uint8_t> poison(n * hq * d * 4, 0xFF);  // NaN in every element type
+      mem.put(obuf.p, poison.data(), poison.size());
+      // What the chunk attends to before its own tokens: each KV head's stored tokens, as stored.
+      std::vector<std::vector<float>> sk(static_cast<std::size_t>(hkv)), sv(sk.size());
+      for (int h = 0; h < hkv && c0 > 0; ++h) {
+        const int st = bc.stream_of(seq, l, h);
+        std::vector<float> k1(static_cast<std::size_t>(d)), v1(k1.size());
+        auto keep = [&] {
+          sk[static_cast<std::size_t>(h)].insert(sk[static_cast<std::size_t>(h)].end(), k1.begin(), k1.end());
+          sv[static_cast<std::size_t>(h)].insert(sv[static_cast<std::size_t>(h)].end(), v1.begin(), v1.end());
+        };
+        for (SlotRef r : bc.paged().table().live_slot_list(st)) {
+          if (Status e = bc.paged().read_token(r, k1, v1); !e.is_ok()) return cfail("read_token: " + e.to_string());
+          keep();
         }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (std::size_t j = 0; j <= t; ++j) {
-          const double e = std::exp(sc[j] - m);
-          lsum += e;
-          for (int x = 0; x < d; ++x) {
-            const double vx = vr[(j * hkv + kvh) * d + x];
-            acc[static_cast<std::size_t>(x)] += e * vx;
-            vmax = std::max(vmax, std::fabs(vx));
+        for (int row = 0; row < bc.paged().table().staged_count(st); ++row) {
+          if (Status e = bc.paged().backend().read_staged(st, row, k1.data(), v1.data()); !e.is_ok()) {
+            return cfail("read_staged: " + e.to_string());
           }
+          keep();
         }
-        double max_ref = 0, max_err = 0;
-        for (int x = 0; x < d; ++x) {
-          const double want = acc[static_cast<std::size_t>(x)] / lsum;
-          const double got = load_element(ob.data(), o.out_type, (t * hq + h) * d + x);
-          max_ref = std::max(max_ref, std::fabs(want));
-          max_err = std::max(max_err, std::isnan(got) ? INFINITY : std::fabs(got - want));
+      }
+      if (Status e =
+              bc.prefill(l, seq, {qbuf.p, o.q_type}, {kbuf.p, o.kv_type}, {vbuf.p, o.kv_type}, {obuf.p, o.out_type});
+          !e.is_ok()) {
+        return cfail("prefill layer " + std::to_string(l) + ": " + e.to_string());
+      }
+      mem.get(ob.data(), obuf.p, n * hq * d * static_cast<std::size_t>(element_bytes(o.out_type)));
+      const std::vector<float>& kr = ks[lu];
+      const std::vector<float>& vr = vs[lu];
+      const double scale = c.softmax_scale > 0 ? c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d));
+      std::vector<double> acc(static_cast<std::size_t>(d));
+      for (std::size_t t = 0; t < n; ++t) {
+        for (int h = 0; h < hq; ++h) {
+          const int kvh = h / G;
+          const std::vector<float>& skh = sk[static_cast<std::size_t>(kvh)];
+          const std::vector<float>& svh = sv[static_cast<std::size_t>(kvh)];
+          const std::size_t ns = skh.size() / static_cast<std::size_t>(d);
+          const float* qh = &qr[(t * hq + h) * d];
+          // Key/value j: stored token j < ns, then chunk token j - ns.
+          auto key = [&](std::size_t j) { return j < ns ? &skh[j * d] : &kr[((c0 + j - ns) * hkv + kvh) * d]; };
+          auto val = [&](std::size_t j) { return j < ns ? &svh[j * d] : &vr[((c0 + j - ns) * hkv + kvh) * d]; };
+          std::vector<double> sc(ns + t + 1);
+          double m = -INFINITY, lsum = 0, vmax = 0;
+          for (std::size_t j = 0; j < sc.size(); ++j) {
+            double dot = 0;
+            for (int x = 0; x < d; ++x) dot += static_cast<double>(qh[x]) * key(j)[x];
+            sc[j] = dot * scale;
+            m = std::max(m, sc[j]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (std::size_t j = 0; j < sc.size(); ++j) {
+            const double e = std::exp(sc[j] - m);
+            lsum += e;
+            for (int x = 0; x < d; ++x) {
+              const double vx = val(j)[x];
+              acc[static_cast<std::size_t>(x)] += e * vx;
+              vmax = std::max(vmax, std::fabs(vx));
+            }
+          }
+          double max_ref = 0, max_err = 0;
+          for (int x = 0; x < d; ++x) {
+            const double want = acc[static_cast<std::size_t>(x)] / lsum;
+            const double got = load_element(ob.data(), o.out_type, (t * hq + h) * d + x);
+            max_ref = std::max(max_ref, std::fabs(want));
+            max_err = std::max(max_err, std::isnan(got) ? INFINITY : std::fabs(got - want));
+          }
+          const double tol = out_eps * max_ref + 5e-5 * vmax;
+          if (!(max_err <= tol)) {
+            return cfail("layer " + std::to_string(l) + " token " + std::to_string(c0 + t) + " query head " +
+                         std::to_string(h) + ": prefill output differs from float64 by " + std::to_string(max_err) +
+                         " (tolerance " + std::to_string(tol) + ")");
+          }
+          report.worst_prompt_err = std::max(report.worst_prompt_err, max_err / std::max(max_ref, 1e-30));
         }
-        const double tol = out_eps * max_ref + 5e-5 * vmax;
-        if (!(max_err <= tol)) {
-          return fail("layer " + std::to_string(l) + " token " + std::to_string(t) + " query head " +
-                      std::to_string(h) + ": prefill output differs from float64 by " + std::to_string(max_err) +
-                      " (tolerance " + std::to_string(tol) + ")");
-        }
-        report.worst_prompt_err = std::max(report.worst_prompt_err, max_err / std::max(max_ref, 1e-30));
       }
     }
+    if (Status e = bc.end_prompt(seq); !e.is_ok()) return cfail("end_prompt: " + e.to_string());
+    ++report.prompt_chunks;
   }
-  if (Status e = bc.end_prompt(seq); !e.is_ok()) return fail("end_prompt: " + e.to_string());
   // The reference stores the same tokens one at a time.
   std::vector<float> out(static_cast<std::size_t>(hq) * d), q1(out.size());
   for (std::size_t t = 0; t < T; ++t) {

@@ -243,7 +243,8 @@ TEST_CASE("Batched decode refuses bad batches naming the sequence, changing noth
             .find("no step is open") != std::string::npos);
 }
 
-TEST_CASE("Prefill stores what token-by-token appends store, and attends causally in FP32", "[batched][prefill]") {
+TEST_CASE("Prefill in chunks stores what token-by-token appends store, and attends causally in FP32",
+          "[batched][prefill]") {
   TT_SEEDED_RNG();
   const ElementType types[] = {ElementType::kF32, ElementType::kBf16};
   for (ElementType t : types) {
@@ -255,13 +256,15 @@ TEST_CASE("Prefill stores what token-by-token appends store, and attends causall
     o.kv_type = o.q_type = o.out_type = t;
     o.finish = 0.01;
     o.prompt = 0.7;
-    o.max_prompt = 200;  // past segment_len (64) and the budget (160); lengths not multiples of g
+    o.max_prompt = 200;   // past segment_len (64) and the budget (160); lengths not multiples of g
+    o.prompt_chunks = 4;  // ubatches: chunks cut anywhere (inside groups, segments, blocks)
     bt::RunReport r;
     const std::string err = bt::run_batched(batched, reference, bt::host_memory(), rng, o, r);
     INFO(err);
     REQUIRE(err.empty());
     CHECK(r.prompts >= 3);
     CHECK(r.prompt_tokens > 150);
+    CHECK(r.prompt_chunks > r.prompts);         // some prompts came in several chunks
     CHECK(batched.stats().tokens_evicted > 0);  // decoding after a prompt still evicts (its thoughts)
     INFO("worst prefill error / max|out| " << r.worst_prompt_err);
   }
@@ -293,7 +296,22 @@ TEST_CASE("Prefill refuses bad calls naming the problem, changing nothing", "[ba
   CHECK(cache.live_tokens(1) == T);
   CHECK(cache.pinned_prefix(1) == T);
   CHECK(cache.end_prompt(1).message().find("no open prompt") != std::string::npos);
-  CHECK(cache.begin_prompt(1, T).message().find("position 40") != std::string::npos);
+  // The prompt may continue (below); once a token was decoded it may not.
+  {
+    const std::vector<int> one{1};
+    const std::vector<float> k1(static_cast<std::size_t>(hkv) * d, 0.5f), q1(static_cast<std::size_t>(hq) * d, 0.25f);
+    std::vector<float> o1(q1.size());
+    REQUIRE(cache.begin_step(one).is_ok());
+    for (int l = 0; l < c.num_layers; ++l) {
+      REQUIRE(cache.append_batch(l, one, {k1.data(), ElementType::kF32}, {k1.data(), ElementType::kF32}).is_ok());
+      REQUIRE(cache.attend_batch(l, one, {q1.data(), ElementType::kF32}, {o1.data(), ElementType::kF32}).is_ok());
+    }
+    REQUIRE(cache.end_step(one).is_ok());
+    const Status e = cache.begin_prompt(1, T);
+    CHECK(e.code() == StatusCode::kUnsupported);
+    CHECK(e.message().find("at position 41: positions 40..40 were decoded") != std::string::npos);
+    CHECK(cache.begin_prompt(1, c.max_tokens).code() == StatusCode::kUnsupported);
+  }
   // Equal keys and values: every causal output row is the value itself.
   for (float x : out) REQUIRE(x == 0.5f);
   // A NaN in a prompt's V faults the sequence alone once the prompt ends.
@@ -323,6 +341,105 @@ TEST_CASE("Prefill of a prompt the pools cannot hold is refused whole", "[batche
   CHECK(cache.segments(0).empty());
   CHECK(cache.allocated_bytes() == before);
   CHECK(cache.begin_prompt(0, 48).is_ok());  // 3 blocks each = 12
+}
+
+TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves exactly what it takes",
+          "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  const ThinKvConfig c = small_config();
+  const int T = 83, hkv = c.num_kv_heads, d = c.head_dim;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<std::vector<float>> ks, vs;
+  for (int l = 0; l < c.num_layers; ++l) {
+    ks.emplace_back(static_cast<std::size_t>(T) * hkv * d);
+    vs.emplace_back(ks.back().size());
+    for (float& x : ks.back()) x = nd(rng);
+    for (float& x : vs.back()) x = nd(rng);
+  }
+  // Stores tokens [lo, hi) as one chunk (store only: the bytes do not depend on the attention).
+  auto chunk = [&](ThinKvCache<>& cache, int seq, int lo, int hi) -> Status {
+    THINKV_RETURN_IF_ERROR(cache.begin_prompt(seq, hi - lo));
+    for (int l = 0; l < c.num_layers; ++l) {
+      const auto off = static_cast<std::size_t>(lo) * hkv * d;
+      const TensorRef k{ks[static_cast<std::size_t>(l)].data() + off, ElementType::kF32},
+          v{vs[static_cast<std::size_t>(l)].data() + off, ElementType::kF32};
+      THINKV_RETURN_IF_ERROR(cache.prefill(l, seq, {nullptr, ElementType::kF32}, k, v, {nullptr, ElementType::kF32}));
+    }
+    return cache.end_prompt(seq);
+  };
+  // What a cache holds, whichever blocks hold it: every stream's live tokens in attention order
+  // (position, segment, dequantized K/V bits), its staged rows and its memory.
+  auto contents = [&](const ThinKvCache<>& cache) {
+    std::vector<std::string> out;
+    const BlockTable& t = cache.paged().table();
+    std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
+    for (int st = 0; st < t.num_streams(); ++st) {
+      out.push_back("stream " + std::to_string(st) + " " + tt::describe(cache.paged().memory(st)));
+      for (SlotRef r : t.live_slot_list(st)) {
+        REQUIRE(cache.paged().read_token(r, k, v).is_ok());
+        out.push_back(std::to_string(t.slot_position(r)) + " " + std::to_string(t.slot_segment(r)) + " " +
+                      tt::hex(k.data(), k.size() * 4) + " " + tt::hex(v.data(), v.size() * 4));
+      }
+      for (int row = 0; row < t.staged_count(st); ++row) {
+        REQUIRE(cache.paged().backend().read_staged(st, row, k.data(), v.data()).is_ok());
+        out.push_back("staged " + std::to_string(t.staged_position(st, row)) + " " +
+                      std::to_string(t.staged_segment(st, row)) + " " + tt::hex(k.data(), k.size() * 4) + " " +
+                      tt::hex(v.data(), v.size() * 4));
+      }
+    }
+    out.push_back(tt::describe(cache.memory()));
+    return out;
+  };
+  ThinKvCache<> whole(c, small_policy());
+  REQUIRE(chunk(whole, 0, 0, T).is_ok());
+  // Cut inside a group (g = 8), at group and block (16) boundaries, across a segment (64), a
+  // chunk of one token, and in random places.
+  std::vector<std::vector<int>> cuts = {{0, 3, 8, 9, 16, 61, 70, 71, T}, {0, 1, 2, 3, T}, {0, 64, T}, {0, 82, T}};
+  for (int r = 0; r < 4; ++r) {
+    std::vector<int> cut{0, T};
+    for (int i = 0; i < 5; ++i) cut.push_back(1 + static_cast<int>(rng() % (T - 1)));
+    std::sort(cut.begin(), cut.end());
+    cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
+    cuts.push_back(cut);
+  }
+  for (const std::vector<int>& cut : cuts) {
+    ThinKvCache<> parts(c, small_policy());
+    std::string where;
+    for (std::size_t i = 0; i + 1 < cut.size(); ++i) {
+      where += std::to_string(cut[i]) + " ";
+      REQUIRE(chunk(parts, 0, cut[i], cut[i + 1]).is_ok());
+    }
+    INFO("chunks starting at " << where);
+    CHECK(parts.position(0) == T);
+    CHECK(parts.pinned_prefix(0) == T);
+    CHECK(tt::first_difference(contents(whole), contents(parts)) == "");
+    REQUIRE(parts.segments(0).size() == whole.segments(0).size());
+    for (std::size_t i = 0; i < parts.segments(0).size(); ++i) {
+      CHECK(parts.segments(0)[i].start == whole.segments(0)[i].start);
+      CHECK(parts.segments(0)[i].size == whole.segments(0)[i].size);
+      CHECK(parts.segments(0)[i].pinned);
+    }
+  }
+  // Pools: 12 blocks of 16 slots per precision, 4 streams. A prompt of 40 tokens takes 3 blocks
+  // a stream (all 12), the third holding 8 free slots: a chunk of 8 more fits in them, a chunk
+  // that completes one more group then needs a fresh block and is refused with nothing changed.
+  ThinKvConfig small = c;
+  small.pool_blocks = 12;
+  ThinKvCache<> cache(small, small_policy());
+  REQUIRE(chunk(cache, 0, 0, 40).is_ok());
+  REQUIRE(chunk(cache, 0, 40, 45).is_ok());  // staged only
+  const std::vector<std::string> before = tt::snapshot_cache(cache.paged());
+  const Status e = cache.begin_prompt(0, 12);  // 5 staged + 12 = 2 groups: 16 slots, 8 free
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK(e.message().find("begin_prompt(0) of 12 tokens at position 45") != std::string::npos);
+  CHECK(tt::snapshot_cache(cache.paged()) == before);
+  CHECK(cache.position(0) == 45);
+  CHECK(cache.pinned_prefix(0) == 45);
+  REQUIRE(chunk(cache, 0, 45, 48).is_ok());  // 5 + 3 = one group, into the 8 free slots
+  CHECK(cache.paged().table().slots_before_fresh_block(cache.stream_of(0, 1, 1), ThoughtType::kReasoning) == 0);
+  REQUIRE(chunk(cache, 0, 48, 55).is_ok());                              // staged only
+  CHECK(cache.begin_prompt(0, 1).code() == StatusCode::kPoolExhausted);  // 7 + 1: a group, no free slot
+  CHECK(cache.position(0) == 55);
 }
 
 TEST_CASE("One pool sized on its own (pool_blocks_by_precision) runs out alone, naming itself",

@@ -163,6 +163,17 @@ concept prompt_attending_backend = requires(const B& b, const PromptAttendArgs& 
   { b.attend_prompt(a) } -> std::same_as<Status>;
 };
 
+/// A prompt continued past tokens already stored (BasicThinKvCache::begin_prompt at a position
+/// P > 0: a prompt a runtime feeds in several ubatches), one call per layer: query row (t, h)
+/// attends the tokens stored in stream view.streams[h / G] (as the cache stores them: quantized
+/// pages dequantized, staged rows in BF16; all of them precede the chunk) and then the chunk's own
+/// keys and values 0..t of KV head h / G as given in k and v, in one softmax, in FP32 (the
+/// formula of PromptAttendArgs over the concatenation). `view` lists one stream per KV head.
+template <class B>
+concept chunk_attending_backend = requires(const B& b, const AttendView& view, const PromptAttendArgs& a) {
+  { b.attend_chunk(view, a) } -> std::same_as<Status>;
+};
+
 /// Checks a prompt attention's shape: tokens >= 1, head counts (GQA), head_dim >= 1, non-null
 /// tensors, a finite non-negative scale. kInvalidArgument naming the bad value.
 [[nodiscard]] inline Status check_prompt_attend(const PromptAttendArgs& a) {

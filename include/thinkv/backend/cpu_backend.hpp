@@ -321,6 +321,43 @@ class BasicCpuKvBackend {
     }
     return Status::ok();
   }
+  /// A prompt chunk's attention (batch.hpp, chunk_attending_backend) over host tensors: for each
+  /// KV head, the stream's stored tokens (gather: attention order) followed by the chunk's K/V,
+  /// and reference::attend_tokens of each query row over the stored tokens and its prefix of the
+  /// chunk.
+  [[nodiscard]] Status attend_chunk(const AttendView& view, const PromptAttendArgs& a) const {
+    THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+    const int d = a.head_dim, hkv = a.num_kv_heads, hq = a.num_q_heads, group = hq / hkv, n = a.tokens;
+    if (d != config_.head_dim || view.streams.size() != static_cast<std::size_t>(hkv)) {
+      return {StatusCode::kShapeMismatch, "attend_chunk: head_dim " + std::to_string(d) + " and " +
+                                              std::to_string(view.streams.size()) + " view streams for " +
+                                              std::to_string(hkv) + " KV heads (the cache's head_dim is " +
+                                              std::to_string(config_.head_dim) + ")"};
+    }
+    const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<float> k, v, q(static_cast<std::size_t>(group) * d), out(q.size());
+    for (int h = 0; h < hkv; ++h) {
+      THINKV_RETURN_IF_ERROR(gather(view, view.streams[static_cast<std::size_t>(h)], k, v));
+      const std::size_t stored = k.size() / static_cast<std::size_t>(d);
+      k.resize((stored + static_cast<std::size_t>(n)) * d);
+      v.resize(k.size());
+      for (int t = 0; t < n; ++t) {
+        for (int c = 0; c < d; ++c) {
+          const std::size_t i = (static_cast<std::size_t>(t) * hkv + h) * d + c;
+          k[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.k.data, a.k.type, i);
+          v[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.v.data, a.v.type, i);
+        }
+      }
+      for (int t = 0; t < n; ++t) {
+        const std::size_t row = (static_cast<std::size_t>(t) * hq + static_cast<std::size_t>(h) * group) * d;
+        for (std::size_t i = 0; i < q.size(); ++i) q[i] = load_element(a.q.data, a.q.type, row + i);
+        reference::attend_tokens(q.data(), group, k.data(), v.data(), static_cast<int>(stored) + t + 1, d, scale,
+                                 out.data());
+        for (std::size_t i = 0; i < out.size(); ++i) store_element(a.out.data, a.out.type, row + i, out[i]);
+      }
+    }
+    return Status::ok();
+  }
   /// The faults raised since the last poll (all of them: the calls are synchronous).
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>& out, bool /*wait*/) {
     out.insert(out.end(), faults_.begin(), faults_.end());
@@ -679,6 +716,7 @@ class BasicCpuKvBackend {
 /// The CPU backend with the standard allocator.
 using CpuKvBackend = BasicCpuKvBackend<>;
 static_assert(kv_backend<CpuKvBackend> && batched_kv_backend<CpuKvBackend> && segment_selecting_backend<CpuKvBackend> &&
-              state_io_backend<CpuKvBackend>);
+              state_io_backend<CpuKvBackend> && prompt_attending_backend<CpuKvBackend> &&
+              chunk_attending_backend<CpuKvBackend>);
 
 }  // namespace thinkv

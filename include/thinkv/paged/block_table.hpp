@@ -529,6 +529,22 @@ class BlockTable {
 
   // ---- commit: plan (pure), then apply -----------------------------------------------------
 
+  /// Slots the stream's commits of `thought` fill before plan_commit takes a fresh block: the
+  /// holes of that thought type and the unwritten slots of the type's newest block (its first
+  /// two cases). A run of n groups then takes ceil(max(0, n * group_size - this) / block_size)
+  /// fresh blocks.
+  [[nodiscard]] std::int64_t slots_before_fresh_block(int stream, ThoughtType thought) const {
+    const StreamState& s = stream_(stream);
+    std::int64_t n = s.holes_by_thought[static_cast<int>(thought)];
+    const int pi = static_cast<int>(config_.precision.precision_of(thought));
+    for (std::size_t k = s.blocks.size(); k-- > 0;) {
+      if (s.thoughts[k] != thought) continue;
+      n += config_.block_size - pool_[pi].fill[s.blocks[k] - pools_.base[pi]];
+      break;
+    }
+    return n;
+  }
+
   /// Plans where a full staging group of `thought` goes: evicted slots of the stream's blocks of
   /// the same thought type first (oldest block first, lowest slot first), then unwritten slots of
   /// those blocks, then fresh blocks from the precision's pool (lowest free id first, past the
