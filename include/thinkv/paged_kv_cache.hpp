@@ -446,34 +446,38 @@ class PagedKvCache {
     return Status::ok();
   }
 
-  /// What rotate_keys overwrote, to write back if a later step of a shift fails.
+  /// What rotate_keys overwrote, to write back if a later step of a shift fails: the key rows it
+  /// rewrote (not whole pages) and the staged rows.
   struct KeyRotationUndo {
-    struct Page {
+    struct PageRows {
       Precision precision;
       std::uint32_t page;
-      std::vector<std::uint8_t> bytes;
+      std::vector<std::uint32_t> rows;  ///< slots whose key row was rewritten
+      std::vector<std::uint8_t> keys;   ///< their key rows before, rows.size() x row_bytes
     };
     struct Row {
       int stream, row;
       std::vector<float> k, v;
     };
-    std::vector<Page> pages;
+    std::vector<PageRows> pages;
     std::vector<Row> staged;
   };
   /// Rotates the stored keys of the stream's live tokens at positions [lo, hi) through `delta`
   /// positions of `rope` (RoPE composes: R(p + delta) = R(delta) R(p)): each key is decoded,
-  /// rotated in double and rounded to BF16 once. Only BF16 pages and the staging buffer (BF16)
-  /// can be rotated exactly: a quantized page holding such a token is kUnsupported (callers check
-  /// first; nothing is written then). What is overwritten goes to `undo` before it is written;
-  /// on a backend error the caller writes it back (undo_rotation). Positions do not change here
-  /// (shift_positions).
+  /// rotated in double and rounded to BF16 once (rotate_bf16_key). Only BF16 pages and the
+  /// staging buffer (BF16) can be rotated exactly: a quantized page holding such a token is
+  /// kUnsupported (callers check first; nothing is written then). What is overwritten goes to
+  /// `undo` before it is written; on a backend error the caller writes it back (undo_rotation).
+  /// Positions do not change here (shift_positions).
   [[nodiscard]] Status rotate_keys(int stream, std::int32_t lo, std::int32_t hi, std::int32_t delta,
                                    const RopeSpec& rope, KeyRotationUndo& undo) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     const int d = config().head_dim;
     const auto rb = static_cast<std::size_t>(layout().row_bytes(Precision::kBf16));
-    std::vector<double> row(static_cast<std::size_t>(d));
+    std::vector<double> scratch(static_cast<std::size_t>(d));
+    std::vector<std::uint16_t> key(static_cast<std::size_t>(d));
     std::vector<std::uint32_t> rows;
+    std::vector<std::uint8_t> bytes;
     const RopeSpec::Turn turn = rope.turn(delta, d);
     for (const std::uint32_t b : table_.blocks(stream)) {
       rows.clear();
@@ -490,23 +494,22 @@ class PagedKvCache {
                                               std::string(to_string(p)) + " page"};
       }
       const std::uint32_t page = table_.pools().local_index(b);
+      bytes.resize(static_cast<std::size_t>(layout().page_bytes(p)));
+      THINKV_RETURN_IF_ERROR(backend_.read_page(p, page, bytes));
       auto& saved = undo.pages.emplace_back();
       saved.precision = p;
       saved.page = page;
-      saved.bytes.resize(static_cast<std::size_t>(layout().page_bytes(p)));
-      THINKV_RETURN_IF_ERROR(backend_.read_page(p, page, saved.bytes));
-      std::vector<std::uint8_t> bytes = saved.bytes;
-      for (const std::uint32_t i : rows) {  // key row i: D BF16 values at i * row_bytes
-        std::uint8_t* key = bytes.data() + i * rb;
+      saved.rows = rows;
+      saved.keys.reserve(rows.size() * rb);
+      for (const std::uint32_t i : rows) {  // key row i: D little-endian BF16 values at i * row_bytes
+        std::uint8_t* row = bytes.data() + i * rb;
+        saved.keys.insert(saved.keys.end(), row, row + rb);
+        for (int c = 0; c < d; ++c)
+          key[static_cast<std::size_t>(c)] = static_cast<std::uint16_t>(row[2 * c] | (row[2 * c + 1] << 8));
+        rotate_bf16_key(key, turn, scratch);
         for (int c = 0; c < d; ++c) {
-          std::uint16_t h = 0;
-          std::memcpy(&h, key + 2 * c, 2);
-          row[static_cast<std::size_t>(c)] = decode_bf16(h);
-        }
-        RopeSpec::apply(row, turn);
-        for (int c = 0; c < d; ++c) {
-          const std::uint16_t h = encode_bf16_from_double(row[static_cast<std::size_t>(c)]);
-          std::memcpy(key + 2 * c, &h, 2);
+          row[2 * c] = static_cast<std::uint8_t>(key[static_cast<std::size_t>(c)] & 0xFF);
+          row[2 * c + 1] = static_cast<std::uint8_t>(key[static_cast<std::size_t>(c)] >> 8);
         }
       }
       THINKV_RETURN_IF_ERROR(backend_.write_page(p, page, bytes));
@@ -517,24 +520,44 @@ class PagedKvCache {
       if (pos < lo || pos >= hi) continue;
       THINKV_RETURN_IF_ERROR(backend_.read_staged(stream, r, k.data(), v.data()));
       undo.staged.push_back({stream, r, k, v});
-      for (int c = 0; c < d; ++c) row[static_cast<std::size_t>(c)] = k[static_cast<std::size_t>(c)];
-      RopeSpec::apply(row, turn);
       for (int c = 0; c < d; ++c)
-        k[static_cast<std::size_t>(c)] = decode_bf16(encode_bf16_from_double(row[static_cast<std::size_t>(c)]));
+        key[static_cast<std::size_t>(c)] =
+            encode_bf16(k[static_cast<std::size_t>(c)]);  // staged values are BF16 values
+      rotate_bf16_key(key, turn, scratch);
+      for (int c = 0; c < d; ++c) k[static_cast<std::size_t>(c)] = decode_bf16(key[static_cast<std::size_t>(c)]);
       THINKV_RETURN_IF_ERROR(backend_.stage(stream, r, k.data(), v.data()));
     }
     return Status::ok();
   }
-  /// Writes back what rotate_keys overwrote (latest first); the first backend error, if any.
+  /// One BF16 key turned through a shift: decoded, rotated in double, rounded to BF16 once
+  /// (encode_bf16_from_double). `scratch` holds key.size() doubles.
+  static void rotate_bf16_key(std::span<std::uint16_t> key, const RopeSpec::Turn& turn, std::span<double> scratch) {
+    for (std::size_t c = 0; c < key.size(); ++c) scratch[c] = decode_bf16(key[c]);
+    RopeSpec::apply(scratch, turn);
+    for (std::size_t c = 0; c < key.size(); ++c) key[c] = encode_bf16_from_double(scratch[c]);
+  }
+  /// Writes back what rotate_keys overwrote (latest first): each page read, its saved key rows
+  /// put back, written. The first backend error, if any (the others are still attempted).
   [[nodiscard]] Status undo_rotation(const KeyRotationUndo& undo) requires state_io_backend<B> {
     Status first = Status::ok();
+    auto note = [&first](const Status& e) {
+      if (first.is_ok() && !e.is_ok()) first = e;
+    };
     for (auto it = undo.staged.rbegin(); it != undo.staged.rend(); ++it) {
-      const Status e = backend_.stage(it->stream, it->row, it->k.data(), it->v.data());
-      if (first.is_ok() && !e.is_ok()) first = e;
+      note(backend_.stage(it->stream, it->row, it->k.data(), it->v.data()));
     }
+    const auto rb = static_cast<std::size_t>(layout().row_bytes(Precision::kBf16));
+    std::vector<std::uint8_t> bytes;
     for (auto it = undo.pages.rbegin(); it != undo.pages.rend(); ++it) {
-      const Status e = backend_.write_page(it->precision, it->page, it->bytes);
-      if (first.is_ok() && !e.is_ok()) first = e;
+      bytes.resize(static_cast<std::size_t>(layout().page_bytes(it->precision)));
+      if (Status e = backend_.read_page(it->precision, it->page, bytes); !e.is_ok()) {
+        note(e);
+        continue;
+      }
+      for (std::size_t j = 0; j < it->rows.size(); ++j) {
+        std::memcpy(bytes.data() + it->rows[j] * rb, it->keys.data() + j * rb, rb);
+      }
+      note(backend_.write_page(it->precision, it->page, bytes));
     }
     return first;
   }
