@@ -720,11 +720,11 @@ class BasicThinKvCache {
     const SeqState& s = seq_(src);
     const std::int32_t lo = std::max<std::int32_t>(p0, 0);
     const std::int32_t hi = p1 < 0 ? s.position : std::min(p1, s.position);
-    if (s.position == 0 || lo >= hi) return Status::ok();  // nothing to copy
+    if (s.position == 0 || lo >= hi || !holds_any(src, lo, hi)) return Status::ok();  // nothing to copy
     // The cuts, checked on the source before anything is copied (the copy is the source's state):
     // remove(dst, 0, lo), then remove(dst, hi, -1). The front cut leaves the open group alone
-    // (or is refused), so the tail cut continues where it would on the source, unless nothing of
-    // [lo, hi) is held: then the copy would be empty.
+    // (or is refused), so the tail cut continues where it would on the source: some token of
+    // [lo, hi) is held, so the tokens before lo do not decide where.
     std::int32_t next = s.position;
     auto refused = [&](const Status& why) {
       return Status{why.code(), call + ": the range cannot be cut from the copy: " + why.message()};
@@ -736,7 +736,6 @@ class BasicThinKvCache {
     if (hi < s.position) {
       const std::string cut = "remove(" + std::to_string(dst) + ", " + std::to_string(hi) + ", -1)";
       if (Status c = check_remove(src, hi, s.position, cut, dst, next); !c.is_ok()) return refused(c);
-      if (next <= lo) return Status::ok();  // nothing of the range is held
     }
     std::vector<StreamSnapshot> snaps;
     StageSnapshot stage;
@@ -2017,6 +2016,21 @@ class BasicThinKvCache {
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
     if (!pinned) s.tracker.observe(s.position, hint);
+  }
+  /// Whether some stream of the sequence holds a token (live or staged) at a position in [lo, hi).
+  [[nodiscard]] bool holds_any(int seq, std::int32_t lo, std::int32_t hi) const {
+    const BlockTable& table = cache_.table();
+    for (int st = stream_of(seq, 0, 0); st < stream_of(seq + 1, 0, 0); ++st) {
+      for (int r = 0; r < table.staged_count(st); ++r) {
+        const std::int32_t pos = table.staged_position(st, r);
+        if (pos >= lo && pos < hi) return true;
+      }
+      for (const SlotRef r : table.live_slot_list(st)) {
+        const std::int32_t pos = table.slot_position(r);
+        if (pos >= lo && pos < hi) return true;
+      }
+    }
+    return false;
   }
   /// Position `pos` (the sequence's next) joins its segments: a new one of thought `type` at a
   /// boundary, else the last grows. Segments start every segment_len positions and at refresh

@@ -727,6 +727,34 @@ TEST_CASE("Sequence ops: a roll back continues after the last position any strea
   });
 }
 
+TEST_CASE("Sequence ops: seq_cp of a range the source holds nothing of copies nothing, whatever precedes it",
+          "[sequence_ops]") {
+  // Found by the randomized run: a copy of [9, 21) from a sequence whose 9..20 were removed was
+  // refused, because the tail cut was checked with the tokens before 9 still there (the copy
+  // continues at 9, inside the committed group 8..15); the copy loses those tokens with the
+  // front cut, so it is simply empty, as llama.cpp's seq_cp copies no cell.
+  with_cache(tt::sequence_spec(CacheMode::kFull), [&](auto& cache) {
+    auto rng = tt::make_rng("sequence_ops_copy_empty_range");
+    SeqModel m;
+    for (int t = 0; t < 34; ++t) decode_one(cache, 2, m, rng, false);
+    REQUIRE(cache.remove(2, 9, 21).is_ok());
+    const auto before = tt::snapshot_cache(cache.paged());
+    REQUIRE(cache.copy_sequence(2, 1, 9, 21).is_ok());
+    CHECK(cache.position(1) == 0);
+    CHECK(cache.live_tokens(1) == 0);
+    TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+    // A range holding position 8 would continue at 9 inside that group: refused, as before.
+    const Status e = cache.copy_sequence(2, 1, 8, 21);
+    CHECK(e.code() == StatusCode::kUnsupported);
+    CHECK(e.message().find("continue at position 9") != std::string::npos);
+    TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_cache(cache.paged()));
+    // One that ends at a group boundary is copied.
+    REQUIRE(cache.copy_sequence(2, 1, 0, 8).is_ok());
+    CHECK(cache.pos_min(1) == 0);
+    CHECK(cache.pos_max(1) == 7);
+  });
+}
+
 TEST_CASE("Sequence ops: bad calls are refused and change nothing", "[sequence_ops]") {
   const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kTbq);
   with_cache(cfg, [&](auto& cache) {
