@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <string_view>
 #include <vector>
 
@@ -1447,95 +1448,61 @@ class BasicThinKvCache {
   // to the prompt as the cache stores it.
   //
   // A prompt may come in several chunks (a runtime's ubatches): begin_prompt / prefill /
-  // end_prompt again at the sequence's position P, as long as every token before P is pinned
-  // (no decode token yet). The chunk's tokens are pinned and stored the same way (the cache
-  // holds what the one-token calls would store with pinned_prefix P + tokens), and its queries
-  // attend to the P stored tokens as the cache stores them (quantized pages dequantized, the
-  // open group in BF16), then causally to the chunk's own K/V as given: what a runtime attending
-  // a ubatch over its cache computes. A backend attends a chunk at P > 0 only if it models
-  // chunk_attending_backend (the CPU backend does); on the others a continued chunk can be
-  // stored only (q and out null).
+  // end_prompt again at the sequence's position P. While every token before P is pinned (no
+  // decode token yet) the chunk continues the prompt: its tokens are pinned and stored the same
+  // way (the cache holds what the one-token calls would store with pinned_prefix P + tokens).
+  // After a decoded token it is a later turn (a user's next message, a tool's output): its tokens
+  // are stored with the thought type in force (the tracker's current type), not pinned and not
+  // classified (a refresh step inside the chunk is skipped: input is not a thought), segmented
+  // as decode tokens are, and end_prompt runs TBE until the sequence is within its budget again.
+  // Either way the chunk's queries attend to the P stored tokens as the cache stores them
+  // (quantized pages dequantized, the open group in BF16), then causally to the chunk's own K/V
+  // as given: what a runtime attending a ubatch over its cache computes. A backend attends a
+  // chunk at P > 0 only if it models chunk_attending_backend (the CPU backend does); on the
+  // others such a chunk can be stored only (q and out null).
 
-  /// Opens a prompt (or the next chunk of one) of `tokens` positions at the sequence's position
-  /// P, reserving what every layer's commits will take from the pools, so that no prefill of it
-  /// can fail on a full pool. Pins it: pinned_prefix(seq) becomes max(pinned_prefix(seq),
-  /// P + tokens). Errors (nothing changes): sequence out of range or faulted, a token or prompt
-  /// open, a decoded token before P (kUnsupported: P > pinned_prefix; append later tokens with
-  /// begin_step / begin_token), an open group whose positions do not end at P (kUnsupported),
-  /// tokens outside 1..max_tokens - P, kPoolExhausted naming the pool.
+  /// Opens a prompt (or the next chunk of one, or a later turn: see above) of `tokens` positions
+  /// at the sequence's position P, reserving what every layer's commits will take from the
+  /// pools, so that no prefill of it can fail on a full pool. A prompt is pinned:
+  /// pinned_prefix(seq) becomes max(pinned_prefix(seq), P + tokens). Errors (nothing changes):
+  /// sequence out of range or faulted, a token or prompt open, an open group whose positions do
+  /// not end at P (kUnsupported), tokens outside 1..max_tokens - P, kPoolExhausted naming the
+  /// pool.
   [[nodiscard]] Status begin_prompt(int seq, int tokens) requires batched_kv_backend<B> && prompt_attending_backend<B> {
+    const int one_seq[] = {seq}, one_count[] = {tokens};
+    return begin_prompts(one_seq, one_count);
+  }
+
+  /// begin_prompt of several sequences at once (a ubatch): sequence seqs[i] opens tokens[i]
+  /// positions. All or nothing: every check, and the pools for all of them together, before
+  /// anything changes; the errors of begin_prompt, plus a sequence named twice and spans of
+  /// different sizes (kInvalidArgument).
+  [[nodiscard]] Status begin_prompts(std::span<const int> seqs, std::span<const int> tokens) requires
+      batched_kv_backend<B> && prompt_attending_backend<B> {
     THINKV_RETURN_IF_ERROR(poll_faults(false));
-    THINKV_RETURN_IF_ERROR(check_seq(seq));
-    THINKV_RETURN_IF_ERROR(settle_sequence(seq));
-    SeqState& s = seq_(seq);
-    const std::string call = "begin_prompt(" + std::to_string(seq) + ") of " + std::to_string(tokens) + " tokens";
-    if (s.faulted) return fault_status(seq);
-    if (s.in_token || s.prompt > 0) {
-      return {StatusCode::kInvalidArgument,
-              call + ": the sequence has an open " +
-                  (s.in_token ? "token (end_token / end_step it first)" : "prompt (end_prompt it first)")};
+    if (seqs.size() != tokens.size()) {
+      return {StatusCode::kInvalidArgument, "begin_prompts: " + std::to_string(seqs.size()) + " sequences and " +
+                                                std::to_string(tokens.size()) + " token counts"};
     }
-    const std::int32_t start = s.position;
-    if (start > s.pinned) {
-      return {StatusCode::kUnsupported,
-              call + " at position " + std::to_string(start) + ": positions " + std::to_string(s.pinned) + ".." +
-                  std::to_string(start - 1) +
-                  " were decoded (not pinned); a prompt continues only a sequence whose every token is prompt. "
-                  "Append later tokens with begin_step / begin_token"};
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "begin_prompts"));
+    for (int seq : seqs) THINKV_RETURN_IF_ERROR(settle_sequence(seq));
+    prompt_plans_.resize(seqs.size());
+    PlanClaims need, held;
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      THINKV_RETURN_IF_ERROR(plan_prompt(seqs[i], tokens[i], prompt_plans_[i]));
+      need += prompt_plans_[i].need;
+      held += seq_(seqs[i]).reserved;
+      total += tokens[i];
     }
-    if (tokens < 1 || tokens > config_.max_tokens - start) {
-      return {StatusCode::kOutOfRange, call + ": tokens " + std::to_string(tokens) + " at position " +
-                                           std::to_string(start) + " is out of range; allowed: 1.." +
-                                           std::to_string(config_.max_tokens - start) + " (max_tokens " +
-                                           std::to_string(config_.max_tokens) + ")"};
+    const std::string call =
+        seqs.size() == 1
+            ? prompt_call(seqs[0], tokens[0]) + " at position " + std::to_string(seq_(seqs[0]).position)
+            : "begin_prompts of " + std::to_string(seqs.size()) + " sequences (" + std::to_string(total) + " tokens)";
+    THINKV_RETURN_IF_ERROR(cache_.table().check_claims(need, reserved_ - held, call));
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      THINKV_RETURN_IF_ERROR(apply_prompt(seqs[i], tokens[i], prompt_plans_[i]));
     }
-    // The open group (the sequence's staging set, the same in every stream) must hold the
-    // positions just before `start`: the chunk's first tokens complete it.
-    const int first = stream_of(seq, 0, 0), g = config_.group_size;
-    const int open = cache_.table().staged_count(first);
-    for (int r = 0; r < open; ++r) {
-      if (cache_.table().staged_position(first, r) != start - open + r ||
-          cache_.table().staged_thought(first) != ThoughtType::kReasoning) {
-        return {StatusCode::kUnsupported, call + " at position " + std::to_string(start) + ": the open group's " +
-                                              std::to_string(open) + " positions do not end at " +
-                                              std::to_string(start - 1) +
-                                              " (a removal or shift left a gap); append the prompt with begin_token"};
-      }
-    }
-    // Every full group (the open one completed, then the chunk's) is committed as R: per stream,
-    // into its R holes and its newest R block's free slots first, then fresh blocks (plan_commit),
-    // one key-scale record per group when R is quantized.
-    const Precision p = map_.precision_of(ThoughtType::kReasoning);
-    const std::int64_t groups = (open + tokens) / g;
-    PlanClaims need;
-    for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
-      const std::int64_t fresh =
-          std::max<std::int64_t>(0, groups * g - cache_.table().slots_before_fresh_block(st, ThoughtType::kReasoning));
-      need.blocks[static_cast<int>(p)] +=
-          static_cast<std::size_t>((fresh + config_.block_size - 1) / config_.block_size);
-      if (has_group_scale(p)) need.records += static_cast<std::size_t>(groups);
-    }
-    THINKV_RETURN_IF_ERROR(
-        cache_.table().check_claims(need, reserved_ - s.reserved, call + " at position " + std::to_string(start)));
-    reserved_ = reserved_ - s.reserved + need;
-    s.reserved = need;
-    s.pinned = std::max(s.pinned, start + tokens);
-    s.type = ThoughtType::kReasoning;
-    s.prompt = tokens;
-    s.prompt_start = start;
-    s.prompt_open = open;
-    s.prompt_rows.clear();  // the segment of every row from the open group's first
-    for (int r = 0; r < open; ++r) s.prompt_rows.push_back(cache_.table().staged_segment(first, r));
-    for (std::int32_t pos = start; pos < start + tokens; ++pos) {
-      open_position(s, pos, ThoughtType::kReasoning);  // apply_begin's segments
-      s.prompt_rows.push_back(s.segments.back().id);
-    }
-    // The rows past the last full group stay staged: the sequence's staging set holds them.
-    const std::span<const std::uint32_t> tail =
-        std::span<const std::uint32_t>(s.prompt_rows).subspan(static_cast<std::size_t>(groups * g));
-    THINKV_RETURN_IF_ERROR(cache_.set_staged(first, ThoughtType::kReasoning, tail, start + tokens));
-    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(s.appended.begin(), s.appended.end(), 0);
     return Status::ok();
   }
 
@@ -1551,36 +1518,10 @@ class BasicThinKvCache {
   /// the first group leaves the layer part-appended: free the sequence with reset_sequence.
   [[nodiscard]] Status prefill(int layer, int seq, TensorRef q, TensorRef k, TensorRef v,
                                MutableTensorRef out) requires batched_kv_backend<B> && prompt_attending_backend<B> {
-    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    THINKV_RETURN_IF_ERROR(check_prefill(layer, seq, q, k, v, out));
     SeqState& s = seq_(seq);
-    if (s.prompt == 0) {
-      return {StatusCode::kInvalidArgument,
-              "prefill: sequence " + std::to_string(seq) + " has no open prompt (call begin_prompt first)"};
-    }
-    if (layer < 0 || layer >= config_.num_layers) {
-      return {StatusCode::kOutOfRange, "prefill: layer " + std::to_string(layer) + " is out of range; allowed: 0.." +
-                                           std::to_string(config_.num_layers - 1)};
-    }
-    if (s.appended[static_cast<std::size_t>(layer)] != 0) {
-      return {StatusCode::kInvalidArgument, "prefill: layer " + std::to_string(layer) + " of sequence " +
-                                                std::to_string(seq) + " was already filled (each layer once)"};
-    }
-    // q and out both null: store the prompt's K/V only (a runtime that attends its prompt itself).
     const bool attend = q.data != nullptr || out.data != nullptr;
-    if (k.data == nullptr || v.data == nullptr || (attend && (q.data == nullptr || out.data == nullptr))) {
-      return {StatusCode::kInvalidArgument,
-              "prefill: k and v must not be null, and q and out both given or both null (store only)"};
-    }
     const bool continued = s.prompt_start > 0;
-    if constexpr (!chunk_attending_backend<B>) {
-      if (attend && continued) {
-        return {StatusCode::kUnsupported,
-                "prefill: sequence " + std::to_string(seq) + "'s prompt continues at position " +
-                    std::to_string(s.prompt_start) +
-                    " and this backend cannot attend a chunk over stored tokens (chunk_attending_backend); pass q "
-                    "and out null and attend in the runtime, or prefill the prompt in one begin_prompt"};
-      }
-    }
     PromptAttendArgs a;
     a.tokens = s.prompt;
     a.num_q_heads = config_.num_q_heads;
@@ -1631,7 +1572,7 @@ class BasicThinKvCache {
             meta_positions_.push_back(s.prompt_start - s.prompt_open + i);
           }
           CommitPlan& plan = batch_plans_.emplace_back();
-          if (Status e = cache_.table().plan_commit(st, ThoughtType::kReasoning, plan, &claims); !e.is_ok()) {
+          if (Status e = cache_.table().plan_commit(st, s.type, plan, &claims); !e.is_ok()) {
             return {e.code(), "prefill layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
                                   ", KV head " + std::to_string(h) + ": " + e.message()};
           }
@@ -1649,26 +1590,60 @@ class BasicThinKvCache {
     return Status::ok();
   }
 
-  /// Closes the open prompt once every layer was filled: the sequence is at position `tokens`,
-  /// ready to decode. Errors (nothing changes): no open prompt, a layer not filled.
+  /// Closes the open prompt once every layer was filled: the sequence is at position P + tokens,
+  /// ready to decode; after a later turn, TBE has brought it within its budget. Errors (nothing
+  /// changes): no open prompt, a layer not filled.
   [[nodiscard]] Status end_prompt(int seq) requires batched_kv_backend<B> && prompt_attending_backend<B> {
-    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    THINKV_RETURN_IF_ERROR(check_end_prompt(seq));
     SeqState& s = seq_(seq);
-    if (s.prompt == 0) {
-      return {StatusCode::kInvalidArgument, "end_prompt: sequence " + std::to_string(seq) + " has no open prompt"};
-    }
-    for (int l = 0; l < config_.num_layers; ++l) {
-      if (s.appended[static_cast<std::size_t>(l)] == 0) {
-        return {StatusCode::kInvalidArgument, "end_prompt: layer " + std::to_string(l) + " of sequence " +
-                                                  std::to_string(seq) + " was never filled (prefill every layer once)"};
-      }
-    }
     s.position = s.prompt_start + s.prompt;
     stats_.steps += s.prompt;
     s.prompt = 0;
     s.prompt_rows.clear();
     release_reservation(s);
+    if constexpr (kEvicts) {
+      // A later turn may take the sequence over its budget by many tokens: one TBE plan steps
+      // segments down until it is within it, or out of reach (plan_eviction), K-means on each.
+      if (s.prompt_start > s.pinned) THINKV_RETURN_IF_ERROR(run_tbe(seq, false));
+    }
     return poll_faults(false);
+  }
+
+  /// prefill of one layer for several sequences' open prompts (a ubatch): their rows
+  /// concatenated in the order of `seqs` (sequence i's prompt tokens after those of 0..i-1), q
+  /// and out [rows, num_q_heads, head_dim], k and v [rows, num_kv_heads, head_dim]. The checks of
+  /// every sequence come first (nothing is enqueued when one fails); then each sequence's
+  /// prefill in turn (a backend's calls per sequence: one attention and the group commits).
+  [[nodiscard]] Status prefill_batch(int layer, std::span<const int> seqs, TensorRef q, TensorRef k, TensorRef v,
+                                     MutableTensorRef out) requires batched_kv_backend<B> &&
+      prompt_attending_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "prefill_batch"));
+    for (int seq : seqs) THINKV_RETURN_IF_ERROR(check_prefill(layer, seq, q, k, v, out));
+    const auto hq = static_cast<std::size_t>(config_.num_q_heads) * config_.head_dim;
+    const auto hkv = static_cast<std::size_t>(config_.num_kv_heads) * config_.head_dim;
+    std::size_t row = 0;
+    auto at = [](auto ref, std::size_t elements) {
+      if (ref.data == nullptr) return ref;
+      using Byte = std::conditional_t<std::is_same_v<decltype(ref), TensorRef>, const char, char>;
+      ref.data = static_cast<Byte*>(ref.data) + elements * static_cast<std::size_t>(element_bytes(ref.type));
+      return ref;
+    };
+    for (int seq : seqs) {
+      THINKV_RETURN_IF_ERROR(
+          prefill(layer, seq, at(q, row * hq), at(k, row * hkv), at(v, row * hkv), at(out, row * hq)));
+      row += static_cast<std::size_t>(seq_(seq).prompt);
+    }
+    return Status::ok();
+  }
+
+  /// end_prompt of several sequences: every check first (nothing changes when one fails), then
+  /// each in turn.
+  [[nodiscard]] Status end_prompts(std::span<const int> seqs) requires batched_kv_backend<B> &&
+      prompt_attending_backend<B> {
+    THINKV_RETURN_IF_ERROR(check_batch(seqs, "end_prompts"));
+    for (int seq : seqs) THINKV_RETURN_IF_ERROR(check_end_prompt(seq));
+    for (int seq : seqs) THINKV_RETURN_IF_ERROR(end_prompt(seq));
+    return Status::ok();
   }
 
   /// Live tokens of every stream of a sequence (all equal: every stream sees the same plan).
@@ -2017,6 +1992,57 @@ class BasicThinKvCache {
     s.in_token = true;
     if (!pinned) s.tracker.observe(s.position, hint);
   }
+  /// prefill's checks (nothing changes): an open prompt, the layer in range and not filled, k and
+  /// v given, q and out both given or both null, and a chunk at P > 0 attended only by a backend
+  /// that can.
+  [[nodiscard]] Status check_prefill(int layer, int seq, TensorRef q, TensorRef k, TensorRef v,
+                                     MutableTensorRef out) const {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    const SeqState& s = seq_(seq);
+    if (s.prompt == 0) {
+      return {StatusCode::kInvalidArgument,
+              "prefill: sequence " + std::to_string(seq) + " has no open prompt (call begin_prompt first)"};
+    }
+    if (layer < 0 || layer >= config_.num_layers) {
+      return {StatusCode::kOutOfRange, "prefill: layer " + std::to_string(layer) + " is out of range; allowed: 0.." +
+                                           std::to_string(config_.num_layers - 1)};
+    }
+    if (s.appended[static_cast<std::size_t>(layer)] != 0) {
+      return {StatusCode::kInvalidArgument, "prefill: layer " + std::to_string(layer) + " of sequence " +
+                                                std::to_string(seq) + " was already filled (each layer once)"};
+    }
+    // q and out both null: store the prompt's K/V only (a runtime that attends its prompt itself).
+    const bool attend = q.data != nullptr || out.data != nullptr;
+    if (k.data == nullptr || v.data == nullptr || (attend && (q.data == nullptr || out.data == nullptr))) {
+      return {StatusCode::kInvalidArgument,
+              "prefill: k and v must not be null, and q and out both given or both null (store only)"};
+    }
+    if constexpr (!chunk_attending_backend<B>) {
+      if (attend && s.prompt_start > 0) {
+        return {StatusCode::kUnsupported,
+                "prefill: sequence " + std::to_string(seq) + "'s prompt continues at position " +
+                    std::to_string(s.prompt_start) +
+                    " and this backend cannot attend a chunk over stored tokens (chunk_attending_backend); pass q "
+                    "and out null and attend in the runtime, or prefill the prompt in one begin_prompt"};
+      }
+    }
+    return Status::ok();
+  }
+  /// end_prompt's checks (nothing changes): an open prompt, every layer filled.
+  [[nodiscard]] Status check_end_prompt(int seq) const {
+    THINKV_RETURN_IF_ERROR(check_seq(seq));
+    const SeqState& s = seq_(seq);
+    if (s.prompt == 0) {
+      return {StatusCode::kInvalidArgument, "end_prompt: sequence " + std::to_string(seq) + " has no open prompt"};
+    }
+    for (int l = 0; l < config_.num_layers; ++l) {
+      if (s.appended[static_cast<std::size_t>(l)] == 0) {
+        return {StatusCode::kInvalidArgument, "end_prompt: layer " + std::to_string(l) + " of sequence " +
+                                                  std::to_string(seq) + " was never filled (prefill every layer once)"};
+      }
+    }
+    return Status::ok();
+  }
   /// Whether some stream of the sequence holds a token (live or staged) at a position in [lo, hi).
   [[nodiscard]] bool holds_any(int seq, std::int32_t lo, std::int32_t hi) const {
     const BlockTable& table = cache_.table();
@@ -2031,6 +2057,101 @@ class BasicThinKvCache {
       }
     }
     return false;
+  }
+  /// What begin_prompt found for a sequence's chunk (plan_prompt) and applies (apply_prompt).
+  struct PromptPlan {
+    std::int32_t start = 0;  ///< the sequence's position
+    bool later = false;      ///< after a decoded token: a later turn
+    ThoughtType type = ThoughtType::kReasoning;
+    int open = 0;             ///< rows of the open group
+    std::int64_t groups = 0;  ///< full groups the chunk's commits make (the open one included)
+    PlanClaims need;          ///< what they take from the pools
+  };
+  [[nodiscard]] static std::string prompt_call(int seq, int tokens) {
+    return "begin_prompt(" + std::to_string(seq) + ") of " + std::to_string(tokens) + " tokens";
+  }
+  /// begin_prompt's checks of one sequence and what its commits take (nothing changes).
+  [[nodiscard]] Status plan_prompt(int seq, int tokens, PromptPlan& plan) const {
+    const SeqState& s = seq_(seq);
+    const std::string call = prompt_call(seq, tokens);
+    if (s.faulted) return fault_status(seq);
+    if (s.in_token || s.prompt > 0) {
+      return {StatusCode::kInvalidArgument,
+              call + ": the sequence has an open " +
+                  (s.in_token ? "token (end_token / end_step it first)" : "prompt (end_prompt it first)")};
+    }
+    const std::int32_t start = s.position;
+    plan.start = start;
+    // After a decoded token: a later turn, stored with the thought type in force, not pinned.
+    plan.later = start > s.pinned;
+    plan.type = plan.later ? s.tracker.current() : ThoughtType::kReasoning;
+    if (start >= config_.max_tokens) {
+      return {StatusCode::kOutOfRange,
+              call + ": sequence " + std::to_string(seq) + " reached max_tokens " + std::to_string(config_.max_tokens)};
+    }
+    if (tokens < 1 || tokens > config_.max_tokens - start) {
+      return {StatusCode::kOutOfRange, call + ": tokens " + std::to_string(tokens) + " at position " +
+                                           std::to_string(start) + " is out of range; allowed: 1.." +
+                                           std::to_string(config_.max_tokens - start) + " (max_tokens " +
+                                           std::to_string(config_.max_tokens) + ")"};
+    }
+    // The open group (the sequence's staging set, the same in every stream) must hold the
+    // positions just before `start`: the chunk's first tokens complete it.
+    const int first = stream_of(seq, 0, 0), g = config_.group_size;
+    const BlockTable& table = cache_.table();
+    plan.open = table.staged_count(first);
+    for (int r = 0; r < plan.open; ++r) {
+      if (table.staged_position(first, r) != start - plan.open + r || table.staged_thought(first) != plan.type) {
+        return {StatusCode::kUnsupported,
+                call + " at position " + std::to_string(start) + ": the open group (" + std::to_string(plan.open) +
+                    " tokens of thought " + std::string(to_string(table.staged_thought(first))) +
+                    ", the first at position " + std::to_string(table.staged_position(first, 0)) +
+                    ") does not continue at " + std::to_string(start) + " as thought " +
+                    std::string(to_string(plan.type)) + "; append these tokens with begin_token"};
+      }
+    }
+    // Every full group (the open one completed, then the chunk's) is committed as `type`: per
+    // stream, into its holes of that type and its newest block of that type first, then fresh
+    // blocks (plan_commit), one key-scale record per group when the precision is quantized.
+    const Precision p = map_.precision_of(plan.type);
+    plan.groups = (plan.open + tokens) / g;
+    plan.need = PlanClaims{};
+    for (int st = first; st < stream_of(seq + 1, 0, 0); ++st) {
+      const std::int64_t fresh =
+          std::max<std::int64_t>(0, plan.groups * g - table.slots_before_fresh_block(st, plan.type));
+      plan.need.blocks[static_cast<int>(p)] +=
+          static_cast<std::size_t>((fresh + config_.block_size - 1) / config_.block_size);
+      if (has_group_scale(p)) plan.need.records += static_cast<std::size_t>(plan.groups);
+    }
+    return Status::ok();
+  }
+  /// begin_prompt's changes once the checks and the pools' check passed.
+  [[nodiscard]] Status apply_prompt(int seq, int tokens, const PromptPlan& plan) {
+    SeqState& s = seq_(seq);
+    const int first = stream_of(seq, 0, 0);
+    reserved_ = reserved_ - s.reserved + plan.need;
+    s.reserved = plan.need;
+    if (!plan.later) s.pinned = std::max(s.pinned, plan.start + tokens);
+    s.type = plan.type;
+    s.prompt = tokens;
+    s.prompt_start = plan.start;
+    s.prompt_open = plan.open;
+    s.prompt_rows.clear();  // the segment of every row from the open group's first
+    for (int r = 0; r < plan.open; ++r) s.prompt_rows.push_back(cache_.table().staged_segment(first, r));
+    for (std::int32_t pos = plan.start; pos < plan.start + tokens; ++pos) {  // apply_begin's segments and counts
+      if (plan.later) (void)s.tracker.type_for(pos);
+      open_position(s, pos, plan.type);
+      s.prompt_rows.push_back(s.segments.back().id);
+      if (plan.later) s.tracker.observe(pos, TokenHint{});
+    }
+    // The rows past the last full group stay staged: the sequence's staging set holds them.
+    const std::span<const std::uint32_t> tail =
+        std::span<const std::uint32_t>(s.prompt_rows)
+            .subspan(static_cast<std::size_t>(plan.groups * config_.group_size));
+    THINKV_RETURN_IF_ERROR(cache_.set_staged(first, plan.type, tail, plan.start + tokens));
+    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.appended.begin(), s.appended.end(), 0);
+    return Status::ok();
   }
   /// Position `pos` (the sequence's next) joins its segments: a new one of thought `type` at a
   /// boundary, else the last grows. Segments start every segment_len positions and at refresh
@@ -2464,6 +2585,7 @@ class BasicThinKvCache {
   std::vector<std::uint8_t> seq_pending_;      // [num_sequences] 1: a pending selection holds the sequence
   std::vector<StageRow> rows_;
   std::vector<CommitPlan> batch_plans_;
+  std::vector<PromptPlan> prompt_plans_;  // begin_prompts
   std::vector<std::uint32_t> meta_segments_;
   std::vector<std::int32_t> meta_positions_;
   std::vector<BackendFault> faults_;

@@ -296,7 +296,7 @@ TEST_CASE("Prefill refuses bad calls naming the problem, changing nothing", "[ba
   CHECK(cache.live_tokens(1) == T);
   CHECK(cache.pinned_prefix(1) == T);
   CHECK(cache.end_prompt(1).message().find("no open prompt") != std::string::npos);
-  // The prompt may continue (below); once a token was decoded it may not.
+  // A prompt chunk or a later turn past max_tokens is refused.
   {
     const std::vector<int> one{1};
     const std::vector<float> k1(static_cast<std::size_t>(hkv) * d, 0.5f), q1(static_cast<std::size_t>(hq) * d, 0.25f);
@@ -307,10 +307,10 @@ TEST_CASE("Prefill refuses bad calls naming the problem, changing nothing", "[ba
       REQUIRE(cache.attend_batch(l, one, {q1.data(), ElementType::kF32}, {o1.data(), ElementType::kF32}).is_ok());
     }
     REQUIRE(cache.end_step(one).is_ok());
-    const Status e = cache.begin_prompt(1, T);
-    CHECK(e.code() == StatusCode::kUnsupported);
-    CHECK(e.message().find("at position 41: positions 40..40 were decoded") != std::string::npos);
-    CHECK(cache.begin_prompt(1, c.max_tokens).code() == StatusCode::kUnsupported);
+    const Status e = cache.begin_prompt(1, c.max_tokens - 40);
+    CHECK(e.code() == StatusCode::kOutOfRange);
+    CHECK(e.message().find("at position 41 is out of range; allowed: 1..659") != std::string::npos);
+    CHECK(cache.position(1) == 41);
   }
   // Equal keys and values: every causal output row is the value itself.
   for (float x : out) REQUIRE(x == 0.5f);
@@ -343,6 +343,35 @@ TEST_CASE("Prefill of a prompt the pools cannot hold is refused whole", "[batche
   CHECK(cache.begin_prompt(0, 48).is_ok());  // 3 blocks each = 12
 }
 
+namespace {
+
+/// What a cache holds, whichever blocks hold it: every stream's live tokens in attention order
+/// (position, segment, dequantized K/V bits), its staged rows and its memory.
+std::vector<std::string> stored_contents(const ThinKvCache<>& cache) {
+  std::vector<std::string> out;
+  const BlockTable& t = cache.paged().table();
+  const int d = cache.config().head_dim;
+  std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
+  for (int st = 0; st < t.num_streams(); ++st) {
+    out.push_back("stream " + std::to_string(st) + " " + tt::describe(cache.paged().memory(st)));
+    for (SlotRef r : t.live_slot_list(st)) {
+      const Status e = cache.paged().read_token(r, k, v);
+      out.push_back(std::to_string(t.slot_position(r)) + " " + std::to_string(t.slot_segment(r)) + " " + e.to_string() +
+                    " " + tt::hex(k.data(), k.size() * 4) + " " + tt::hex(v.data(), v.size() * 4));
+    }
+    for (int row = 0; row < t.staged_count(st); ++row) {
+      const Status e = cache.paged().backend().read_staged(st, row, k.data(), v.data());
+      out.push_back("staged " + std::to_string(t.staged_position(st, row)) + " " +
+                    std::to_string(t.staged_segment(st, row)) + " " + e.to_string() + " " +
+                    tt::hex(k.data(), k.size() * 4) + " " + tt::hex(v.data(), v.size() * 4));
+    }
+  }
+  out.push_back(tt::describe(cache.memory()));
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves exactly what it takes",
           "[batched][prefill]") {
   TT_SEEDED_RNG();
@@ -367,29 +396,6 @@ TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves e
     }
     return cache.end_prompt(seq);
   };
-  // What a cache holds, whichever blocks hold it: every stream's live tokens in attention order
-  // (position, segment, dequantized K/V bits), its staged rows and its memory.
-  auto contents = [&](const ThinKvCache<>& cache) {
-    std::vector<std::string> out;
-    const BlockTable& t = cache.paged().table();
-    std::vector<float> k(static_cast<std::size_t>(d)), v(k.size());
-    for (int st = 0; st < t.num_streams(); ++st) {
-      out.push_back("stream " + std::to_string(st) + " " + tt::describe(cache.paged().memory(st)));
-      for (SlotRef r : t.live_slot_list(st)) {
-        REQUIRE(cache.paged().read_token(r, k, v).is_ok());
-        out.push_back(std::to_string(t.slot_position(r)) + " " + std::to_string(t.slot_segment(r)) + " " +
-                      tt::hex(k.data(), k.size() * 4) + " " + tt::hex(v.data(), v.size() * 4));
-      }
-      for (int row = 0; row < t.staged_count(st); ++row) {
-        REQUIRE(cache.paged().backend().read_staged(st, row, k.data(), v.data()).is_ok());
-        out.push_back("staged " + std::to_string(t.staged_position(st, row)) + " " +
-                      std::to_string(t.staged_segment(st, row)) + " " + tt::hex(k.data(), k.size() * 4) + " " +
-                      tt::hex(v.data(), v.size() * 4));
-      }
-    }
-    out.push_back(tt::describe(cache.memory()));
-    return out;
-  };
   ThinKvCache<> whole(c, small_policy());
   REQUIRE(chunk(whole, 0, 0, T).is_ok());
   // Cut inside a group (g = 8), at group and block (16) boundaries, across a segment (64), a
@@ -412,7 +418,7 @@ TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves e
     INFO("chunks starting at " << where);
     CHECK(parts.position(0) == T);
     CHECK(parts.pinned_prefix(0) == T);
-    CHECK(tt::first_difference(contents(whole), contents(parts)) == "");
+    CHECK(tt::first_difference(stored_contents(whole), stored_contents(parts)) == "");
     REQUIRE(parts.segments(0).size() == whole.segments(0).size());
     for (std::size_t i = 0; i < parts.segments(0).size(); ++i) {
       CHECK(parts.segments(0)[i].start == whole.segments(0)[i].start);
@@ -440,6 +446,269 @@ TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves e
   REQUIRE(chunk(cache, 0, 48, 55).is_ok());                              // staged only
   CHECK(cache.begin_prompt(0, 1).code() == StatusCode::kPoolExhausted);  // 7 + 1: a group, no free slot
   CHECK(cache.position(0) == 55);
+}
+
+namespace {
+
+/// Random K/V/q of tokens [0, n) of one sequence, every layer: k, v [n][Hkv][D], q [n][Hq][D].
+struct TokenData {
+  std::vector<std::vector<float>> k, v, q;  // per layer
+  TokenData(const ThinKvConfig& c, int n, std::mt19937_64& rng) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int l = 0; l < c.num_layers; ++l) {
+      k.emplace_back(static_cast<std::size_t>(n) * c.num_kv_heads * c.head_dim);
+      v.emplace_back(k.back().size());
+      q.emplace_back(static_cast<std::size_t>(n) * c.num_q_heads * c.head_dim);
+      for (float& x : k.back()) x = nd(rng);
+      for (float& x : v.back()) x = nd(rng);
+      for (float& x : q.back()) x = 2.0f * nd(rng);
+    }
+  }
+};
+
+/// Tokens [lo, hi) through the one-token calls; their outputs appended to `outs`.
+Status feed_tokens(ThinKvCache<>& cache, int seq, const TokenData& t, int lo, int hi, std::vector<float>& outs) {
+  const ThinKvConfig& c = cache.config();
+  const auto kn = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const auto qn = static_cast<std::size_t>(c.num_q_heads) * c.head_dim;
+  std::vector<float> out(qn);
+  for (int p = lo; p < hi; ++p) {
+    THINKV_RETURN_IF_ERROR(cache.begin_token(seq));
+    for (int l = 0; l < c.num_layers; ++l) {
+      const auto lu = static_cast<std::size_t>(l);
+      const auto pu = static_cast<std::size_t>(p);
+      THINKV_RETURN_IF_ERROR(cache.append(seq, l, std::span<const float>(t.k[lu]).subspan(pu * kn, kn),
+                                          std::span<const float>(t.v[lu]).subspan(pu * kn, kn)));
+      THINKV_RETURN_IF_ERROR(cache.attend(seq, l, std::span<const float>(t.q[lu]).subspan(pu * qn, qn), out));
+      outs.insert(outs.end(), out.begin(), out.end());
+    }
+    THINKV_RETURN_IF_ERROR(cache.end_token(seq));
+  }
+  return Status::ok();
+}
+
+/// Tokens [lo, hi) as one chunk (begin_prompt / prefill / end_prompt), attended when `outs`.
+Status feed_chunk(ThinKvCache<>& cache, int seq, const TokenData& t, int lo, int hi, std::vector<float>* outs) {
+  const ThinKvConfig& c = cache.config();
+  const auto kn = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const auto qn = static_cast<std::size_t>(c.num_q_heads) * c.head_dim;
+  const auto n = static_cast<std::size_t>(hi - lo), lu0 = static_cast<std::size_t>(lo);
+  THINKV_RETURN_IF_ERROR(cache.begin_prompt(seq, hi - lo));
+  std::vector<float> out(n * qn);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const auto lu = static_cast<std::size_t>(l);
+    const TensorRef k{t.k[lu].data() + lu0 * kn, ElementType::kF32}, v{t.v[lu].data() + lu0 * kn, ElementType::kF32};
+    if (outs != nullptr) {
+      THINKV_RETURN_IF_ERROR(
+          cache.prefill(l, seq, {t.q[lu].data() + lu0 * qn, ElementType::kF32}, k, v, {out.data(), ElementType::kF32}));
+      outs->insert(outs->end(), out.begin(), out.end());
+    } else {
+      THINKV_RETURN_IF_ERROR(cache.prefill(l, seq, {nullptr, ElementType::kF32}, k, v, {nullptr, ElementType::kF32}));
+    }
+  }
+  return cache.end_prompt(seq);
+}
+
+}  // namespace
+
+TEST_CASE("A later turn after decoding is stored as the one-token calls store it between refreshes",
+          "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  ThinKvConfig c = small_config();
+  c.token_budget = 0;  // no eviction: the two paths differ only where TBE would run
+  const TokenData t(c, 240, rng);
+  ThinKvCache<> chunked(c, small_policy()), tokens(c, small_policy());
+  std::vector<float> oa, ob;
+  for (ThinKvCache<>* cache : {&chunked, &tokens}) {
+    std::vector<float>& o = cache == &chunked ? oa : ob;
+    REQUIRE(feed_chunk(*cache, 1, t, 0, 20, nullptr).is_ok());  // the prompt, pinned
+    REQUIRE(feed_tokens(*cache, 1, t, 20, 129, o).is_ok());     // refreshes at 64 and 128 (tau 64)
+  }
+  REQUIRE(oa == ob);
+  const ThoughtType type = chunked.tracker(1).current();
+  // Positions 129..190 hold no refresh step (192 is the next): the turn as one chunk, attended,
+  // and the same tokens one at a time.
+  std::vector<float> turn;
+  REQUIRE(feed_chunk(chunked, 1, t, 129, 191, &turn).is_ok());
+  REQUIRE(feed_tokens(tokens, 1, t, 129, 191, ob).is_ok());
+  CHECK(chunked.position(1) == 191);
+  CHECK(chunked.pinned_prefix(1) == 20);
+  CHECK(chunked.tracker(1).current() == type);
+  CHECK(chunked.tracker(1).stats().tokens == tokens.tracker(1).stats().tokens);
+  for (float x : turn) REQUIRE(std::isfinite(x));
+  auto same_storage = [&] {
+    const BlockTable& ta = chunked.paged().table();
+    const BlockTable& tb = tokens.paged().table();
+    std::vector<float> ka(static_cast<std::size_t>(c.head_dim)), va(ka.size()), kb(ka.size()), vb(ka.size());
+    for (int st = chunked.stream_of(1, 0, 0); st < chunked.stream_of(2, 0, 0); ++st) {
+      INFO("stream " << st);
+      const auto la = ta.live_slot_list(st), lb = tb.live_slot_list(st);
+      REQUIRE(la.size() == lb.size());
+      for (std::size_t i = 0; i < la.size(); ++i) {
+        REQUIRE(ta.slot_position(la[i]) == tb.slot_position(lb[i]));
+        REQUIRE(ta.slot_segment(la[i]) == tb.slot_segment(lb[i]));
+        REQUIRE(ta.block_precision(la[i].block) == tb.block_precision(lb[i].block));
+        REQUIRE(chunked.paged().read_token(la[i], ka, va).is_ok());
+        REQUIRE(tokens.paged().read_token(lb[i], kb, vb).is_ok());
+        REQUIRE(ka == kb);
+        REQUIRE(va == vb);
+      }
+      REQUIRE(ta.staged_count(st) == tb.staged_count(st));
+    }
+    REQUIRE(chunked.segments(1).size() == tokens.segments(1).size());
+    for (std::size_t i = 0; i < chunked.segments(1).size(); ++i) {
+      CHECK(chunked.segments(1)[i].start == tokens.segments(1)[i].start);
+      CHECK(chunked.segments(1)[i].size == tokens.segments(1)[i].size);
+      CHECK(chunked.segments(1)[i].type == tokens.segments(1)[i].type);
+      CHECK(chunked.segments(1)[i].pinned == tokens.segments(1)[i].pinned);
+    }
+  };
+  same_storage();
+  // Decoding on (a refresh at 192 reads the same sparsity over the same storage): the same bits.
+  oa.clear();
+  ob.clear();
+  REQUIRE(feed_tokens(chunked, 1, t, 191, 240, oa).is_ok());
+  REQUIRE(feed_tokens(tokens, 1, t, 191, 240, ob).is_ok());
+  CHECK(oa == ob);
+  same_storage();
+  CHECK(chunked.tracker(1).stats().tokens == tokens.tracker(1).stats().tokens);
+}
+
+TEST_CASE("A later turn that takes a sequence over its budget is evicted back within it by TBE", "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  const ThinKvConfig c = small_config();  // budget 160, segments of 64, retention 32/16/8/4
+  const TokenData t(c, 520, rng);
+  ThinKvCache<> cache(c, small_policy());
+  std::vector<float> o;
+  REQUIRE(feed_chunk(cache, 0, t, 0, 16, &o).is_ok());
+  REQUIRE(feed_tokens(cache, 0, t, 16, 150, o).is_ok());
+  const std::int64_t evicted = cache.stats().tokens_evicted;
+  const std::int64_t live_before = cache.live_tokens(0);
+  std::vector<float> turn;
+  REQUIRE(feed_chunk(cache, 0, t, 150, 450, &turn).is_ok());  // 300 tokens in one turn
+  for (float x : turn) REQUIRE(std::isfinite(x));
+  CHECK(cache.position(0) == 450);
+  CHECK(cache.pinned_prefix(0) == 16);
+  CHECK(cache.stats().tokens_evicted > evicted);
+  // Within budget + the open segment (or every closed segment at the minimum, 4 tokens).
+  std::int64_t closed = 0;
+  for (const SegmentState& seg : cache.segments(0)) closed += seg.closed && !seg.pinned ? 1 : 0;
+  const std::int64_t bound = std::max<std::int64_t>(c.token_budget, 4 * closed) + c.segment_len;
+  INFO("live before the turn " << live_before << ", after " << cache.live_tokens(0));
+  CHECK(cache.live_tokens(0) - 16 <= bound);
+  // Every segment's live count in every stream is its recorded size.
+  const BlockTable& table = cache.paged().table();
+  std::vector<SlotRef> slots;
+  for (const SegmentState& seg : cache.segments(0)) {
+    for (int st = cache.stream_of(0, 0, 0); st < cache.stream_of(1, 0, 0); ++st) {
+      table.live_segment_slots(st, seg.id, slots);
+      std::int64_t staged = 0;
+      for (int r = 0; r < table.staged_count(st); ++r) staged += table.staged_segment(st, r) == seg.id ? 1 : 0;
+      REQUIRE(static_cast<std::int64_t>(slots.size()) + staged == seg.size);
+    }
+  }
+  REQUIRE(feed_tokens(cache, 0, t, 450, 520, o).is_ok());  // decoding goes on
+  CHECK(cache.live_tokens(0) - 16 <= std::max<std::int64_t>(c.token_budget, 4 * 12) + c.segment_len + 1);
+}
+
+TEST_CASE("A ubatch of several sequences (a prompt, a prompt's next chunk, a later turn) in one call per layer",
+          "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  const ThinKvConfig c = small_config();
+  const std::vector<int> seqs{0, 1, 2}, counts{25, 20, 40};
+  std::vector<TokenData> data;
+  for (int i = 0; i < 3; ++i) data.emplace_back(c, 130, rng);
+  ThinKvCache<> batched(c, small_policy()), single(c, small_policy());
+  for (ThinKvCache<>* cache : {&batched, &single}) {
+    std::vector<float> o;
+    REQUIRE(feed_chunk(*cache, 1, data[1], 0, 30, nullptr).is_ok());  // a prompt's first chunk
+    REQUIRE(feed_chunk(*cache, 2, data[2], 0, 10, nullptr).is_ok());
+    REQUIRE(feed_tokens(*cache, 2, data[2], 10, 90, o).is_ok());  // decoded: a later turn comes next
+  }
+  const std::vector<int> starts{0, 30, 90};
+  // The ubatch's rows: each sequence's tokens in order, concatenated.
+  const auto kn = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const auto qn = static_cast<std::size_t>(c.num_q_heads) * c.head_dim;
+  auto rows_of = [&](int l, auto member, std::size_t width) {
+    std::vector<float> x;
+    for (std::size_t i = 0; i < 3; ++i) {
+      const std::vector<float>& src = (data[i].*member)[static_cast<std::size_t>(l)];
+      const auto lo = static_cast<std::size_t>(starts[i]) * width;
+      x.insert(x.end(), src.begin() + static_cast<std::ptrdiff_t>(lo),
+               src.begin() + static_cast<std::ptrdiff_t>(lo + static_cast<std::size_t>(counts[i]) * width));
+    }
+    return x;
+  };
+  const std::size_t rows = 85;
+  // All or nothing: bad batches change nothing.
+  const std::vector<std::string> before = stored_contents(batched);
+  CHECK(batched.begin_prompts(std::vector<int>{0, 0}, std::vector<int>{5, 5}).message().find("named twice") !=
+        std::string::npos);
+  CHECK(batched.begin_prompts(seqs, std::vector<int>{5, 5}).code() == StatusCode::kInvalidArgument);
+  CHECK(batched.begin_prompts(seqs, std::vector<int>{5, 5, c.max_tokens}).code() == StatusCode::kOutOfRange);
+  CHECK(stored_contents(batched) == before);
+  CHECK(batched.position(0) == 0);
+  CHECK(batched.position(2) == 90);
+  REQUIRE(batched.begin_prompts(seqs, counts).is_ok());
+  for (int i = 0; i < 3; ++i)
+    REQUIRE(single.begin_prompt(seqs[static_cast<std::size_t>(i)], counts[static_cast<std::size_t>(i)]).is_ok());
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::vector<float> k = rows_of(l, &TokenData::k, kn), v = rows_of(l, &TokenData::v, kn),
+                             q = rows_of(l, &TokenData::q, qn);
+    std::vector<float> out(rows * qn, std::numeric_limits<float>::quiet_NaN()), ref(out.size(), -1.0f);
+    if (l == 0) {  // a sequence without an open prompt: refused before anything is enqueued
+      CHECK(batched
+                .prefill_batch(l, std::vector<int>{0, 3}, {q.data(), ElementType::kF32}, {k.data(), ElementType::kF32},
+                               {v.data(), ElementType::kF32}, {out.data(), ElementType::kF32})
+                .message()
+                .find("sequence 3 has no open prompt") != std::string::npos);
+    }
+    REQUIRE(batched
+                .prefill_batch(l, seqs, {q.data(), ElementType::kF32}, {k.data(), ElementType::kF32},
+                               {v.data(), ElementType::kF32}, {out.data(), ElementType::kF32})
+                .is_ok());
+    std::size_t row = 0;
+    for (std::size_t i = 0; i < 3; ++i) {
+      REQUIRE(single
+                  .prefill(l, seqs[i], {q.data() + row * qn, ElementType::kF32},
+                           {k.data() + row * kn, ElementType::kF32}, {v.data() + row * kn, ElementType::kF32},
+                           {ref.data() + row * qn, ElementType::kF32})
+                  .is_ok());
+      row += static_cast<std::size_t>(counts[i]);
+    }
+    CHECK(std::memcmp(out.data(), ref.data(), out.size() * 4) == 0);  // the same bits, every row written
+    if (l == 0) {  // one layer missing: end_prompts refuses, nothing closed
+      CHECK(batched.end_prompts(seqs).message().find("layer 1 of sequence 0 was never filled") != std::string::npos);
+      CHECK(batched.position(1) == 30);
+    }
+  }
+  // A sequence without an open prompt at the end of the batch: refused before any is closed.
+  CHECK(batched.end_prompts(std::vector<int>{0, 1, 2, 3}).message().find("sequence 3 has no open prompt") !=
+        std::string::npos);
+  CHECK(batched.position(0) == 0);
+  REQUIRE(batched.end_prompts(seqs).is_ok());
+  for (int seq : seqs) REQUIRE(single.end_prompt(seq).is_ok());
+  for (std::size_t i = 0; i < 3; ++i) CHECK(batched.position(seqs[i]) == starts[i] + counts[i]);
+  CHECK(batched.pinned_prefix(0) == 25);
+  CHECK(batched.pinned_prefix(1) == 50);
+  CHECK(batched.pinned_prefix(2) == 10);
+  CHECK(tt::first_difference(stored_contents(single), stored_contents(batched)) == "");
+}
+
+TEST_CASE("begin_prompts reserves the pools for the whole ubatch, or changes nothing",
+          "[batched][prefill][bad_input]") {
+  ThinKvConfig c = small_config();
+  c.pool_blocks = 12;  // 4 streams a sequence: 48 tokens take all 12 blocks
+  ThinKvCache<> cache(c, small_policy());
+  const std::int64_t allocated = cache.allocated_bytes();
+  const Status e = cache.begin_prompts(std::vector<int>{0, 1}, std::vector<int>{32, 24});  // 8 + 8 blocks
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK(e.message().find("begin_prompts of 2 sequences (56 tokens)") != std::string::npos);
+  CHECK(cache.position(0) == 0);
+  CHECK(cache.segments(0).empty());
+  CHECK(cache.pinned_prefix(0) == 0);
+  CHECK(cache.allocated_bytes() == allocated);
+  CHECK(cache.begin_prompt(0, 48).is_ok());  // the pools are all there
 }
 
 TEST_CASE("One pool sized on its own (pool_blocks_by_precision) runs out alone, naming itself",
