@@ -370,86 +370,6 @@ std::vector<std::string> stored_contents(const ThinKvCache<>& cache) {
   return out;
 }
 
-}  // namespace
-
-TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves exactly what it takes",
-          "[batched][prefill]") {
-  TT_SEEDED_RNG();
-  const ThinKvConfig c = small_config();
-  const int T = 83, hkv = c.num_kv_heads, d = c.head_dim;
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<std::vector<float>> ks, vs;
-  for (int l = 0; l < c.num_layers; ++l) {
-    ks.emplace_back(static_cast<std::size_t>(T) * hkv * d);
-    vs.emplace_back(ks.back().size());
-    for (float& x : ks.back()) x = nd(rng);
-    for (float& x : vs.back()) x = nd(rng);
-  }
-  // Stores tokens [lo, hi) as one chunk (store only: the bytes do not depend on the attention).
-  auto chunk = [&](ThinKvCache<>& cache, int seq, int lo, int hi) -> Status {
-    THINKV_RETURN_IF_ERROR(cache.begin_prompt(seq, hi - lo));
-    for (int l = 0; l < c.num_layers; ++l) {
-      const auto off = static_cast<std::size_t>(lo) * hkv * d;
-      const TensorRef k{ks[static_cast<std::size_t>(l)].data() + off, ElementType::kF32},
-          v{vs[static_cast<std::size_t>(l)].data() + off, ElementType::kF32};
-      THINKV_RETURN_IF_ERROR(cache.prefill(l, seq, {nullptr, ElementType::kF32}, k, v, {nullptr, ElementType::kF32}));
-    }
-    return cache.end_prompt(seq);
-  };
-  ThinKvCache<> whole(c, small_policy());
-  REQUIRE(chunk(whole, 0, 0, T).is_ok());
-  // Cut inside a group (g = 8), at group and block (16) boundaries, across a segment (64), a
-  // chunk of one token, and in random places.
-  std::vector<std::vector<int>> cuts = {{0, 3, 8, 9, 16, 61, 70, 71, T}, {0, 1, 2, 3, T}, {0, 64, T}, {0, 82, T}};
-  for (int r = 0; r < 4; ++r) {
-    std::vector<int> cut{0, T};
-    for (int i = 0; i < 5; ++i) cut.push_back(1 + static_cast<int>(rng() % (T - 1)));
-    std::sort(cut.begin(), cut.end());
-    cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
-    cuts.push_back(cut);
-  }
-  for (const std::vector<int>& cut : cuts) {
-    ThinKvCache<> parts(c, small_policy());
-    std::string where;
-    for (std::size_t i = 0; i + 1 < cut.size(); ++i) {
-      where += std::to_string(cut[i]) + " ";
-      REQUIRE(chunk(parts, 0, cut[i], cut[i + 1]).is_ok());
-    }
-    INFO("chunks starting at " << where);
-    CHECK(parts.position(0) == T);
-    CHECK(parts.pinned_prefix(0) == T);
-    CHECK(tt::first_difference(stored_contents(whole), stored_contents(parts)) == "");
-    REQUIRE(parts.segments(0).size() == whole.segments(0).size());
-    for (std::size_t i = 0; i < parts.segments(0).size(); ++i) {
-      CHECK(parts.segments(0)[i].start == whole.segments(0)[i].start);
-      CHECK(parts.segments(0)[i].size == whole.segments(0)[i].size);
-      CHECK(parts.segments(0)[i].pinned);
-    }
-  }
-  // Pools: 12 blocks of 16 slots per precision, 4 streams. A prompt of 40 tokens takes 3 blocks
-  // a stream (all 12), the third holding 8 free slots: a chunk of 8 more fits in them, a chunk
-  // that completes one more group then needs a fresh block and is refused with nothing changed.
-  ThinKvConfig small = c;
-  small.pool_blocks = 12;
-  ThinKvCache<> cache(small, small_policy());
-  REQUIRE(chunk(cache, 0, 0, 40).is_ok());
-  REQUIRE(chunk(cache, 0, 40, 45).is_ok());  // staged only
-  const std::vector<std::string> before = tt::snapshot_cache(cache.paged());
-  const Status e = cache.begin_prompt(0, 12);  // 5 staged + 12 = 2 groups: 16 slots, 8 free
-  CHECK(e.code() == StatusCode::kPoolExhausted);
-  CHECK(e.message().find("begin_prompt(0) of 12 tokens at position 45") != std::string::npos);
-  CHECK(tt::snapshot_cache(cache.paged()) == before);
-  CHECK(cache.position(0) == 45);
-  CHECK(cache.pinned_prefix(0) == 45);
-  REQUIRE(chunk(cache, 0, 45, 48).is_ok());  // 5 + 3 = one group, into the 8 free slots
-  CHECK(cache.paged().table().slots_before_fresh_block(cache.stream_of(0, 1, 1), ThoughtType::kReasoning) == 0);
-  REQUIRE(chunk(cache, 0, 48, 55).is_ok());                              // staged only
-  CHECK(cache.begin_prompt(0, 1).code() == StatusCode::kPoolExhausted);  // 7 + 1: a group, no free slot
-  CHECK(cache.position(0) == 55);
-}
-
-namespace {
-
 /// Random K/V/q of tokens [0, n) of one sequence, every layer: k, v [n][Hkv][D], q [n][Hq][D].
 struct TokenData {
   std::vector<std::vector<float>> k, v, q;  // per layer
@@ -510,6 +430,64 @@ Status feed_chunk(ThinKvCache<>& cache, int seq, const TokenData& t, int lo, int
 }
 
 }  // namespace
+
+TEST_CASE("A prompt in chunks stores the bytes one prompt stores, and reserves exactly what it takes",
+          "[batched][prefill]") {
+  TT_SEEDED_RNG();
+  const ThinKvConfig c = small_config();
+  const int T = 83;
+  const TokenData t(c, T, rng);  // stored only: the bytes do not depend on the attention
+  ThinKvCache<> whole(c, small_policy());
+  REQUIRE(feed_chunk(whole, 0, t, 0, T, nullptr).is_ok());
+  // Cut inside a group (g = 8), at group and block (16) boundaries, across a segment (64), a
+  // chunk of one token, and in random places.
+  std::vector<std::vector<int>> cuts = {{0, 3, 8, 9, 16, 61, 70, 71, T}, {0, 1, 2, 3, T}, {0, 64, T}, {0, 82, T}};
+  for (int r = 0; r < 4; ++r) {
+    std::vector<int> cut{0, T};
+    for (int i = 0; i < 5; ++i) cut.push_back(1 + static_cast<int>(rng() % (T - 1)));
+    std::sort(cut.begin(), cut.end());
+    cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
+    cuts.push_back(cut);
+  }
+  for (const std::vector<int>& cut : cuts) {
+    ThinKvCache<> parts(c, small_policy());
+    std::string where;
+    for (std::size_t i = 0; i + 1 < cut.size(); ++i) {
+      where += std::to_string(cut[i]) + " ";
+      REQUIRE(feed_chunk(parts, 0, t, cut[i], cut[i + 1], nullptr).is_ok());
+    }
+    INFO("chunks starting at " << where);
+    CHECK(parts.position(0) == T);
+    CHECK(parts.pinned_prefix(0) == T);
+    CHECK(tt::first_difference(stored_contents(whole), stored_contents(parts)) == "");
+    REQUIRE(parts.segments(0).size() == whole.segments(0).size());
+    for (std::size_t i = 0; i < parts.segments(0).size(); ++i) {
+      CHECK(parts.segments(0)[i].start == whole.segments(0)[i].start);
+      CHECK(parts.segments(0)[i].size == whole.segments(0)[i].size);
+      CHECK(parts.segments(0)[i].pinned);
+    }
+  }
+  // Pools: 12 blocks of 16 slots per precision, 4 streams. A prompt of 40 tokens takes 3 blocks
+  // a stream (all 12), the third holding 8 free slots: a chunk of 8 more fits in them, a chunk
+  // that completes one more group then needs a fresh block and is refused with nothing changed.
+  ThinKvConfig small = c;
+  small.pool_blocks = 12;
+  ThinKvCache<> cache(small, small_policy());
+  REQUIRE(feed_chunk(cache, 0, t, 0, 40, nullptr).is_ok());
+  REQUIRE(feed_chunk(cache, 0, t, 40, 45, nullptr).is_ok());  // staged only
+  const std::vector<std::string> before = tt::snapshot_cache(cache.paged());
+  const Status e = cache.begin_prompt(0, 12);  // 5 staged + 12 = 2 groups: 16 slots, 8 free
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK(e.message().find("begin_prompt(0) of 12 tokens at position 45") != std::string::npos);
+  CHECK(tt::snapshot_cache(cache.paged()) == before);
+  CHECK(cache.position(0) == 45);
+  CHECK(cache.pinned_prefix(0) == 45);
+  REQUIRE(feed_chunk(cache, 0, t, 45, 48, nullptr).is_ok());  // 5 + 3 = one group, into the 8 free slots
+  CHECK(cache.paged().table().slots_before_fresh_block(cache.stream_of(0, 1, 1), ThoughtType::kReasoning) == 0);
+  REQUIRE(feed_chunk(cache, 0, t, 48, 55, nullptr).is_ok());             // staged only
+  CHECK(cache.begin_prompt(0, 1).code() == StatusCode::kPoolExhausted);  // 7 + 1: a group, no free slot
+  CHECK(cache.position(0) == 55);
+}
 
 TEST_CASE("A later turn after decoding is stored as the one-token calls store it between refreshes",
           "[batched][prefill]") {

@@ -296,65 +296,32 @@ class BasicCpuKvBackend {
   }
   /// The step's sparsity is in place as soon as attend_step returns.
   [[nodiscard]] Status wait_sparsity() { return Status::ok(); }
-  /// A prompt's causal self-attention (PromptAttendArgs) over host tensors, by
-  /// reference::attend_tokens on each query row's prefix of the prompt.
+  /// A prompt's causal self-attention (PromptAttendArgs) over host tensors: attend_after with
+  /// nothing stored (each query row over its prefix of the prompt).
   [[nodiscard]] Status attend_prompt(const PromptAttendArgs& a) const {
     THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
-    const int d = a.head_dim, hkv = a.num_kv_heads, hq = a.num_q_heads, group = hq / hkv, n = a.tokens;
-    const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
-    const auto nd = static_cast<std::size_t>(n) * d;
-    std::vector<float> k(nd), v(nd), q(static_cast<std::size_t>(group) * d), out(q.size());
-    for (int h = 0; h < hkv; ++h) {
-      for (int t = 0; t < n; ++t) {
-        for (int c = 0; c < d; ++c) {
-          const std::size_t i = (static_cast<std::size_t>(t) * hkv + h) * d + c;
-          k[static_cast<std::size_t>(t) * d + c] = load_element(a.k.data, a.k.type, i);
-          v[static_cast<std::size_t>(t) * d + c] = load_element(a.v.data, a.v.type, i);
-        }
-      }
-      for (int t = 0; t < n; ++t) {
-        const std::size_t row = (static_cast<std::size_t>(t) * hq + static_cast<std::size_t>(h) * group) * d;
-        for (std::size_t i = 0; i < q.size(); ++i) q[i] = load_element(a.q.data, a.q.type, row + i);
-        reference::attend_tokens(q.data(), group, k.data(), v.data(), t + 1, d, scale, out.data());
-        for (std::size_t i = 0; i < out.size(); ++i) store_element(a.out.data, a.out.type, row + i, out[i]);
-      }
+    std::vector<float> k, v;
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      k.clear();
+      v.clear();
+      attend_after(a, h, k, v);
     }
     return Status::ok();
   }
   /// A prompt chunk's attention (batch.hpp, chunk_attending_backend) over host tensors: for each
-  /// KV head, the stream's stored tokens (gather: attention order) followed by the chunk's K/V,
-  /// and reference::attend_tokens of each query row over the stored tokens and its prefix of the
-  /// chunk.
+  /// KV head, the stream's stored tokens (gather: attention order), then the chunk (attend_after).
   [[nodiscard]] Status attend_chunk(const AttendView& view, const PromptAttendArgs& a) const {
     THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
-    const int d = a.head_dim, hkv = a.num_kv_heads, hq = a.num_q_heads, group = hq / hkv, n = a.tokens;
-    if (d != config_.head_dim || view.streams.size() != static_cast<std::size_t>(hkv)) {
-      return {StatusCode::kShapeMismatch, "attend_chunk: head_dim " + std::to_string(d) + " and " +
+    if (a.head_dim != config_.head_dim || view.streams.size() != static_cast<std::size_t>(a.num_kv_heads)) {
+      return {StatusCode::kShapeMismatch, "attend_chunk: head_dim " + std::to_string(a.head_dim) + " and " +
                                               std::to_string(view.streams.size()) + " view streams for " +
-                                              std::to_string(hkv) + " KV heads (the cache's head_dim is " +
+                                              std::to_string(a.num_kv_heads) + " KV heads (the cache's head_dim is " +
                                               std::to_string(config_.head_dim) + ")"};
     }
-    const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
-    std::vector<float> k, v, q(static_cast<std::size_t>(group) * d), out(q.size());
-    for (int h = 0; h < hkv; ++h) {
+    std::vector<float> k, v;
+    for (int h = 0; h < a.num_kv_heads; ++h) {
       THINKV_RETURN_IF_ERROR(gather(view, view.streams[static_cast<std::size_t>(h)], k, v));
-      const std::size_t stored = k.size() / static_cast<std::size_t>(d);
-      k.resize((stored + static_cast<std::size_t>(n)) * d);
-      v.resize(k.size());
-      for (int t = 0; t < n; ++t) {
-        for (int c = 0; c < d; ++c) {
-          const std::size_t i = (static_cast<std::size_t>(t) * hkv + h) * d + c;
-          k[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.k.data, a.k.type, i);
-          v[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.v.data, a.v.type, i);
-        }
-      }
-      for (int t = 0; t < n; ++t) {
-        const std::size_t row = (static_cast<std::size_t>(t) * hq + static_cast<std::size_t>(h) * group) * d;
-        for (std::size_t i = 0; i < q.size(); ++i) q[i] = load_element(a.q.data, a.q.type, row + i);
-        reference::attend_tokens(q.data(), group, k.data(), v.data(), static_cast<int>(stored) + t + 1, d, scale,
-                                 out.data());
-        for (std::size_t i = 0; i < out.size(); ++i) store_element(a.out.data, a.out.type, row + i, out[i]);
-      }
+      attend_after(a, h, k, v);
     }
     return Status::ok();
   }
@@ -580,6 +547,31 @@ class BasicCpuKvBackend {
   [[nodiscard]] std::uint32_t records_allocated() const noexcept { return records_; }
 
  private:
+  /// KV head h of a prompt attention after `k`, `v` ([stored, head_dim] each, FP32): the
+  /// chunk's K/V rows of head h appended to them, then each query row of the head's group
+  /// attends the stored rows and its prefix of the chunk (reference::attend_tokens).
+  void attend_after(const PromptAttendArgs& a, int h, std::vector<float>& k, std::vector<float>& v) const {
+    const int d = a.head_dim, hkv = a.num_kv_heads, hq = a.num_q_heads, group = hq / hkv, n = a.tokens;
+    const float scale = a.softmax_scale > 0.0f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const std::size_t stored = k.size() / static_cast<std::size_t>(d);
+    k.resize((stored + static_cast<std::size_t>(n)) * d);
+    v.resize(k.size());
+    for (int t = 0; t < n; ++t) {
+      for (int c = 0; c < d; ++c) {
+        const std::size_t i = (static_cast<std::size_t>(t) * hkv + h) * d + c;
+        k[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.k.data, a.k.type, i);
+        v[(stored + static_cast<std::size_t>(t)) * d + c] = load_element(a.v.data, a.v.type, i);
+      }
+    }
+    std::vector<float> q(static_cast<std::size_t>(group) * d), out(q.size());
+    for (int t = 0; t < n; ++t) {
+      const std::size_t row = (static_cast<std::size_t>(t) * hq + static_cast<std::size_t>(h) * group) * d;
+      for (std::size_t i = 0; i < q.size(); ++i) q[i] = load_element(a.q.data, a.q.type, row + i);
+      reference::attend_tokens(q.data(), group, k.data(), v.data(), static_cast<int>(stored) + t + 1, d, scale,
+                               out.data());
+      for (std::size_t i = 0; i < out.size(); ++i) store_element(a.out.data, a.out.type, row + i, out[i]);
+    }
+  }
   struct Tables {
     float e4m3[256];
     float e2m1[16];
