@@ -290,6 +290,61 @@ __global__ void gather_segment_kernel(SelectView v, const SelectJob* jobs, int m
   }
 }
 
+/// One stored token a continued prompt chunk attends to (attend_chunk), with every device
+/// address resolved on the host: a live page slot (k / v rows, value scales and key-scale record
+/// for the quantized pools, the owning stream's second-level scales) or a staged row (BF16, like
+/// a BF16 page's rows); dst = its row in the chunk's FP32 scratch (KV head h's rows start at h *
+/// rows).
+struct ChunkToken {
+  const std::uint8_t* k;
+  const std::uint8_t* v;
+  const std::uint8_t* value_scales;  // quantized only
+  const std::uint8_t* key_scales;    // quantized only
+  const float* s2;                   // [2 * kNumPrecisions] of the owning stream; quantized only
+  std::uint32_t dst;
+  std::int32_t precision;
+};
+
+/// Dequantizes token blockIdx.x's key and value into row dst of kout / vout exactly as
+/// CpuKvBackend::dequantize_token does (element * (E4M3 scale * s2), two IEEE roundings).
+__global__ void chunk_gather_kernel(const ChunkToken* tokens, int d, int g, float* kout, float* vout) {
+  const ChunkToken t = tokens[blockIdx.x];
+  const auto prec = static_cast<Precision>(t.precision);
+  float* ko = kout + static_cast<std::size_t>(t.dst) * d;
+  float* vo = vout + static_cast<std::size_t>(t.dst) * d;
+  for (int c = static_cast<int>(threadIdx.x); c < d; c += static_cast<int>(blockDim.x)) {
+    if (prec == Precision::kBf16) {
+      ko[c] = decode_bf16(static_cast<std::uint16_t>(t.k[2 * c] | (t.k[2 * c + 1] << 8)));
+      vo[c] = decode_bf16(static_cast<std::uint16_t>(t.v[2 * c] | (t.v[2 * c + 1] << 8)));
+      continue;
+    }
+    auto code = [&](const std::uint8_t* row) -> std::uint8_t {
+      switch (prec) {
+        case Precision::kFp8E4M3: return row[c];
+        case Precision::kNvfp4: return static_cast<std::uint8_t>((row[c >> 1] >> ((c & 1) * 4)) & 0xF);
+        default: return static_cast<std::uint8_t>((row[c >> 2] >> ((c & 3) * 2)) & 0x3);
+      }
+    };
+    const float ks = __fmul_rn(decode_e4m3(t.key_scales[c]), t.s2[t.precision]);
+    const float vs = __fmul_rn(decode_e4m3(t.value_scales[c / g]), t.s2[kNumPrecisions + t.precision]);
+    ko[c] = __fmul_rn(decode_element(prec, code(t.k)), ks);
+    vo[c] = __fmul_rn(decode_element(prec, code(t.v)), vs);
+  }
+}
+
+/// The chunk's own K/V ([tokens, hkv, d] of their element types) into rows prefix[h] + t of KV
+/// head h (grid: tokens x hkv).
+__global__ void chunk_place_kernel(const void* k, const void* v, ElementType kt, ElementType vt, int hkv, int d,
+                                   const int* prefix, std::size_t rows, float* kout, float* vout) {
+  const int t = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y);
+  const std::size_t src = (static_cast<std::size_t>(t) * hkv + h) * d;
+  const std::size_t dst = (static_cast<std::size_t>(h) * rows + static_cast<std::size_t>(prefix[h] + t)) * d;
+  for (int c = static_cast<int>(threadIdx.x); c < d; c += static_cast<int>(blockDim.x)) {
+    kout[dst + c] = load_elem(k, kt, src + c);
+    vout[dst + c] = load_elem(v, vt, src + c);
+  }
+}
+
 /// A selection's victims in a launch-time numbering, marked again in the current one.
 struct RenumberView {
   std::uint32_t old_base[kNumPrecisions], old_count[kNumPrecisions], new_base[kNumPrecisions];
@@ -458,6 +513,11 @@ struct CudaKvBackend::Impl {
   // K-means scratch (points, kept).
   void* sel = nullptr;
   std::size_t sel_bytes = 0;
+  // A continued prompt chunk's scratch (attend_chunk): FP32 K and V of the stored tokens and the
+  // chunk, [hkv, rows, d] each.
+  void* chunk = nullptr;
+  std::size_t chunk_bytes = 0;
+  std::vector<ChunkToken> chunk_tokens;  // host packing scratch
   // TBE's selections launched and not yet collected (launch_selection / collect_selection).
   struct Selection {
     std::uint64_t id = 0;
@@ -564,7 +624,7 @@ struct CudaKvBackend::Impl {
     result_chunks.clear();
     results.clear();
     result_chunk = result_used = 0;
-    for (void* q : {static_cast<void*>(lidx), static_cast<void*>(lcount), static_cast<void*>(lptr), battn, sel,
+    for (void* q : {static_cast<void*>(lidx), static_cast<void*>(lcount), static_cast<void*>(lptr), battn, sel, chunk,
                     static_cast<void*>(step_dev)}) {
       if (q != nullptr) (void)cudaFree(q);
     }
@@ -603,6 +663,8 @@ struct CudaKvBackend::Impl {
     battn_bytes = 0;
     sel = nullptr;
     sel_bytes = 0;
+    chunk = nullptr;
+    chunk_bytes = 0;
   }
 
   /// Copies `bytes` of host data into device memory on `stream` through the next pinned slot;
@@ -1620,6 +1682,141 @@ Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
   p.out_type = a.out.type;
   p.softmax_scale = a.softmax_scale;
   THINKV_CUDA_TRY(kernels::launch_prefill_attention(p, impl_->stream));
+  return Status::ok();
+}
+
+Status CudaKvBackend::attend_chunk(const AttendView& view, const PromptAttendArgs& a) const {
+  THINKV_BACKEND_READY();
+  THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+  Impl& m = *impl_;
+  const int d = m.config.head_dim, g = m.config.group_size, bs = m.config.block_size, hkv = a.num_kv_heads;
+  if (a.head_dim != d || view.streams.size() != static_cast<std::size_t>(hkv)) {
+    return {StatusCode::kShapeMismatch, "attend_chunk: head_dim " + std::to_string(a.head_dim) + " and " +
+                                            std::to_string(view.streams.size()) + " view streams for " +
+                                            std::to_string(hkv) + " KV heads (the cache's head_dim is " +
+                                            std::to_string(d) + ")"};
+  }
+  if (d > kernels::kPrefillMaxHeadDim || (a.num_q_heads + 3) / 4 > 65535) {
+    return {StatusCode::kUnsupported,
+            "attend_chunk: head_dim " + std::to_string(d) + " with " + std::to_string(a.num_q_heads) +
+                " query heads: the prefill kernel serves head_dim <= " + std::to_string(kernels::kPrefillMaxHeadDim) +
+                " and up to 262,140 heads"};
+  }
+  // Every stored token in attention order (live slots of the blocks in list order, then the
+  // staged rows), its device addresses resolved here from the host's table.
+  std::vector<ChunkToken>& toks = m.chunk_tokens;
+  toks.clear();
+  std::vector<int> prefix(static_cast<std::size_t>(hkv));
+  std::size_t longest = 0;
+  for (int h = 0; h < hkv; ++h) {
+    const StreamView& sv = view.streams[static_cast<std::size_t>(h)];
+    if (sv.stream < 0 || sv.stream >= m.config.num_streams) {
+      return {StatusCode::kInvalidArgument, "attend_chunk: view stream " + std::to_string(sv.stream) +
+                                                " is out of range for KV head " + std::to_string(h)};
+    }
+    prefix[static_cast<std::size_t>(h)] = static_cast<int>(sv.live) + sv.staged;
+    longest = std::max(longest, static_cast<std::size_t>(sv.live) + static_cast<std::size_t>(sv.staged));
+  }
+  const std::size_t rows = longest + static_cast<std::size_t>(a.tokens);
+  for (int h = 0; h < hkv; ++h) {
+    const StreamView& sv = view.streams[static_cast<std::size_t>(h)];
+    auto dst = static_cast<std::uint32_t>(static_cast<std::size_t>(h) * rows);
+    const std::uint32_t first = dst;
+    for (std::uint32_t b : sv.blocks) {
+      const int p = view.pool_of(b);
+      if (p < 0 || !m.has_storage(b)) {
+        return {StatusCode::kInvalidArgument, "attend_chunk: stream " + std::to_string(sv.stream) + " lists block " +
+                                                  std::to_string(b) + ", which has no storage"};
+      }
+      const auto prec = static_cast<Precision>(p);
+      const auto rb = static_cast<std::size_t>(m.layout.row_bytes(prec));
+      const std::uint8_t* page = m.pages[p] + m.page_offset(b);
+      for (int s = 0; s < bs; ++s) {
+        if (!view.live(p, b, s)) continue;
+        if (dst - first >= static_cast<std::uint32_t>(sv.live)) {
+          return {StatusCode::kInvalidArgument, "attend_chunk: stream " + std::to_string(sv.stream) +
+                                                    " has more live slots than the " + std::to_string(sv.live) +
+                                                    " its view lists"};
+        }
+        ChunkToken t{};
+        t.k = page + static_cast<std::size_t>(s) * rb;
+        t.v = page + (static_cast<std::size_t>(bs) + s) * rb;
+        t.precision = p;
+        t.dst = dst++;
+        if (prec != Precision::kBf16) {
+          const TokenRef ref = view.token(p, b, s);
+          if (ref.stream < 0 || ref.stream >= m.config.num_streams || ref.record == kNoRecord ||
+              ref.record >= m.num_records) {
+            return {StatusCode::kInvalidArgument, "attend_chunk: slot {block " + std::to_string(b) + ", slot " +
+                                                      std::to_string(s) + "} holds no token"};
+          }
+          t.value_scales = page + 2 * static_cast<std::size_t>(bs) * rb +
+                           static_cast<std::size_t>(s) * m.layout.value_scale_bytes(prec);
+          t.key_scales = m.records + static_cast<std::size_t>(ref.record) * d;
+          t.s2 = m.s2 + static_cast<std::size_t>(ref.stream) * 2 * kNumPrecisions;
+        }
+        toks.push_back(t);
+      }
+    }
+    if (dst - first != static_cast<std::uint32_t>(sv.live)) {
+      return {StatusCode::kInvalidArgument, "attend_chunk: stream " + std::to_string(sv.stream) + " lists " +
+                                                std::to_string(sv.live) + " live slots but its blocks hold " +
+                                                std::to_string(dst - first)};
+    }
+    for (int r = 0; r < sv.staged; ++r) {
+      ChunkToken t{};
+      t.k = reinterpret_cast<const std::uint8_t*>(m.staging + m.staging_offset(sv.stream, r, 0));
+      t.v = reinterpret_cast<const std::uint8_t*>(m.staging + m.staging_offset(sv.stream, r, 1));
+      t.precision = static_cast<int>(Precision::kBf16);
+      t.dst = dst++;
+      toks.push_back(t);
+    }
+  }
+  // Scratch: K and V in FP32 ([hkv, rows, d] each), then one upload of [tokens][prefix].
+  const auto align = [](std::size_t x) { return (x + 255) & ~std::size_t{255}; };
+  const std::size_t kv_bytes = align(static_cast<std::size_t>(hkv) * rows * d * 4);
+  if (2 * kv_bytes > m.chunk_bytes) {
+    if (m.chunk != nullptr) (void)cudaFree(m.chunk);
+    m.chunk = nullptr;
+    m.chunk_bytes = 0;
+    THINKV_RETURN_IF_ERROR(Impl::raw_alloc(&m.chunk, 2 * kv_bytes, "prompt chunk scratch"));
+    m.chunk_bytes = 2 * kv_bytes;
+  }
+  auto* kbuf = static_cast<float*>(m.chunk);
+  auto* vbuf = reinterpret_cast<float*>(static_cast<std::uint8_t*>(m.chunk) + kv_bytes);
+  const std::size_t o_prefix = align(toks.size() * sizeof(ChunkToken));
+  m.pack.assign(o_prefix + prefix.size() * 4, 0);
+  std::memcpy(m.pack.data(), toks.data(), toks.size() * sizeof(ChunkToken));
+  std::memcpy(m.pack.data() + o_prefix, prefix.data(), prefix.size() * 4);
+  void* dev = nullptr;
+  THINKV_RETURN_IF_ERROR(m.upload(m.pack.data(), m.pack.size(), &dev));
+  const auto* dtoks = static_cast<const ChunkToken*>(dev);
+  const auto* dprefix = reinterpret_cast<const int*>(static_cast<const std::uint8_t*>(dev) + o_prefix);
+  const int threads = std::min(256, (d + 31) / 32 * 32);
+  if (!toks.empty()) {
+    chunk_gather_kernel<<<static_cast<unsigned>(toks.size()), threads, 0, m.stream>>>(dtoks, d, g, kbuf, vbuf);
+    THINKV_CUDA_TRY(cudaGetLastError());
+  }
+  chunk_place_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(hkv)), threads, 0, m.stream>>>(
+      a.k.data, a.v.data, a.k.type, a.v.type, hkv, d, dprefix, rows, kbuf, vbuf);
+  THINKV_CUDA_TRY(cudaGetLastError());
+  kernels::PrefillAttentionParams p;
+  p.tokens = a.tokens;
+  p.num_q_heads = a.num_q_heads;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.q = a.q.data;
+  p.k = kbuf;
+  p.v = vbuf;
+  p.out = a.out.data;
+  p.q_type = a.q.type;
+  p.k_type = p.v_type = ElementType::kF32;
+  p.out_type = a.out.type;
+  p.softmax_scale = a.softmax_scale;
+  p.prefix = dprefix;
+  p.kv_row_stride = d;
+  p.kv_head_stride = static_cast<long long>(rows) * d;
+  THINKV_CUDA_TRY(kernels::launch_prefill_attention(p, m.stream));
   return Status::ok();
 }
 

@@ -51,26 +51,31 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_attention_kernel(PrefillA
   float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
   for (int i = 0; i < NC; ++i) acc[i] = 0.0f;
-  const std::size_t kv_stride = static_cast<std::size_t>(p.num_kv_heads) * d;
-  for (int base = 0; base <= t; base += 32) {
+  const std::size_t row_stride =
+      p.kv_row_stride > 0 ? static_cast<std::size_t>(p.kv_row_stride) : static_cast<std::size_t>(p.num_kv_heads) * d;
+  const std::size_t head_off =
+      static_cast<std::size_t>(kvh) *
+      (p.kv_head_stride > 0 ? static_cast<std::size_t>(p.kv_head_stride) : static_cast<std::size_t>(d));
+  const int last = (p.prefix != nullptr ? p.prefix[kvh] : 0) + t;  // rows 0..last are visible
+  for (int base = 0; base <= last; base += 32) {
     const int j = base + lane;
     float s = -INFINITY;
-    if (j <= t) {
-      const std::size_t krow = static_cast<std::size_t>(j) * kv_stride + static_cast<std::size_t>(kvh) * d;
+    if (j <= last) {
+      const std::size_t krow = static_cast<std::size_t>(j) * row_stride + head_off;
       float dot = 0.0f;
       for (int c = 0; c < d; ++c) dot = fmaf(qs[w][c], load(p.k, p.k_type, krow + c), dot);
       s = dot * scale;
     }
     const float m_new = fmaxf(m, warp_max(s));  // finite: key `base` is always visible
     const float corr = expf(m - m_new);         // 0 on the first chunk (m = -inf)
-    const float e = j <= t ? expf(s - m_new) : 0.0f;
+    const float e = j <= last ? expf(s - m_new) : 0.0f;
     l = l * corr + warp_sum(e);
 #pragma unroll
     for (int i = 0; i < NC; ++i) acc[i] *= corr;
-    const int n = min(32, t - base + 1);
+    const int n = min(32, last - base + 1);
     for (int jj = 0; jj < n; ++jj) {
       const float pj = __shfl_sync(0xFFFFFFFFu, e, jj);
-      const std::size_t vrow = static_cast<std::size_t>(base + jj) * kv_stride + static_cast<std::size_t>(kvh) * d;
+      const std::size_t vrow = static_cast<std::size_t>(base + jj) * row_stride + head_off;
 #pragma unroll
       for (int i = 0; i < NC; ++i) {
         const int c = lane + 32 * i;
@@ -98,8 +103,8 @@ cudaError_t launch_nc(const PrefillAttentionParams& p, float scale, cudaStream_t
 cudaError_t check_prefill_attention(const PrefillAttentionParams& p) noexcept {
   if (p.tokens < 1 || p.num_kv_heads < 1 || p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0 ||
       p.head_dim < 1 || p.head_dim > kPrefillMaxHeadDim || p.q == nullptr || p.k == nullptr || p.v == nullptr ||
-      p.out == nullptr || !(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale) ||
-      static_cast<long long>(p.num_q_heads + kWarps - 1) / kWarps > 65535) {
+      p.out == nullptr || !(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale) || p.kv_row_stride < 0 ||
+      p.kv_head_stride < 0 || static_cast<long long>(p.num_q_heads + kWarps - 1) / kWarps > 65535) {
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;

@@ -1458,7 +1458,7 @@ class BasicThinKvCache {
   // Either way the chunk's queries attend to the P stored tokens as the cache stores them
   // (quantized pages dequantized, the open group in BF16), then causally to the chunk's own K/V
   // as given: what a runtime attending a ubatch over its cache computes. A backend attends a
-  // chunk at P > 0 only if it models chunk_attending_backend (the CPU backend does); on the
+  // chunk at P > 0 only if it models chunk_attending_backend (the CPU and CUDA backends do); on the
   // others such a chunk can be stored only (q and out null).
 
   /// Opens a prompt (or the next chunk of one, or a later turn: see above) of `tokens` positions

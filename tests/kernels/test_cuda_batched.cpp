@@ -214,6 +214,47 @@ TEST_CASE("Prefill on the GPU stores what the CPU reference stores token by toke
   REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
 }
 
+TEST_CASE(
+    "A prompt in chunks on the GPU attends the stored tokens, then the chunk, and stores what the CPU "
+    "reference stores",
+    "[cuda_batched][prefill]") {
+  // Prompts cut into up to 4 chunks anywhere (inside groups, at block and segment boundaries): a
+  // chunk at P > 0 attends the tokens stored before it on the device (attend_chunk), checked
+  // against float64 over the tokens read back from the cache; every later decode step against
+  // the CPU reference, as above.
+  TT_SEEDED_RNG();
+  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const ElementType types[] = {ElementType::kF32, ElementType::kBf16};
+  for (ElementType t : types) {
+    INFO("element type " << to_string(t));
+    ThinKvCache<CudaKvBackend> gpu(config(), policy());
+    BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+    REQUIRE(gpu.backend().set_stream(stream).is_ok());
+    bt::RunOptions o;
+    o.steps = small ? 100 : 250;
+    o.kv_type = o.q_type = o.out_type = t;
+    o.finish = 0.01;
+    o.prompt = 0.7;
+    o.max_prompt = 300;
+    o.prompt_chunks = 4;
+    o.tolerance = [t](double max_ref, std::int64_t n) { return tolerance(t, max_ref, n); };
+    const bt::TensorMemory mem = device_memory(stream);
+    bt::RunReport r;
+    const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+    INFO(err);
+    REQUIRE(err.empty());
+    INFO("worst prefill err / max|out| " << r.worst_prompt_err << ", prompts " << r.prompts << " in " << r.prompt_chunks
+                                         << " chunks");
+    CHECK(r.prompts >= 3);
+    CHECK(r.prompt_chunks > r.prompts);  // some prompts came in several chunks
+    const BackendStats st = gpu.paged().backend().stats();
+    CHECK(st.groups_quantized == cpu.paged().backend().stats().groups_quantized);
+  }
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
 TEST_CASE("Capturable steps launched directly take the CPU reference's decisions", "[cuda_batched][graph]") {
   TT_SEEDED_RNG();
   ThinKvCache<CudaKvBackend> gpu(config(), policy());

@@ -127,6 +127,100 @@ TEST_CASE("Prefill attention matches causal attention in float64", "[prefill_att
   }
 }
 
+TEST_CASE("Prefill attention with a prefix: a continued chunk attends its KV head's stored rows, then its own",
+          "[prefill_attention]") {
+  // K/V in the scratch layout attend_chunk builds: FP32 [hkv, rows, d] (row stride d, head stride
+  // rows * d), KV head h's prefix[h] stored rows first, the chunk's rows after them; unused rows
+  // hold NaN, so a row read beyond prefix[h] + t poisons the output. Reference: float64, as above.
+  TT_SEEDED_RNG();
+  struct Shape {
+    int tokens, hq, hkv, d;
+    std::vector<int> prefix;
+  };
+  const Shape shapes[] = {
+      {1, 4, 2, 64, {0, 33}},
+      {37, 8, 2, 128, {300, 5}},
+      {16, 8, 4, 32, {1, 64, 0, 129}},
+      {70, 4, 1, 40, {250}},
+  };
+  std::normal_distribution<float> normal;
+  for (const Shape& s : shapes) {
+    INFO("tokens " << s.tokens << ", Hq " << s.hq << ", Hkv " << s.hkv << ", D " << s.d);
+    const int longest = *std::max_element(s.prefix.begin(), s.prefix.end());
+    const auto rows = static_cast<std::size_t>(longest + s.tokens + 3);  // 3 spare rows, poisoned
+    const auto T = static_cast<std::size_t>(s.tokens);
+    std::vector<float> q(T * s.hq * s.d), k(s.hkv * rows * s.d, NAN), v(k.size(), NAN);
+    for (auto& x : q) x = normal(rng) * 2.0f;
+    for (int h = 0; h < s.hkv; ++h) {
+      for (std::size_t j = 0; j < static_cast<std::size_t>(s.prefix[static_cast<std::size_t>(h)]) + T; ++j) {
+        for (int c = 0; c < s.d; ++c) {
+          k[(h * rows + j) * s.d + c] = normal(rng);
+          v[(h * rows + j) * s.d + c] = normal(rng);
+        }
+      }
+    }
+    const std::size_t out_bytes = q.size() * 4;
+    DeviceBuffer dq(q.size() * 4), dk(k.size() * 4), dv(v.size() * 4), dout(out_bytes), dp(s.prefix.size() * 4);
+    REQUIRE(cudaMemcpy(dq.p, q.data(), q.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dk.p, k.data(), k.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dv.p, v.data(), v.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dp.p, s.prefix.data(), s.prefix.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemset(dout.p, 0xFF, out_bytes) == cudaSuccess);
+    kernels::PrefillAttentionParams p;
+    p.tokens = s.tokens;
+    p.num_q_heads = s.hq;
+    p.num_kv_heads = s.hkv;
+    p.head_dim = s.d;
+    p.q = dq.p;
+    p.k = dk.p;
+    p.v = dv.p;
+    p.out = dout.p;
+    p.prefix = static_cast<const int*>(dp.p);
+    p.kv_row_stride = s.d;
+    p.kv_head_stride = static_cast<long long>(rows) * s.d;
+    REQUIRE(kernels::launch_prefill_attention(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<float> out(q.size());
+    REQUIRE(cudaMemcpy(out.data(), dout.p, out_bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+    const int G = s.hq / s.hkv;
+    std::vector<double> acc(static_cast<std::size_t>(s.d));
+    for (std::size_t t = 0; t < T; ++t) {
+      for (int h = 0; h < s.hq; ++h) {
+        const int kvh = h / G;
+        const std::size_t n = static_cast<std::size_t>(s.prefix[static_cast<std::size_t>(kvh)]) + t + 1;
+        std::vector<double> sc(n);
+        double m = -INFINITY, l = 0, vmax = 0;
+        for (std::size_t j = 0; j < n; ++j) {
+          double dot = 0;
+          for (int c = 0; c < s.d; ++c) dot += double{q[(t * s.hq + h) * s.d + c]} * k[(kvh * rows + j) * s.d + c];
+          sc[j] = dot * scale;
+          m = std::max(m, sc[j]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::size_t j = 0; j < n; ++j) {
+          const double e = std::exp(sc[j] - m);
+          l += e;
+          for (int c = 0; c < s.d; ++c) {
+            const double x = v[(kvh * rows + j) * s.d + c];
+            acc[static_cast<std::size_t>(c)] += e * x;
+            vmax = std::max(vmax, std::fabs(x));
+          }
+        }
+        double max_ref = 0, max_err = 0;
+        for (int c = 0; c < s.d; ++c) {
+          const double want = acc[static_cast<std::size_t>(c)] / l;
+          const double got = out[(t * s.hq + h) * s.d + c];
+          max_ref = std::max(max_ref, std::fabs(want));
+          max_err = std::max(max_err, std::isnan(got) ? INFINITY : std::fabs(got - want));
+        }
+        INFO("token " << t << ", head " << h << ", attending " << n << " rows");
+        REQUIRE(max_err <= 0x1p-23 * max_ref + 5e-5 * vmax);
+      }
+    }
+  }
+}
+
 TEST_CASE("Prefill attention refuses bad parameters without launching", "[prefill_attention][bad_input]") {
   kernels::PrefillAttentionParams p;
   float x = 0;
@@ -148,5 +242,7 @@ TEST_CASE("Prefill attention refuses bad parameters without launching", "[prefil
   CHECK(bad([](auto& b) { b.head_dim = kernels::kPrefillMaxHeadDim + 1; }));
   CHECK(bad([](auto& b) { b.k = nullptr; }));
   CHECK(bad([](auto& b) { b.softmax_scale = -1.0f; }));
+  CHECK(bad([](auto& b) { b.kv_row_stride = -1; }));
+  CHECK(bad([](auto& b) { b.kv_head_stride = -1; }));
   CHECK(bad([](auto& b) { b.softmax_scale = INFINITY; }));
 }

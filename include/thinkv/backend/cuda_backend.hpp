@@ -139,6 +139,14 @@ class CudaKvBackend {
   /// A prompt's causal self-attention (PromptAttendArgs; device q, k, v and out): one
   /// launch_prefill_attention on stream().
   [[nodiscard]] Status attend_prompt(const PromptAttendArgs& args) const;
+  /// A continued prompt chunk's attention (chunk_attending_backend; device q, k, v and out): the
+  /// host resolves each stored token's device addresses from `view` (live slots in attention
+  /// order, then staged rows) and uploads them (48 bytes a token and KV head), one kernel
+  /// dequantizes them into an FP32 scratch [num_kv_heads, stored + tokens, head_dim] (K and V,
+  /// grown on demand and kept) exactly as read_token does, one copies the chunk's K/V after them,
+  /// and launch_prefill_attention with a prefix attends each query row to its KV head's stored
+  /// rows and the chunk's rows 0..t. Three launches on stream(), no synchronisation.
+  [[nodiscard]] Status attend_chunk(const AttendView& view, const PromptAttendArgs& args) const;
   /// Faults whose copy has reached the host; with `wait`, every fault raised so far.
   [[nodiscard]] Status poll_faults(std::vector<BackendFault>& faults, bool wait);
   /// TBE's selections on the device (segment_selecting_backend): brings the device's copy of the

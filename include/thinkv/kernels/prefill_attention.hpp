@@ -12,7 +12,8 @@
 /// A simple kernel, not a tuned one: one warp per (query token, query head), keys taken 32 at a
 /// time (one per lane), each key and value row read from global memory (L2) by every query that
 /// sees it, so the cost grows as tokens^2 * num_q_heads * head_dim (docs/perf.md, "Prefill").
-/// Nothing is allocated.
+/// With a prefix (a continued chunk) the cost is tokens * (prefix + tokens) * num_q_heads *
+/// head_dim. Nothing is allocated.
 
 #include <cuda_runtime_api.h>
 
@@ -37,10 +38,20 @@ struct PrefillAttentionParams {
   ElementType v_type = ElementType::kF32;
   ElementType out_type = ElementType::kF32;
   float softmax_scale = 0.0f;  ///< 0 means 1/sqrt(head_dim)
+  /// A chunk continuing a sequence (BasicThinKvCache::begin_prompt at P > 0): prefix[h] (device,
+  /// one per KV head) rows of k and v precede KV head h's chunk rows, and query row (t, h) attends
+  /// rows 0 .. prefix[h / G] + t of its KV head. nullptr: no prefix (a first prompt).
+  const int* prefix = nullptr;
+  /// Element strides of k and v: row j of KV head h starts at j * kv_row_stride + h *
+  /// kv_head_stride. 0 means the packed prompt layout [tokens, num_kv_heads, head_dim]
+  /// (num_kv_heads * head_dim and head_dim).
+  long long kv_row_stride = 0;
+  long long kv_head_stride = 0;
 };
 
-/// cudaErrorInvalidValue on a shape outside the limits above, a null pointer, or a negative or
-/// non-finite scale; device memory is not read.
+/// cudaErrorInvalidValue on a shape outside the limits above, a null pointer, a negative or
+/// non-finite scale, or a negative stride; device memory is not read (prefix values included:
+/// the caller sizes k and v for them).
 [[nodiscard]] cudaError_t check_prefill_attention(const PrefillAttentionParams& p) noexcept;
 
 /// Launches the attention on `stream`: grid (tokens, ceil(num_q_heads / 4)), 128 threads.
