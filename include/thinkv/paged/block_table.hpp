@@ -537,10 +537,8 @@ class BlockTable {
     const StreamState& s = stream_(stream);
     std::int64_t n = s.holes_by_thought[static_cast<int>(thought)];
     const int pi = static_cast<int>(config_.precision.precision_of(thought));
-    for (std::size_t k = s.blocks.size(); k-- > 0;) {
-      if (s.thoughts[k] != thought) continue;
+    if (const std::size_t k = newest_block_of(s, thought); k != kNoIndex) {
       n += config_.block_size - pool_[pi].fill[s.blocks[k] - pools_.base[pi]];
-      break;
     }
     return n;
   }
@@ -591,13 +589,11 @@ class BlockTable {
     }
     // 2. unwritten slots of the type's blocks: only its newest block can have any (a fresh block
     //    is taken only when every slot of the type's blocks is written and live)
-    for (std::size_t k = s.blocks.size(); k-- > 0 && !plan_full(plan, g);) {
-      if (s.thoughts[k] != thought) continue;
+    if (const std::size_t k = newest_block_of(s, thought); k != kNoIndex && !plan_full(plan, g)) {
       const std::uint32_t b = s.blocks[k];
       for (int i = ps.fill[b - base]; i < bs && !plan_full(plan, g); ++i) {
         plan.slots.push_back({b, static_cast<std::uint32_t>(i)});
       }
-      break;
     }
     // 3. fresh blocks
     std::size_t next = claims != nullptr ? claims->blocks[pi] : 0;
@@ -1331,6 +1327,14 @@ class BlockTable {
     return sets_[static_cast<std::size_t>(stream / config_.stage_set_streams)];
   }
   StageSet& set_of(int stream) { return sets_[static_cast<std::size_t>(stream / config_.stage_set_streams)]; }
+  static constexpr std::size_t kNoIndex = static_cast<std::size_t>(-1);
+  /// Index in s.blocks of the stream's newest block of `thought`, or kNoIndex.
+  [[nodiscard]] static std::size_t newest_block_of(const StreamState& s, ThoughtType thought) noexcept {
+    for (std::size_t k = s.blocks.size(); k-- > 0;) {
+      if (s.thoughts[k] == thought) return k;
+    }
+    return kNoIndex;
+  }
   [[nodiscard]] int count_holes(std::uint32_t b) const {
     int n = 0;
     for (std::uint64_t w : evict_mask(b)) n += __builtin_popcountll(w);
