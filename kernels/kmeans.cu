@@ -22,8 +22,18 @@
 ///
 /// Shared memory (dynamic, see Layout): the segment's points transposed (pT[j][i], point index
 /// XOR-swizzled by (j & 31) so both per-point columns and per-channel rows are conflict-free),
-/// the centres [max_k, d], a scratch area (k-means++ D(x)^2; Lloyd's partial
+/// the centres [layout_k, d], a scratch area (k-means++ D(x)^2; Lloyd's partial
 /// argmins; a 16-centre tile of selection distances) and small index arrays.
+///
+/// Size classes. The layout is the launch's (layout_points, layout_k; by default max_points,
+/// max_k), so a caller splitting mixed segments into launches by size (kmeans_size_class, with
+/// segment_ids) runs small segments in small CTAs, many per SM. Each head_dim has three variants,
+/// P = 32, 64, 128 points: P bounds the loops over a segment's points (k-means++'s running sum,
+/// the selection's ballots) and sets __launch_bounds__'s minimum CTAs per SM (min_blocks), so the
+/// small variants are not capped by registers. The arithmetic is the same in every variant: the
+/// running sum only stops after fewer trailing +0 terms (exact: it is never -0), and the
+/// 32-point variant's distance tiles of 4 centres (its threads own at most 4) compute the same
+/// independent chains. A segment beyond the launch's layout gets the row of an invalid one.
 
 #include <cuda_runtime.h>
 
@@ -38,11 +48,25 @@ namespace thinkv::kernels {
 namespace {
 
 constexpr int kThreads = 256;  // per CTA; >= 2 * kKmeansMaxPoints (two point groups at n = 128)
-constexpr int kTile = 8;       // centres per register tile of the distance loop
 constexpr int kSelTile = 16;   // centres whose distances are materialized per selection round
 constexpr unsigned kFull = 0xFFFFFFFFu;
 static_assert(kThreads >= 2 * kKmeansMaxPoints, "two point groups per CTA (and the scratch holds the init's D(x)^2)");
 static_assert(kKmeansMaxPoints % 32 == 0 && kKmeansMaxPoints <= 128, "selection: 4 points per lane");
+
+/// Minimum CTAs per SM the kernel variant of head_dim D and point capacity P is compiled for
+/// (__launch_bounds__): about as many as the shared memory of a P-point segment keeping P/2 lets
+/// share an SM of 228 KiB (d = 128: ~105, ~53, ~27 KiB per CTA at P = 128, 64, 32; twice that at
+/// d = 256), so registers do not cap the occupancy first. ptxas (sm_90a, CUDA 13.0): 76-86
+/// registers at 2, no spill; 64 at 4 (P = 64, d <= 128: up to 40 bytes of spill stores; P = 32,
+/// d = 256: none); 32 at 8 (P = 32, d <= 128: 36-56 bytes of spill stores).
+constexpr int min_blocks(int D, int P) {
+  if (P > 64) return 2;
+  if (P > 32) return D > 128 ? 2 : 4;
+  return D > 128 ? 4 : 8;
+}
+/// Centres per register tile of the distance loop: 8, or 4 in the 32-point variant (n <= 32: 8
+/// point groups, so a thread owns at most 4 centres and a tile of 8 would only cost registers).
+constexpr int tile_for(int P) { return P > 32 ? 8 : 4; }
 
 /// Byte offsets of the shared-memory regions of one CTA (host and device agree).
 struct Layout {
@@ -119,18 +143,20 @@ __device__ __forceinline__ void distance_tile(const float* __restrict__ pT, int 
   for (int t = 0; t < T; ++t) sink(c0 + t, s[t]);
 }
 
-/// Squared distances from point i to centres [cb, ce), c ascending: tiles of kTile centres, then
-/// one tile of 4, 2 and 1 for the rest (a thread of a small segment may own 1 or 2 centres: no
+/// Squared distances from point i to centres [cb, ce), c ascending: tiles of T centres, then one
+/// tile of 4 (T = 8), 2 and 1 for the rest (a thread of a small segment may own 1 or 2 centres: no
 /// chain is computed for a centre it does not own).
-template <int D, typename Sink>
+template <int D, int T, typename Sink>
 __device__ __forceinline__ void centre_distances(const float* __restrict__ pT, int S, int i,
                                                  const float* __restrict__ cen, int cb, int ce, Sink&& sink) {
+  static_assert(T == 8 || T == 4, "the tail below covers fewer than T centres");
   int c0 = cb;
-  for (; c0 + kTile <= ce; c0 += kTile) distance_tile<D, kTile>(pT, S, i, cen, c0, sink);
-  static_assert(kTile == 8, "the tail below covers fewer than 8 centres");
-  if (c0 + 4 <= ce) {
-    distance_tile<D, 4>(pT, S, i, cen, c0, sink);
-    c0 += 4;
+  for (; c0 + T <= ce; c0 += T) distance_tile<D, T>(pT, S, i, cen, c0, sink);
+  if constexpr (T == 8) {
+    if (c0 + 4 <= ce) {
+      distance_tile<D, 4>(pT, S, i, cen, c0, sink);
+      c0 += 4;
+    }
   }
   if (c0 + 2 <= ce) {
     distance_tile<D, 2>(pT, S, i, cen, c0, sink);
@@ -139,18 +165,23 @@ __device__ __forceinline__ void centre_distances(const float* __restrict__ pT, i
   if (c0 < ce) distance_tile<D, 1>(pT, S, i, cen, c0, sink);
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelectParams p) {
+/// D: head_dim; P: the variant's point capacity (32, 64 or 128), >= p.layout_points: the loops
+/// over a segment's points run to P (p holds the resolved layout sizes, see launch_kmeans_select).
+template <int D, int P>
+__global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kernel(KmeansSelectParams p) {
+  static_assert(P % 32 == 0 && P <= kKmeansMaxPoints, "P: 32, 64 or 128");
   extern __shared__ __align__(16) unsigned char smem[];
-  const int seg = static_cast<int>(blockIdx.x);
+  const int seg = p.segment_ids != nullptr ? p.segment_ids[blockIdx.x] : static_cast<int>(blockIdx.x);
+  if (seg < 0) return;  // no row to mark
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
   int* __restrict__ out = p.kept + static_cast<std::ptrdiff_t>(seg) * p.max_k;
   const int n = p.num_points[seg];
   const int k = p.k[seg];
-  // Uniform early exits (every thread reads the same n, k): no barrier has been reached yet.
-  if (n < 1 || n > p.max_points || k < 1 || k > p.max_k) {
+  // Uniform early exits (every thread reads the same n, k): no barrier has been reached yet. A
+  // segment beyond the launch's layout is refused like an invalid one (its row all -1).
+  if (n < 1 || n > p.max_points || k < 1 || k > p.max_k || n > p.layout_points || k > p.layout_k) {
     for (int t = tid; t < p.max_k; t += kThreads) out[t] = -1;
     return;
   }
@@ -159,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
     return;
   }
 
-  const Layout L = make_layout(D, p.max_points, p.max_k);
+  const Layout L = make_layout(D, p.layout_points, p.layout_k);
   const int S = L.stride;
   float* const pT = reinterpret_cast<float*>(smem + L.pt);
   float* const cen = reinterpret_cast<float*>(smem + L.cen);
@@ -198,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
     dist[i] = i < n ? __int_as_float(0x7F800000) : 0.0f;    // +inf; past n 0 (adds nothing below)
   }
   for (int i = tid; i < S; i += kThreads) assign[i] = -1;
-  for (int t = tid; t < kKmeansMaxPoints / 32 * k; t += kThreads) wcount[t] = 0;
+  for (int t = tid; t < P / 32 * k; t += kThreads) wcount[t] = 0;
   __syncthreads();
 
   // ---- 1. k-means++ initialisation ---------------------------------------------------------
@@ -213,13 +244,13 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
       } else {
         // total = sum of D(x)^2 in index order; the CPU's running sum is the same chain. Lane l
         // holds D(x)^2 of points 4l .. 4l+3 (0 past n: x + 0 == x for every sum here, which is
-        // never -0); every lane runs the whole chain (the values shuffled in, the adds in index
-        // order) and keeps the running sums of its own points.
+        // never -0, so the chain may run on to P); every lane runs the whole chain (the values
+        // shuffled in, the adds in index order) and keeps the running sums of its own points.
         const float4 dv = *reinterpret_cast<const float4*>(dist + 4 * lane);
         float run = 0.0f;
         float pre[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // running sums at points 4 lane .. 4 lane + 3
 #pragma unroll 8
-        for (int q = 0; q < kKmeansMaxPoints / 4; ++q) {
+        for (int q = 0; q < P / 4; ++q) {
           const float x0 = __shfl_sync(kFull, dv.x, q);
           const float x1 = __shfl_sync(kFull, dv.y, q);
           const float x2 = __shfl_sync(kFull, dv.z, q);
@@ -298,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
       int pc = -1;
       float d0 = 0.0f;  // distance to centre 0 (group 0)
       if (active) {
-        centre_distances<D>(pT, S, i, cen, cb, ce, [&](int c, float v) {
+        centre_distances<D, tile_for(P)>(pT, S, i, cen, cb, ce, [&](int c, float v) {
           if (c == 0) d0 = v;
           if (!is_nan(v) && (pc < 0 || v < pv)) {
             pv = v;
@@ -373,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
       __syncthreads();
       if (tid < group && i < n) members[offsets[own] + wcount[warp * k + own] + below] = i;
       __syncthreads();
-      for (int t = tid; t < kKmeansMaxPoints / 32 * k; t += kThreads) wcount[t] = 0;  // next iteration
+      for (int t = tid; t < P / 32 * k; t += kThreads) wcount[t] = 0;  // next iteration
       for (int e = tid; e < k * D; e += kThreads) {
         const int c = e / D;
         const int j = e % D;
@@ -405,21 +436,21 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
       const int sc = (tn + groups - 1) / groups;
       const int sb = c0 + (g * sc < tn ? g * sc : tn);
       const int se = c0 + (g * sc + sc < tn ? g * sc + sc : tn);
-      centre_distances<D>(pT, S, i, cen, sb, se, [&](int c, float v) { tile[(c - c0) * S + i] = v; });
+      centre_distances<D, tile_for(P)>(pT, S, i, cen, sb, se, [&](int c, float v) { tile[(c - c0) * S + i] = v; });
     }
     __syncthreads();
     if (warp == 0) {
       for (int t = 0; t < tn; ++t) {
         int first = INT_MAX;  // the CPU's first candidate: lowest untaken index
 #pragma unroll
-        for (int q = 0; q < kKmeansMaxPoints / 32; ++q) {
+        for (int q = 0; q < P / 32; ++q) {
           const int pi = lane + 32 * q;
           const unsigned bal = __ballot_sync(kFull, pi < n && ((taken >> q) & 1u) == 0);
           if (first == INT_MAX && bal != 0) first = 32 * q + __ffs(static_cast<int>(bal)) - 1;
         }
         unsigned long long best = ~0ull;
 #pragma unroll
-        for (int q = 0; q < kKmeansMaxPoints / 32; ++q) {
+        for (int q = 0; q < P / 32; ++q) {
           const int pi = lane + 32 * q;
           if (pi < n && ((taken >> q) & 1u) == 0) {
             const float v = tile[t * S + pi];
@@ -442,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
   if (warp == 0) {  // kept indices ascending, then -1
     int base = 0;
 #pragma unroll
-    for (int q = 0; q < kKmeansMaxPoints / 32; ++q) {
+    for (int q = 0; q < P / 32; ++q) {
       const int pi = lane + 32 * q;
       const bool kept = pi < n && ((taken >> q) & 1u) != 0;
       const unsigned bal = __ballot_sync(kFull, kept);
@@ -453,20 +484,39 @@ __global__ void __launch_bounds__(kThreads, 2) kmeans_select_kernel(KmeansSelect
   }
 }
 
-template <int D>
+template <int D, int P>
 cudaError_t launch_for(const KmeansSelectParams& p, std::size_t bytes, int optin, cudaStream_t stream) {
   // The attribute is a cap, not the launch size: set it to the same value on every call (the
   // largest this instantiation can need, within the device's limit) so concurrent launches with
   // different shapes cannot undercut each other.
-  const std::size_t most = make_layout(D, kKmeansMaxPoints, kKmeansMaxK).total;
+  const std::size_t most = make_layout(D, P, kKmeansMaxK).total;
   const int cap = most < static_cast<std::size_t>(optin) ? static_cast<int>(most) : optin;
-  if (cudaError_t e = cudaFuncSetAttribute(kmeans_select_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
+  if (cudaError_t e =
+          cudaFuncSetAttribute(kmeans_select_kernel<D, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
       e != cudaSuccess) {
     (void)cudaGetLastError();
     return e;
   }
-  kmeans_select_kernel<D><<<static_cast<unsigned>(p.num_segments), kThreads, bytes, stream>>>(p);
+  kmeans_select_kernel<D, P><<<static_cast<unsigned>(p.num_segments), kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+/// The variant of the launch's size class (kmeans_size_class of its layout_points).
+template <int D>
+cudaError_t launch_class(const KmeansSelectParams& p, std::size_t bytes, int optin, cudaStream_t stream) {
+  switch (kmeans_size_class(p.layout_points)) {
+    case 32: return launch_for<D, 32>(p, bytes, optin, stream);
+    case 64: return launch_for<D, 64>(p, bytes, optin, stream);
+    default: return launch_for<D, kKmeansMaxPoints>(p, bytes, optin, stream);
+  }
+}
+
+/// p with its layout sizes resolved (0: max_points, max_k), as the kernel reads them.
+KmeansSelectParams resolved(const KmeansSelectParams& p) {
+  KmeansSelectParams q = p;
+  if (q.layout_points == 0) q.layout_points = q.max_points;
+  if (q.layout_k == 0) q.layout_k = q.max_k;
+  return q;
 }
 
 }  // namespace
@@ -474,7 +524,8 @@ cudaError_t launch_for(const KmeansSelectParams& p, std::size_t bytes, int optin
 cudaError_t check_kmeans_select(const KmeansSelectParams& p) noexcept {
   const bool d_ok = p.head_dim == 8 || p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
   if (!d_ok || p.num_segments < 0 || p.max_points < 1 || p.max_points > kKmeansMaxPoints || p.max_k < 1 ||
-      p.max_k > kKmeansMaxK || p.max_iterations < 0) {
+      p.max_k > kKmeansMaxK || p.max_iterations < 0 || p.layout_points < 0 || p.layout_points > p.max_points ||
+      p.layout_k < 0 || p.layout_k > p.max_k) {
     return cudaErrorInvalidValue;
   }
   if (p.num_segments > 0 && (p.points == nullptr || p.num_points == nullptr || p.k == nullptr || p.kept == nullptr)) {
@@ -485,13 +536,15 @@ cudaError_t check_kmeans_select(const KmeansSelectParams& p) noexcept {
 
 std::size_t kmeans_select_shared_bytes(const KmeansSelectParams& p) noexcept {
   if (check_kmeans_select(p) != cudaSuccess) return 0;
-  return make_layout(p.head_dim, p.max_points, p.max_k).total;
+  const KmeansSelectParams q = resolved(p);
+  return make_layout(q.head_dim, q.layout_points, q.layout_k).total;
 }
 
 cudaError_t launch_kmeans_select(const KmeansSelectParams& p, cudaStream_t stream) noexcept {
   if (cudaError_t e = check_kmeans_select(p); e != cudaSuccess) return e;
   if (p.num_segments == 0) return cudaSuccess;
-  const std::size_t bytes = make_layout(p.head_dim, p.max_points, p.max_k).total;
+  const KmeansSelectParams q = resolved(p);
+  const std::size_t bytes = make_layout(q.head_dim, q.layout_points, q.layout_k).total;
   int dev = 0;
   int optin = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) {
@@ -504,11 +557,11 @@ cudaError_t launch_kmeans_select(const KmeansSelectParams& p, cudaStream_t strea
   }
   if (bytes > static_cast<std::size_t>(optin)) return cudaErrorInvalidValue;
   switch (p.head_dim) {
-    case 8: return launch_for<8>(p, bytes, optin, stream);
-    case 32: return launch_for<32>(p, bytes, optin, stream);
-    case 64: return launch_for<64>(p, bytes, optin, stream);
-    case 128: return launch_for<128>(p, bytes, optin, stream);
-    default: return launch_for<256>(p, bytes, optin, stream);
+    case 8: return launch_class<8>(q, bytes, optin, stream);
+    case 32: return launch_class<32>(q, bytes, optin, stream);
+    case 64: return launch_class<64>(q, bytes, optin, stream);
+    case 128: return launch_class<128>(q, bytes, optin, stream);
+    default: return launch_class<256>(q, bytes, optin, stream);
   }
 }
 

@@ -132,6 +132,31 @@ TEST_CASE("Batched decode on the GPU takes the CPU reference's decisions, every 
   REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
 }
 
+TEST_CASE("Batched decode on the GPU with K-means launched per size class takes the CPU reference's decisions",
+          "[cuda_batched]") {
+  // set_kmeans_split_jobs(1): every selection goes through the class launches (segment ids,
+  // small shared-memory layouts), which a decode step this small never reaches by default.
+  TT_SEEDED_RNG();
+  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  ThinKvCache<CudaKvBackend> gpu(config(), policy());
+  BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
+  REQUIRE(gpu.backend().set_stream(stream).is_ok());
+  gpu.backend().set_kmeans_split_jobs(1);
+  bt::RunOptions o;
+  o.steps = small ? 300 : 700;
+  o.finish = 0.004;
+  o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
+  const bt::TensorMemory mem = device_memory(stream);
+  bt::RunReport r;
+  const std::string err = bt::run_batched(gpu, cpu, mem, rng, o, r);
+  INFO(err);
+  REQUIRE(err.empty());
+  if (!small) CHECK(gpu.stats().tokens_evicted > 0);
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
 TEST_CASE("Batched decode on the GPU: a NaN or Inf in one sequence's K/V faults that sequence alone",
           "[cuda_batched][bad_input]") {
   TT_SEEDED_RNG();

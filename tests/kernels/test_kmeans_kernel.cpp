@@ -2,12 +2,14 @@
 // reference thinkv::kmeans_select, every kept index compared (the kernel claims bit-exactness, so
 // no tolerance). Fresh random inputs per run (THINKV_TEST_SEED pins them, see tests/unit/
 // test_util.hpp); the output is poisoned (0x7F bytes) before every launch. Many segments of
-// different n, K and seeds share one launch. Inputs: Gaussian points, exact duplicates, all points
-// identical (zero distances, the k-means++ fallback), key-like points with a few large channels,
-// points on a {-1, 0, 1} grid (many exactly tied distances), overflowing and non-finite values;
-// points at 16-byte-aligned addresses (the kernel's float4 loads) and unaligned ones (a float at a time).
-// THINKV_TEST_SMALL (set by bench/run_gpu_suite.sh under compute-sanitizer) keeps only small
-// segments. Without a GPU the binary prints the skip message and exits 77 (catch_main.cpp).
+// different n, K and seeds share one launch, or are split into launches by size class with
+// segment_ids and small shared-memory layouts (as CudaKvBackend runs them). Inputs: Gaussian
+// points, exact duplicates, all points identical (zero distances, the k-means++ fallback),
+// key-like points with a few large channels, points on a {-1, 0, 1} grid (many exactly tied
+// distances), overflowing and non-finite values; points at 16-byte-aligned addresses (the kernel's
+// float4 loads) and unaligned ones (a float at a time). THINKV_TEST_SMALL (set by
+// bench/run_gpu_suite.sh under compute-sanitizer) keeps only small segments. Without a GPU the
+// binary prints the skip message and exits 77 (catch_main.cpp).
 
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
@@ -160,12 +162,24 @@ void fill_points(Batch& b, Data data, std::mt19937_64& rng) {
   }
 }
 
+/// One launch of a batch: the segments its CTAs select for (segment_ids) and its shared-memory
+/// layout (0: max_points / max_k).
+struct Launch {
+  std::vector<int> ids;
+  int layout_points = 0;
+  int layout_k = 0;
+};
+
+constexpr int kPoison = 0x7F7F7F7F;  // an output int after the 0x7F poison
+
 /// The CPU's row for one segment: kmeans_select's indices, then -1 up to max_k; all -1 for a
-/// segment the kernel documents as invalid.
-std::vector<int> expected_row(const Batch& b, std::size_t s) {
+/// segment the kernel documents as invalid, or beyond the layout of the launch running it
+/// (`layout_points`, `layout_k` resolved: 0 is not passed here).
+std::vector<int> expected_row(const Batch& b, std::size_t s, int layout_points, int layout_k) {
   std::vector<int> row(static_cast<std::size_t>(b.max_k), -1);
   const Seg& sg = b.segs[s];
   if (sg.n < 1 || sg.n > b.max_points || sg.k < 1 || sg.k > b.max_k) return row;
+  if (sg.n > layout_points || sg.k > layout_k) return row;
   thinkv::KmeansOptions o;
   o.max_iterations = b.iterations;
   o.seed = b.shared_seed ? b.seed : sg.seed;
@@ -186,9 +200,10 @@ tk::KmeansSelectParams params_for(const Batch& b) {
   return p;
 }
 
-/// Launches the batch once and compares every output row with the CPU. Returns the number of
+/// Launches the batch (once, or as `launches`: one launch each, in one stream) and compares every
+/// output row with the CPU; a row no launch names must keep its poison. Returns the number of
 /// segments whose row differs (the first few are described through Catch's UNSCOPED_INFO).
-int run_batch(const Batch& b, const char* what) {
+int run_batch(const Batch& b, const char* what, const std::vector<Launch>& launches = {}) {
   const std::size_t S = b.segs.size();
   std::vector<int> n(S), k(S);
   std::vector<std::uint64_t> seeds(S);
@@ -212,12 +227,41 @@ int run_batch(const Batch& b, const char* what) {
   p.k = d_k.ptr;
   p.seeds = b.shared_seed ? nullptr : d_seeds.ptr;
   p.kept = d_kept.ptr;
-  REQUIRE(tk::launch_kmeans_select(p, nullptr) == cudaSuccess);
+  // Each segment's resolved layout (the launch naming it; none: -1, the row stays poisoned).
+  std::vector<int> lay_n(S, -1), lay_k(S, -1);
+  if (launches.empty()) {
+    std::fill(lay_n.begin(), lay_n.end(), b.max_points);
+    std::fill(lay_k.begin(), lay_k.end(), b.max_k);
+    REQUIRE(tk::launch_kmeans_select(p, nullptr) == cudaSuccess);
+  } else {
+    std::vector<int> all_ids;
+    for (const Launch& l : launches) all_ids.insert(all_ids.end(), l.ids.begin(), l.ids.end());
+    DeviceArray<int> d_ids(all_ids.size());
+    d_ids.put(all_ids);
+    std::size_t at = 0;
+    for (const Launch& l : launches) {
+      tk::KmeansSelectParams q = p;
+      q.num_segments = static_cast<int>(l.ids.size());
+      q.segment_ids = d_ids.ptr + at;
+      q.layout_points = l.layout_points;
+      q.layout_k = l.layout_k;
+      at += l.ids.size();
+      REQUIRE(tk::launch_kmeans_select(q, nullptr) == cudaSuccess);
+      for (int id : l.ids) {
+        if (id < 0) continue;
+        REQUIRE(lay_n[static_cast<std::size_t>(id)] < 0);  // every segment in one launch at most
+        lay_n[static_cast<std::size_t>(id)] = l.layout_points != 0 ? l.layout_points : b.max_points;
+        lay_k[static_cast<std::size_t>(id)] = l.layout_k != 0 ? l.layout_k : b.max_k;
+      }
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());  // before d_ids goes
+  }
   CHECK_CUDA(cudaDeviceSynchronize());
   const std::vector<int> got = d_kept.get();
   int bad_segments = 0;
   for (std::size_t s = 0; s < S; ++s) {
-    const std::vector<int> want = expected_row(b, s);
+    const std::vector<int> want = lay_n[s] < 0 ? std::vector<int>(static_cast<std::size_t>(b.max_k), kPoison)
+                                               : expected_row(b, s, lay_n[s], lay_k[s]);
     const int* g = got.data() + s * static_cast<std::size_t>(b.max_k);
     if (std::equal(want.begin(), want.end(), g)) continue;
     if (++bad_segments <= 3) {
@@ -230,9 +274,33 @@ int run_batch(const Batch& b, const char* what) {
                          << " iterations=" << b.iterations << "\n  gpu:" << gs << "\n  cpu:" << ws);
     }
   }
-  std::printf("%s %-10s d=%3d segments=%4zu max_points=%3d max_k=%2d iterations=%2d: %d rows differ\n",
-              bad_segments ? "FAIL" : "ok  ", what, b.d, S, b.max_points, b.max_k, b.iterations, bad_segments);
+  std::printf("%s %-10s d=%3d segments=%4zu max_points=%3d max_k=%2d iterations=%2d launches=%zu: %d rows differ\n",
+              bad_segments ? "FAIL" : "ok  ", what, b.d, S, b.max_points, b.max_k, b.iterations,
+              std::max<std::size_t>(launches.size(), 1), bad_segments);
   return bad_segments;
+}
+
+/// The size-class split CudaKvBackend::launch_selection runs: one launch per non-empty
+/// kmeans_size_class of n, its ids in random order, its layout the class's largest n and k
+/// (segments with an invalid n or k are left out: no launch names them).
+std::vector<Launch> class_launches(const Batch& b, std::mt19937_64& rng) {
+  std::vector<Launch> out;
+  for (int cls : {tk::kKmeansMaxPoints, 64, 32}) {
+    Launch l;
+    for (std::size_t s = 0; s < b.segs.size(); ++s) {
+      const Seg& sg = b.segs[s];
+      if (sg.n < 1 || sg.n > b.max_points || sg.k < 1 || sg.k > b.max_k || tk::kmeans_size_class(sg.n) != cls) {
+        continue;
+      }
+      l.ids.push_back(static_cast<int>(s));
+      l.layout_points = std::max(l.layout_points, sg.n);
+      l.layout_k = std::max(l.layout_k, sg.k);
+    }
+    if (l.ids.empty()) continue;
+    std::shuffle(l.ids.begin(), l.ids.end(), rng);
+    out.push_back(std::move(l));
+  }
+  return out;
 }
 
 const std::vector<int> kAllK = {1, 4, 8, 16, 32, 64};
@@ -359,6 +427,76 @@ TEST_CASE("kmeans kernel: many segments in one launch", "[gpu][kmeans]") {
   CHECK(run_batch(b, "batch") == 0);
 }
 
+TEST_CASE("kmeans kernel: size-class launches (segment_ids, small layouts) equal kmeans_select", "[gpu][kmeans]") {
+  TT_SEEDED_RNG();
+  const bool small = small_run();
+  const Data kinds[] = {Data::kGauss, Data::kHeavy, Data::kGrid, Data::kDuplicates, Data::kExtreme};
+  for (int d : {128, 8, 64, 256}) {
+    if (small && d >= 128) continue;
+    Batch b;
+    b.d = d;
+    // A decode step's selections (128 -> 64 ... 8 -> 4), random (n, K) over 4..128 points and
+    // 1..64 centres (K >= n keeps all), and n at the class edges 32 / 33, 64 / 65.
+    // THINKV_TEST_SMALL: 64 points at most but at head_dim 8 (two classes).
+    const int n_max = small && d > 8 ? 64 : 128;
+    const int random_segments = small ? 12 : 96;
+    for (int n = n_max; n >= 8; n /= 2) {
+      for (int r = 0; r < (small ? 1 : 4); ++r) b.segs.push_back({n, n / 2, draw_seed(rng)});
+    }
+    for (int e = 0; e < random_segments; ++e) {
+      b.segs.push_back({tt::uniform_int(rng, 4, n_max), tt::uniform_int(rng, 1, 64), draw_seed(rng)});
+    }
+    for (int n : {32, 33, 64, 65}) {
+      if (n <= n_max) b.segs.push_back({n, tt::uniform_int(rng, 1, n - 1), draw_seed(rng)});
+    }
+    std::shuffle(b.segs.begin(), b.segs.end(), rng);
+    const Data data = kinds[tt::uniform_int(rng, 0, 4)];
+    fill_points(b, data, rng);
+    const std::vector<Launch> launches = class_launches(b, rng);
+    CHECK(launches.size() == (n_max > 64 ? 3u : 2u));
+    CHECK(run_batch(b, name_of(data), launches) == 0);
+  }
+}
+
+TEST_CASE("kmeans kernel: segment_ids as a permutation, in one launch or two", "[gpu][kmeans]") {
+  TT_SEEDED_RNG();
+  const bool small = small_run();
+  Batch b;
+  b.d = small ? 32 : 128;
+  b.max_points = 100;  // rows of 100 points, output rows of 40
+  b.max_k = 40;
+  add_grid(b, {1, 4, 16, 40}, small ? 40 : 100, small ? 4 : 24, rng);
+  fill_points(b, Data::kGauss, rng);
+  Launch all;
+  for (std::size_t s = 0; s < b.segs.size(); ++s) all.ids.push_back(static_cast<int>(s));
+  std::shuffle(all.ids.begin(), all.ids.end(), rng);
+  CHECK(run_batch(b, "permuted", {all}) == 0);  // the default layout: max_points, max_k
+  // The same permutation cut in two launches, each sized for max_points and max_k explicitly.
+  const auto half = static_cast<std::ptrdiff_t>(all.ids.size() / 2);
+  Launch first{std::vector<int>(all.ids.begin(), all.ids.begin() + half), b.max_points, b.max_k};
+  Launch second{std::vector<int>(all.ids.begin() + half, all.ids.end()), b.max_points, b.max_k};
+  CHECK(run_batch(b, "permuted2", {first, second}) == 0);
+}
+
+TEST_CASE("kmeans kernel: a segment beyond its launch's layout gets an all -1 row, unnamed rows stay untouched",
+          "[gpu][kmeans]") {
+  TT_SEEDED_RNG();
+  Batch b;
+  b.d = 64;
+  b.max_points = 128;
+  b.max_k = 64;
+  // Launched with a layout of 32 points and 16 centres: 0, 2, 5, 7 fit (5 keeps all: K >= n);
+  // 1 (n 40), 3 (n 33), 4 (K 20) and 6 (K 17 >= n, keep-all but over layout_k) do not; 8 and 9
+  // are in no launch (their rows keep the poison), and a negative id is skipped.
+  b.segs = {{20, 4, 0},  {40, 8, 0},  {32, 16, 0}, {33, 4, 0},   {30, 20, 0},
+            {12, 16, 0}, {10, 17, 0}, {32, 1, 0},  {128, 64, 0}, {16, 8, 0}};
+  for (auto& s : b.segs) s.seed = draw_seed(rng);
+  fill_points(b, Data::kGauss, rng);
+  CHECK(run_batch(b, "layout", {Launch{{3, 0, -1, 6, 1, 2, 5, 4, 7}, 32, 16}}) == 0);
+  // Within the layout (32 points, 64 centres), the same segments select as the CPU does.
+  CHECK(run_batch(b, "layout64", {Launch{{0, 2, 5, 6, 7}, 32, 64}, Launch{{9}, 16, 8}}) == 0);
+}
+
 TEST_CASE("kmeans kernel: invalid device rows are all -1, the others unaffected", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
   Batch b;
@@ -393,6 +531,15 @@ TEST_CASE("kmeans kernel: check_kmeans_select refuses bad parameters, nothing is
     // The largest shape fits the 227 KiB a CTA may opt into on sm_90.
     CHECK(tk::kmeans_select_shared_bytes(big) <= 227u * 1024u);
   }
+  {
+    // A small layout: 32 points and 16 centres at head_dim 128 take ~27 KiB (8 CTAs per SM).
+    tk::KmeansSelectParams small = good;
+    small.layout_points = 32;
+    small.layout_k = 16;
+    REQUIRE(tk::check_kmeans_select(small) == cudaSuccess);
+    CHECK(tk::kmeans_select_shared_bytes(small) <= 28u * 1024u);
+    CHECK(tk::kmeans_select_shared_bytes(small) < tk::kmeans_select_shared_bytes(good) / 3);
+  }
 
   std::vector<std::pair<const char*, tk::KmeansSelectParams>> bad;
   auto with = [&](const char* what, auto edit) {
@@ -415,6 +562,16 @@ TEST_CASE("kmeans kernel: check_kmeans_select refuses bad parameters, nothing is
   with("max_k 65", [](auto& p) { p.max_k = 65; });
   with("max_iterations -1", [](auto& p) { p.max_iterations = -1; });
   with("num_segments -1", [](auto& p) { p.num_segments = -1; });
+  with("layout_points -1", [](auto& p) { p.layout_points = -1; });
+  with("layout_points above max_points", [](auto& p) {
+    p.max_points = 40;
+    p.layout_points = 41;
+  });
+  with("layout_k -1", [](auto& p) { p.layout_k = -1; });
+  with("layout_k above max_k", [](auto& p) {
+    p.max_k = 8;
+    p.layout_k = 9;
+  });
   for (const auto& [what, p] : bad) {
     INFO(what);
     CHECK(tk::check_kmeans_select(p) == cudaErrorInvalidValue);

@@ -130,6 +130,14 @@ class CudaKvBackend {
   };
   /// Turns the timing events on or off. Not inside a stream capture: the events would be captured.
   void set_device_timing(bool on);
+  /// TBE's K-means launches (launch_selection): a selection of at least `jobs` segments is
+  /// launched per size class (segments of up to 32, 64 and 128 tokens, each class with a
+  /// shared-memory layout for its largest, small CTAs many per SM); a smaller one goes in one
+  /// launch, largest segments first. Default kDefaultKmeansSplitJobs (measured in docs/perf.md:
+  /// at a decode step's ~650 selections the class launches, which run one after another, cost
+  /// more than they gain; at a whole-batch transition's thousands they win). Values < 1 mean 1.
+  static constexpr int kDefaultKmeansSplitJobs = 2048;
+  void set_kmeans_split_jobs(int jobs) noexcept;
   [[nodiscard]] Status device_times(DeviceTimes& out);
   /// Changes whenever a device buffer or launch shape that a step's per-layer launches read
   /// changes (storage or mirror growth, the step's tables, attention scratch): a CUDA graph
