@@ -450,6 +450,7 @@ BENCHMARK(BM_Transition)
 /// tokens_per_s = tokens / prefill time.
 struct PrefillSetup : thinkv::bench::DeviceAllocs {
   int tokens = 0, layers = 0;
+  int max_tokens = 0;  ///< positions the cache must hold beyond `tokens` (0: tokens + 1)
   ThinKvConfig cfg;
   std::unique_ptr<ThinKvCache<CudaKvBackend>> cache;
   cudaStream_t stream = nullptr;
@@ -469,7 +470,7 @@ struct PrefillSetup : thinkv::bench::DeviceAllocs {
     cfg.head_dim = 128;
     cfg.group_size = 16;
     cfg.block_size = 16;
-    cfg.max_tokens = std::max(8192, tokens + 1);
+    cfg.max_tokens = std::max({8192, tokens + 1, max_tokens});
     cfg.segment_len = 128;
     cfg.token_budget = 1024;
     ThinKvPolicy p;
@@ -566,6 +567,75 @@ BENCHMARK(BM_Prefill)
     ->Args({2048, 32})
     ->Args({4096, 32})
     ->Args({64, 2})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+
+/// A prompt's later chunk (llama.cpp's next ubatch): `stored` prompt tokens are in the cache
+/// (stored without attention, not timed; the sequence is reset and refilled before every
+/// iteration), then one chunk of `chunk` tokens is timed: begin_prompt, prefill of every layer,
+/// end_prompt, stream drained. attend = 1: the chunk's queries attend the stored tokens and the
+/// chunk (CudaKvBackend::attend_chunk: address upload, dequantizing gather, prefill kernel with a
+/// prefix); attend = 0: the chunk is stored only (q and out null), so the difference is the
+/// attention's cost. Counters: chunk_ms, tokens_per_s = chunk / chunk_ms, h2d_B (bytes copied to
+/// the device during the chunk: the stored tokens' addresses, the commit jobs).
+void BM_PromptChunk(benchmark::State& state) {
+  static thinkv::bench::SetupCache<PrefillSetup> setups;
+  const int stored = static_cast<int>(state.range(0)), chunk = static_cast<int>(state.range(1));
+  const bool attend = state.range(3) != 0;
+  PrefillSetup* s = setups.get(state, {state.range(0), state.range(1), state.range(2)}, [&](PrefillSetup& x) {
+    x.tokens = std::max(stored, chunk);
+    x.max_tokens = stored + chunk + 1;
+    x.layers = static_cast<int>(state.range(2));
+  });
+  if (s == nullptr) return;
+  const TensorRef none{nullptr, ElementType::kF32};
+  auto fill = [&](int tokens, bool with_attention) -> Status {
+    THINKV_RETURN_IF_ERROR(s->cache->begin_prompt(0, tokens));
+    for (int l = 0; l < s->layers; ++l) {
+      THINKV_RETURN_IF_ERROR(s->cache->prefill(l, 0, with_attention ? TensorRef{s->q, ElementType::kF32} : none,
+                                               {s->k, ElementType::kF32}, {s->v, ElementType::kF32},
+                                               MutableTensorRef{with_attention ? s->out : nullptr, ElementType::kF32}));
+    }
+    THINKV_RETURN_IF_ERROR(s->cache->end_prompt(0));
+    return s->cache->backend().synchronize();
+  };
+  double total = 0;
+  std::int64_t n = 0, h2d = 0;
+  for (auto _ : state) {
+    if (Status e = s->cache->reset_sequence(0); !e.is_ok() || !(e = fill(stored, false)).is_ok()) {
+      state.SkipWithError(e.to_string().c_str());
+      return;
+    }
+    const std::int64_t h0 = s->cache->paged().backend().stats().host_to_device_bytes;
+    const auto t0 = Clock::now();
+    if (Status e = fill(chunk, attend); !e.is_ok()) {
+      state.SkipWithError(e.to_string().c_str());
+      return;
+    }
+    const double ms = ms_since(t0);
+    state.SetIterationTime(ms * 1e-3);
+    h2d += s->cache->paged().backend().stats().host_to_device_bytes - h0;
+    total += ms;
+    ++n;
+  }
+  if (n == 0) return;
+  const double dn = static_cast<double>(n);
+  state.counters["chunk_ms"] = total / dn;
+  state.counters["tokens_per_s"] = chunk * dn / (total * 1e-3);
+  state.counters["h2d_B"] = static_cast<double>(h2d) / dn;
+}
+
+// stored, chunk, layers, attend; the last keeps the ctest smoke run short.
+BENCHMARK(BM_PromptChunk)
+    ->ArgNames({"stored", "chunk", "layers", "attend"})
+    ->Args({4096, 512, 32, 1})
+    ->Args({4096, 512, 32, 0})
+    ->Args({1024, 512, 32, 1})
+    ->Args({1024, 512, 32, 0})
+    ->Args({4096, 64, 32, 1})
+    ->Args({4096, 64, 32, 0})
+    ->Args({64, 16, 2, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);

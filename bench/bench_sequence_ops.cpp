@@ -15,6 +15,12 @@
 //                      checks and checksum included; the reset that empties it is not timed
 //   CopySequence       copy_sequence(0, 1) (llama_memory_seq_cp) into an empty sequence: the
 //                      source's snapshot and its load, no codec; the reset is not timed
+//   Ubatch/n           a ubatch of later turns (a user's next message after decoding), n tokens
+//                      for each of 4 sequences holding the same history (copies of sequence 0):
+//                      begin_prompts, prefill_batch of every layer storing K/V only (q and out
+//                      null: on this CPU backend the attention would dominate), end_prompts (TBE
+//                      back within budget); the turn is removed again outside the timing.
+//                      rows_per_s = tokens stored per second (4 x n per ubatch)
 //   ContextShift/n     shift_positions(seq, 64 + n, -1, -n) (llama_memory_seq_add) after
 //                      remove(seq, 64, 64 + n) (not timed): llama.cpp's context shift, with BF16
 //                      pages (precision map kFullKvMap; quantized pages refuse a shift): every
@@ -221,5 +227,49 @@ void BM_ContextShift(benchmark::State& state) {
   state.counters["keys_M"] = keys / static_cast<double>(state.iterations()) / 1e6;  // per shift
 }
 BENCHMARK(BM_ContextShift)->Args({320, 32})->Args({4096, 256})->Iterations(8)->Unit(benchmark::kMillisecond);
+
+void BM_Ubatch(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));
+  constexpr int kSeqs = 4;
+  thinkv::ThinKvConfig c = config(tokens);
+  c.num_sequences = kSeqs;
+  c.max_tokens = tokens + n + 64;
+  Cache cache(c, policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  for (int seq = 1; seq < kSeqs; ++seq) {
+    if (!cache.copy_sequence(0, seq).is_ok()) state.SkipWithError("copy failed");
+  }
+  // The ubatch's K/V: kSeqs x n rows of [KV heads, head_dim], one buffer per layer call.
+  std::normal_distribution<float> normal;
+  std::vector<float> k(static_cast<std::size_t>(kSeqs) * n * c.num_kv_heads * c.head_dim), v(k.size());
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  const int seqs[kSeqs] = {0, 1, 2, 3};
+  int counts[kSeqs];
+  std::fill(counts, counts + kSeqs, n);
+  const thinkv::TensorRef none{nullptr, thinkv::ElementType::kF32};
+  for (auto _ : state) {
+    if (!cache.begin_prompts(seqs, counts).is_ok()) state.SkipWithError("begin_prompts failed");
+    for (int l = 0; l < c.num_layers; ++l) {
+      if (!cache
+               .prefill_batch(l, seqs, none, {k.data(), thinkv::ElementType::kF32},
+                              {v.data(), thinkv::ElementType::kF32}, {nullptr, thinkv::ElementType::kF32})
+               .is_ok()) {
+        state.SkipWithError("prefill_batch failed");
+      }
+    }
+    if (!cache.end_prompts(seqs).is_ok()) state.SkipWithError("end_prompts failed");
+    state.PauseTiming();  // the turn rolled back: every iteration stores a turn at the same positions
+    for (int seq : seqs) {
+      if (!cache.remove(seq, tokens, -1).is_ok()) state.SkipWithError("remove failed");
+    }
+    state.ResumeTiming();
+  }
+  counters(state, cache);
+  state.counters["rows_per_s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * kSeqs * n, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_Ubatch)->Args({320, 16})->Args({4096, 16})->Args({4096, 128})->Unit(benchmark::kMillisecond);
 
 }  // namespace
