@@ -295,12 +295,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     if (prec == Precision::kBf16) {
       x = decode_bf16(static_cast<std::uint16_t>(kr[2 * c] | (kr[2 * c + 1] << 8)));
     } else {
-      std::uint8_t code;
-      switch (prec) {
-        case Precision::kFp8E4M3: code = kr[c]; break;
-        case Precision::kNvfp4: code = static_cast<std::uint8_t>((kr[c >> 1] >> ((c & 1) * 4)) & 0xF); break;
-        default: code = static_cast<std::uint8_t>((kr[c >> 2] >> ((c & 3) * 2)) & 0x3); break;
-      }
+      const std::uint8_t code = load_code(prec, kr, c);
       const std::uint32_t rec = v.slot_record[id];
       const float s2k = v.s2[(static_cast<std::size_t>(job.stream) * 2) * kNumPrecisions + p];
       const float scale = __fmul_rn(decode_e4m3(v.records[static_cast<std::size_t>(rec) * v.d + c]), s2k);
@@ -338,17 +333,10 @@ __global__ void chunk_gather_kernel(const ChunkToken* tokens, int d, int g, floa
       vo[c] = decode_bf16(static_cast<std::uint16_t>(t.v[2 * c] | (t.v[2 * c + 1] << 8)));
       continue;
     }
-    auto code = [&](const std::uint8_t* row) -> std::uint8_t {
-      switch (prec) {
-        case Precision::kFp8E4M3: return row[c];
-        case Precision::kNvfp4: return static_cast<std::uint8_t>((row[c >> 1] >> ((c & 1) * 4)) & 0xF);
-        default: return static_cast<std::uint8_t>((row[c >> 2] >> ((c & 3) * 2)) & 0x3);
-      }
-    };
     const float ks = __fmul_rn(decode_e4m3(t.key_scales[c]), t.s2[t.precision]);
     const float vs = __fmul_rn(decode_e4m3(t.value_scales[c / g]), t.s2[kNumPrecisions + t.precision]);
-    ko[c] = __fmul_rn(decode_element(prec, code(t.k)), ks);
-    vo[c] = __fmul_rn(decode_element(prec, code(t.v)), vs);
+    ko[c] = __fmul_rn(decode_element(prec, load_code(prec, t.k, c)), ks);
+    vo[c] = __fmul_rn(decode_element(prec, load_code(prec, t.v, c)), vs);
   }
 }
 
@@ -1679,15 +1667,20 @@ Status CudaKvBackend::commit_batch(std::span<const CommitPlan> plans) {
   return Status::ok();
 }
 
-Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
-  THINKV_BACKEND_READY();
-  THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
-  if (a.head_dim > kernels::kPrefillMaxHeadDim || (a.num_q_heads + 3) / 4 > 65535) {
+namespace {
+/// What both prompt attentions refuse before launching: a shape the prefill kernel does not serve
+/// (kUnsupported naming the call).
+Status check_prefill_shape(const char* call, int head_dim, int num_q_heads) {
+  if (head_dim > kernels::kPrefillMaxHeadDim || (num_q_heads + 3) / 4 > 65535) {
     return {StatusCode::kUnsupported,
-            "attend_prompt: head_dim " + std::to_string(a.head_dim) + " with " + std::to_string(a.num_q_heads) +
+            std::string(call) + ": head_dim " + std::to_string(head_dim) + " with " + std::to_string(num_q_heads) +
                 " query heads: the prefill kernel serves head_dim <= " + std::to_string(kernels::kPrefillMaxHeadDim) +
                 " and up to 262,140 heads"};
   }
+  return Status::ok();
+}
+/// The prefill kernel's parameters for a prompt attention, its K and V as given.
+kernels::PrefillAttentionParams prefill_params(const PromptAttendArgs& a) {
   kernels::PrefillAttentionParams p;
   p.tokens = a.tokens;
   p.num_q_heads = a.num_q_heads;
@@ -1702,7 +1695,15 @@ Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
   p.v_type = a.v.type;
   p.out_type = a.out.type;
   p.softmax_scale = a.softmax_scale;
-  THINKV_CUDA_TRY(kernels::launch_prefill_attention(p, impl_->stream));
+  return p;
+}
+}  // namespace
+
+Status CudaKvBackend::attend_prompt(const PromptAttendArgs& a) const {
+  THINKV_BACKEND_READY();
+  THINKV_RETURN_IF_ERROR(check_prompt_attend(a));
+  THINKV_RETURN_IF_ERROR(check_prefill_shape("attend_prompt", a.head_dim, a.num_q_heads));
+  THINKV_CUDA_TRY(kernels::launch_prefill_attention(prefill_params(a), impl_->stream));
   return Status::ok();
 }
 
@@ -1717,12 +1718,7 @@ Status CudaKvBackend::attend_chunk(const AttendView& view, const PromptAttendArg
                                             std::to_string(hkv) + " KV heads (the cache's head_dim is " +
                                             std::to_string(d) + ")"};
   }
-  if (d > kernels::kPrefillMaxHeadDim || (a.num_q_heads + 3) / 4 > 65535) {
-    return {StatusCode::kUnsupported,
-            "attend_chunk: head_dim " + std::to_string(d) + " with " + std::to_string(a.num_q_heads) +
-                " query heads: the prefill kernel serves head_dim <= " + std::to_string(kernels::kPrefillMaxHeadDim) +
-                " and up to 262,140 heads"};
-  }
+  THINKV_RETURN_IF_ERROR(check_prefill_shape("attend_chunk", d, a.num_q_heads));
   // Every stored token in attention order (live slots of the blocks in list order, then the
   // staged rows), its device addresses resolved here from the host's table.
   std::vector<ChunkToken>& toks = m.chunk_tokens;
@@ -1821,19 +1817,10 @@ Status CudaKvBackend::attend_chunk(const AttendView& view, const PromptAttendArg
   chunk_place_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(hkv)), threads, 0, m.stream>>>(
       a.k.data, a.v.data, a.k.type, a.v.type, hkv, d, dprefix, rows, kbuf, vbuf);
   THINKV_CUDA_TRY(cudaGetLastError());
-  kernels::PrefillAttentionParams p;
-  p.tokens = a.tokens;
-  p.num_q_heads = a.num_q_heads;
-  p.num_kv_heads = hkv;
-  p.head_dim = d;
-  p.q = a.q.data;
+  kernels::PrefillAttentionParams p = prefill_params(a);  // head_dim == d, num_kv_heads == hkv (checked above)
   p.k = kbuf;
   p.v = vbuf;
-  p.out = a.out.data;
-  p.q_type = a.q.type;
   p.k_type = p.v_type = ElementType::kF32;
-  p.out_type = a.out.type;
-  p.softmax_scale = a.softmax_scale;
   p.prefix = dprefix;
   p.kv_row_stride = d;
   p.kv_head_stride = static_cast<long long>(rows) * d;
