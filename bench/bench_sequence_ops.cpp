@@ -15,6 +15,11 @@
 //                      checks and checksum included; the reset that empties it is not timed
 //   CopySequence       copy_sequence(0, 1) (llama_memory_seq_cp) into an empty sequence: the
 //                      source's snapshot and its load, no codec; the reset is not timed
+//   CopyPinnedPrompt   copy_sequence(0, 1) of a sequence whose first `prompt` positions are pinned
+//                      (a shared system prompt, parallel sampling), with share_prompt_blocks on
+//                      (the prompt's full blocks shared, not copied) or off (a whole copy);
+//                      (arguments: tokens, prompt, share); copy_MB = the bytes the copy adds to
+//                      what the cache holds
 //   Ubatch/n           a ubatch of later turns (a user's next message after decoding), n tokens
 //                      for each of 4 sequences holding the same history (copies of sequence 0):
 //                      begin_prompts, prefill_batch of every layer storing K/V only (q and out
@@ -201,6 +206,35 @@ void BM_CopySequence(benchmark::State& state) {
   state_counters(state, cache, bytes.size());
 }
 BENCHMARK(BM_CopySequence)->Arg(320)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+void BM_CopyPinnedPrompt(benchmark::State& state) {
+  const int tokens = static_cast<int>(state.range(0)), prompt = static_cast<int>(state.range(1));
+  thinkv::ThinKvConfig c = config(tokens);
+  c.num_sequences = 2;
+  c.pinned_prefix = prompt;
+  c.share_prompt_blocks = state.range(2) != 0;
+  Cache cache(c, policy());
+  std::mt19937 rng(7);
+  if (!decode(cache, tokens, rng)) state.SkipWithError("decode failed");
+  const std::int64_t before = cache.memory().physical_bytes();
+  std::int64_t added = 0;
+  for (auto _ : state) {
+    if (!cache.copy_sequence(0, 1).is_ok()) state.SkipWithError("copy failed");
+    state.PauseTiming();
+    added = cache.memory().physical_bytes() - before;
+    state.counters["shared_blocks"] = static_cast<double>(cache.memory(1).blocks_shared);
+    if (!cache.reset_sequence(1).is_ok()) state.SkipWithError("reset failed");
+    state.ResumeTiming();
+  }
+  counters(state, cache);
+  state.counters["source_MB"] = static_cast<double>(before) / 1e6;
+  state.counters["copy_MB"] = static_cast<double>(added) / 1e6;
+}
+BENCHMARK(BM_CopyPinnedPrompt)
+    ->Args({320, 128, 1})
+    ->Args({4096, 2048, 0})
+    ->Args({4096, 2048, 1})
+    ->Unit(benchmark::kMillisecond);
 
 void BM_ContextShift(benchmark::State& state) {
   const int tokens = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1));

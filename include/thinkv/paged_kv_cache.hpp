@@ -39,6 +39,9 @@ struct MemoryUsage {
   std::int64_t staged_tokens = 0;  ///< tokens in staging (full precision)
   std::int64_t hole_slots = 0;     ///< evicted slots still held (awaiting reuse)
   std::int64_t blocks_held = 0;
+  /// blocks the stream reads that another stream holds and counts (a shared prompt prefix,
+  /// copy_sequence): not in blocks_held nor in the bytes
+  std::int64_t blocks_shared = 0;
   std::int64_t records_held = 0;
   std::int64_t page_bytes = 0;          ///< K/V codes and value scales of held blocks
   std::int64_t metadata_bytes = 0;      ///< block headers, masks, slot metadata, table, headers
@@ -58,6 +61,7 @@ struct MemoryUsage {
     staged_tokens += o.staged_tokens;
     hole_slots += o.hole_slots;
     blocks_held += o.blocks_held;
+    blocks_shared += o.blocks_shared;
     records_held += o.records_held;
     page_bytes += o.page_bytes;
     metadata_bytes += o.metadata_bytes;
@@ -631,10 +635,12 @@ class PagedKvCache {
 
   /// The stored state of a stream (its pages, records, scales and staged tokens), for
   /// load_streams into this cache or another of the same configuration.
-  [[nodiscard]] Status save_stream(int stream, StreamSnapshot& out) const requires state_io_backend<B> {
+  /// With `first_block`, only the stream's blocks from that index on (BlockTable::export_stream).
+  [[nodiscard]] Status save_stream(int stream, StreamSnapshot& out,
+                                   std::size_t first_block = 0) const requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(table_.check_stream(stream));
     std::vector<std::uint32_t> blocks, records;
-    table_.export_stream(stream, out.image, blocks, records);
+    table_.export_stream(stream, out.image, blocks, records, first_block);
     std::size_t bytes = 0;
     for (std::uint32_t b : blocks) bytes += static_cast<std::size_t>(layout().page_bytes(table_.block_precision(b)));
     out.pages.resize(bytes);
@@ -752,6 +758,57 @@ class PagedKvCache {
     return Status::ok();
   }
 
+  /// Gives stream `dst` the first `n` blocks of stream `src`, shared (BlockTable::share_prefix:
+  /// full, hole-free blocks; no data moves).
+  [[nodiscard]] Status share_prefix(int src, int dst, std::size_t n) requires page_sharing_backend<B> {
+    return table_.share_prefix(src, dst, n);
+  }
+  /// Copies shared blocks for the holders named in `which` ((stream, block) pairs: copy on write,
+  /// BlockTable::plan_unshare): pages and key-scale records copied through the backend's state
+  /// I/O, each stream's list then names its copy. All or nothing: kPoolExhausted (with what
+  /// `reserved` keeps for open tokens) or the backend's error, and nothing changes.
+  [[nodiscard]] Status unshare(std::span<const std::pair<int, std::uint32_t>> which,
+                               const PlanClaims& reserved = {}) requires state_io_backend<B> {
+    if (which.empty()) return Status::ok();
+    PlanClaims claims;
+    std::vector<BlockTable::UnsharePlan> plans(which.size());
+    for (std::size_t i = 0; i < which.size(); ++i) {
+      THINKV_RETURN_IF_ERROR(table_.plan_unshare(which[i].first, which[i].second, plans[i], claims));
+    }
+    THINKV_RETURN_IF_ERROR(table_.check_claims(claims, reserved, "copying shared blocks"));
+    std::vector<std::vector<std::uint32_t>> block_ids(1), record_ids(1);
+    for (const auto& u : plans) {
+      block_ids[0].push_back(u.to);
+      record_ids[0].insert(record_ids[0].end(), u.records_to.begin(), u.records_to.end());
+    }
+    std::uint32_t blocks[kNumPrecisions];
+    for (Precision p : kAllPrecisions) blocks[static_cast<int>(p)] = table_.blocks_needed(p, block_ids);
+    THINKV_RETURN_IF_ERROR(grow_storage(blocks, table_.records_needed(record_ids)));
+    // The copies go into pages and records still free in the table: a failure takes back the
+    // storage and the table never saw anything.
+    std::vector<std::uint8_t> page;
+    std::vector<std::uint8_t> record(static_cast<std::size_t>(config().head_dim));
+    auto copy = [&]() -> Status {
+      for (const auto& u : plans) {
+        const Precision p = table_.pools().precision_of(u.from);
+        page.resize(static_cast<std::size_t>(layout().page_bytes(p)));
+        THINKV_RETURN_IF_ERROR(backend_.read_page(p, table_.pools().local_index(u.from), page));
+        THINKV_RETURN_IF_ERROR(backend_.write_page(p, table_.pools().local_index(u.to), page));
+        for (std::size_t j = 0; j < u.records_from.size(); ++j) {
+          THINKV_RETURN_IF_ERROR(backend_.read_record(u.records_from[j], record));
+          THINKV_RETURN_IF_ERROR(backend_.write_record(u.records_to[j], record));
+        }
+      }
+      return Status::ok();
+    };
+    if (Status e = copy(); !e.is_ok()) {
+      (void)follow_table();
+      return e;
+    }
+    table_.apply_unshare(plans);
+    return Status::ok();
+  }
+
   /// Exact memory of one stream. Precondition: 0 <= stream < num_streams (check_stream()).
   [[nodiscard]] MemoryUsage memory(int stream) const {
     assert(table_.check_stream(stream).is_ok());
@@ -762,6 +819,10 @@ class PagedKvCache {
     m.hole_slots = table_.hole_slots(stream);
     m.records_held = table_.records_held(stream);
     for (std::uint32_t b : table_.blocks(stream)) {
+      if (table_.block_owner(b) != stream) {  // a shared block: its owner counts it
+        ++m.blocks_shared;
+        continue;
+      }
       const Precision p = table_.block_precision(b);
       ++m.blocks_held;
       m.page_bytes += L.page_bytes(p);

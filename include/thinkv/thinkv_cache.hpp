@@ -76,6 +76,11 @@ struct ThinKvConfig {
   /// generated tokens); the token budget counts the tokens after them. Per sequence:
   /// ThinKvCache::pin_prefix. 0 = none (the default: every token is a thought).
   int pinned_prefix = 0;
+  /// copy_sequence shares the source's full blocks of pinned prompt tokens with the copy
+  /// (reference counted, copied when a remove() writes into one) instead of copying them, with
+  /// a backend that reads shared blocks (page_sharing_backend: the CPU backend). false: every
+  /// copy is whole.
+  bool share_prompt_blocks = true;
 
   static constexpr int kMaxKvHeads = 4096;
   static constexpr int kMaxTokens = 1 << 30;
@@ -535,6 +540,8 @@ class BasicThinKvCache {
   ///  - rolling back to a position that is not a multiple of group_size behind the open group:
   ///    the tokens of its group before it are quantized and cannot return to staging. The message
   ///    names the multiple of group_size to remove from instead (then decode the tokens again).
+  /// kPoolExhausted when the range lies in blocks shared with a copy (copy_sequence's shared
+  /// prompt) and the pools or memory_limit_bytes cannot hold their copies (copy on write).
   [[nodiscard]] Status remove(int seq, std::int32_t p0, std::int32_t p1) {
     THINKV_RETURN_IF_ERROR(check_seq(seq));
     const std::string call =
@@ -580,6 +587,29 @@ class BasicThinKvCache {
       if (tail ? pos < next : true) {
         keep.push_back(table.staged_segment(first, r));
         ++staged_left[index_of(keep.back())];
+      }
+    }
+    // Shared blocks (a copied prompt) the range writes into are copied first, for every stream
+    // at once: the one step that can fail (kPoolExhausted), before anything changes.
+    if constexpr (state_io_backend<B>) {
+      if (table.shared_blocks() > 0 && lo < G) {
+        std::vector<std::pair<int, std::uint32_t>> cow;
+        for (int st = first; st < last; ++st) {
+          for (std::size_t i = 0; i < nseg; ++i) {
+            if (s.segments[i].start >= end || seg_end(i) <= lo) continue;
+            table.live_segment_slots(st, s.segments[i].id, slots);
+            for (const SlotRef r : slots) {
+              if (inside(table.slot_position(r)) && table.is_shared(r.block) &&
+                  std::find(cow.begin(), cow.end(), std::pair{st, r.block}) == cow.end()) {
+                cow.emplace_back(st, r.block);
+              }
+            }
+          }
+        }
+        if (Status c = cache_.unshare(cow, reserved_); !c.is_ok()) {
+          return {c.code(),
+                  call + ": the range lies in blocks shared with a copy, which cannot be copied: " + c.message()};
+        }
       }
     }
     // Evict what pages hold in the range, stream by stream (the table's evict cannot fail on
@@ -702,12 +732,13 @@ class BasicThinKvCache {
   /// type and tracker, so `dst` then decodes exactly as `src` would (K-means selections are
   /// seeded by a stream's lane in its sequence, not by the sequence). A range that is not the
   /// whole sequence is the copy cut by remove(dst, 0, p0) and remove(dst, p1, -1), with
-  /// remove's rules: their refusals (kUnsupported) are found before anything is copied. The
-  /// copy's blocks are its own: memory is copied, not shared (docs/design.md, "Sequence
-  /// operations"). src == dst changes nothing. Errors (nothing changes): a sequence out of
-  /// range; either faulted, in the open step or with an open token or prompt, or `dst` not
-  /// empty (kInvalidArgument); kPoolExhausted when the pools cannot hold the copy beside what
-  /// other sequences' open tokens reserved; remove's refusals for the range.
+  /// remove's rules: their refusals (kUnsupported) are found before anything is copied. With
+  /// share_prompt_blocks and a page_sharing_backend the source's full blocks of pinned prompt
+  /// tokens are shared with the copy, not copied; a later remove() copies one before writing
+  /// into it (docs/design.md, "Shared prompt blocks"). src == dst changes nothing. Errors (nothing changes): a sequence
+  /// out of range; either faulted, in the open step or with an open token or prompt, or `dst` not empty
+  /// (kInvalidArgument); kPoolExhausted when the pools cannot hold the copy beside what other sequences' open tokens
+  /// reserved; remove's refusals for the range.
   [[nodiscard]] Status copy_sequence(int src, int dst, std::int32_t p0 = -1,
                                      std::int32_t p1 = -1) requires state_io_backend<B> {
     THINKV_RETURN_IF_ERROR(check_seq(src));
@@ -738,10 +769,30 @@ class BasicThinKvCache {
       const std::string cut = "remove(" + std::to_string(dst) + ", " + std::to_string(hi) + ", -1)";
       if (Status c = check_remove(src, hi, s.position, cut, dst, next); !c.is_ok()) return refused(c);
     }
+    // With a backend that reads shared blocks, each stream's leading blocks of pinned prompt
+    // tokens are shared, not copied (the rest is copied, then the shared ones go in front).
+    const int first = stream_of(src, 0, 0), streams = stream_of(src + 1, 0, 0) - first;
+    std::vector<std::size_t> shared(static_cast<std::size_t>(streams), 0);
+    if constexpr (page_sharing_backend<B>) {
+      if (config_.share_prompt_blocks && s.pinned > 0) {
+        for (int k = 0; k < streams; ++k) {
+          shared[static_cast<std::size_t>(k)] = cache_.table().shareable_prefix(first + k, s.pinned);
+        }
+      }
+    }
     std::vector<StreamSnapshot> snaps;
     StageSnapshot stage;
-    THINKV_RETURN_IF_ERROR(snapshot_sequence(src, snaps, stage));
+    THINKV_RETURN_IF_ERROR(snapshot_sequence(src, snaps, stage, shared));
     THINKV_RETURN_IF_ERROR(cache_.load_streams(stream_of(dst, 0, 0), snaps, stage, reserved_));
+    if constexpr (page_sharing_backend<B>) {
+      for (int k = 0; k < streams; ++k) {
+        const Status st = cache_.share_prefix(first + k, stream_of(dst, 0, 0) + k, shared[static_cast<std::size_t>(k)]);
+        if (!st.is_ok()) {  // checked by shareable_prefix: not reached
+          THINKV_RETURN_IF_ERROR(reset_sequence(dst));
+          return {StatusCode::kInternal, call + ": sharing the prompt's blocks failed: " + st.message()};
+        }
+      }
+    }
     SeqState copy = seq_(src);
     copy.reserved = PlanClaims{};
     copy.generation = seq_(dst).generation;
@@ -1779,12 +1830,14 @@ class BasicThinKvCache {
            12 * static_cast<std::size_t>(config_.block_size);
   }
   /// Every stream of a settled sequence and its open group, as load_streams restores them.
-  [[nodiscard]] Status snapshot_sequence(int seq, std::vector<StreamSnapshot>& snaps,
-                                         StageSnapshot& stage) const requires state_io_backend<B> {
+  /// With `skip`, each stream's blocks from skip[k] on (copy_sequence shares the ones before).
+  [[nodiscard]] Status snapshot_sequence(int seq, std::vector<StreamSnapshot>& snaps, StageSnapshot& stage,
+                                         std::span<const std::size_t> skip = {}) const requires state_io_backend<B> {
     const int first = stream_of(seq, 0, 0), last = stream_of(seq + 1, 0, 0);
     snaps.assign(static_cast<std::size_t>(last - first), StreamSnapshot{});
     for (int st = first; st < last; ++st) {
-      THINKV_RETURN_IF_ERROR(cache_.save_stream(st, snaps[static_cast<std::size_t>(st - first)]));
+      const auto k = static_cast<std::size_t>(st - first);
+      THINKV_RETURN_IF_ERROR(cache_.save_stream(st, snaps[k], k < skip.size() ? skip[k] : 0));
     }
     stage = cache_.stage_snapshot(first);
     return Status::ok();

@@ -900,3 +900,125 @@ TEST_CASE("live_segment_slots lists exactly a segment's live slots, in live_slot
   }
   CHECK(t.stats().slots_reused > 0);
 }
+
+TEST_CASE("BlockTable: a shared block is read by every holder, refused by evict, passed on, copied on write",
+          "[block_table][shared]") {
+  const int g = 8, bs = 16;
+  BlockTable t(table_config(g, bs, {0, 0, 8, 4}, kR4E4T2, 3));
+  auto group = [&](int s, ThoughtType th) {
+    for (int i = 0; i < g; ++i) {
+      REQUIRE(t.check_stage(s, th).is_ok());
+      CommitPlan plan;
+      const bool fills = t.staged_count(s) + 1 == g;
+      if (fills) REQUIRE(t.plan_commit(s, th, plan).is_ok());
+      t.push_staged(s, th, 0);
+      if (fills) t.apply_commit(plan);
+    }
+  };
+  for (int i = 0; i < 5; ++i) group(0, R);  // positions 0..39: two full blocks and a half one
+  const std::vector<std::uint32_t> src(t.blocks(0).begin(), t.blocks(0).end());
+  REQUIRE(src.size() == 3);
+  CHECK(t.shareable_prefix(0, 1000) == 2);
+  CHECK(t.shareable_prefix(0, 24) == 1);  // the second block holds positions 16..31
+  CHECK(t.shareable_prefix(0, 15) == 0);
+  const std::int64_t allocated = t.allocated_bytes();
+  const std::uint32_t rec0 = t.slot_record({src[0], 0});
+
+  REQUIRE(t.share_prefix(0, 1, 2).is_ok());
+  REQUIRE(t.share_prefix(0, 2, 1).is_ok());
+  CHECK(std::vector<std::uint32_t>(t.blocks(1).begin(), t.blocks(1).end()) ==
+        std::vector<std::uint32_t>{src[0], src[1]});
+  CHECK(t.live_slots(1) == 2 * bs);
+  const std::vector<SlotRef> live0 = t.live_slot_list(0);
+  CHECK(t.live_slot_list(1) == std::vector<SlotRef>(live0.begin(), live0.begin() + 2 * bs));
+  CHECK(t.records_held(1) == 0);
+  CHECK(t.allocated_bytes() == allocated);
+  CHECK(t.shared_blocks() == 2);
+  CHECK(std::vector<std::int32_t>(t.holders(src[0]).begin(), t.holders(src[0]).end()) ==
+        std::vector<std::int32_t>{0, 1, 2});
+  // What may not be shared: a partly written block, a block the destination holds.
+  CHECK(t.share_prefix(0, 2, 3).code() == StatusCode::kInvalidArgument);
+  CHECK(t.share_prefix(0, 1, 1).code() == StatusCode::kInvalidArgument);
+  CHECK(t.blocks(2).size() == 1);
+  // No holder evicts in a shared block, the owner included.
+  for (int s : {0, 1, 2}) {
+    const Status e = t.evict(s, std::vector<SlotRef>{{src[0], 3}});
+    CHECK(e.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(e.message(), Contains("share"));
+  }
+  CHECK(t.live_slots(0) == 5 * g);
+  // A holder's own commits go to a fresh block (the shared ones are full).
+  group(1, R);
+  REQUIRE(t.blocks(1).size() == 3);
+  CHECK(std::find(src.begin(), src.end(), t.blocks(1)[2]) == src.end());
+
+  // The owner leaves: the next holder owns the blocks and their records; src[1] is no longer shared.
+  const std::size_t free_before = t.free_blocks(Precision::kNvfp4);
+  t.reset_stream(0);
+  CHECK(t.free_blocks(Precision::kNvfp4) == free_before + 1);  // only its own half block
+  CHECK(t.block_owner(src[0]) == 1);
+  CHECK(t.block_owner(src[1]) == 1);
+  CHECK(t.record_owner(rec0) == 1);
+  CHECK(t.records_held(1) == 1 + 2 * (bs / g));
+  CHECK(t.is_shared(src[0]));
+  CHECK_FALSE(t.is_shared(src[1]));
+  CHECK(t.holders(src[1]).empty());
+  REQUIRE(t.evict(1, std::vector<SlotRef>{{src[1], 0}}).is_ok());
+
+  // Copy on write: stream 2's copy of src[0], its own records; src[0] stays stream 1's.
+  BlockTable::UnsharePlan u;
+  PlanClaims claims;
+  CHECK(t.plan_unshare(0, src[0], u, claims).code() == StatusCode::kInvalidArgument);  // not a holder any more
+  REQUIRE(t.plan_unshare(2, src[0], u, claims).is_ok());
+  REQUIRE(u.records_from.size() == static_cast<std::size_t>(bs / g));
+  t.apply_unshare(std::span(&u, 1));
+  CHECK(t.blocks(2)[0] == u.to);
+  CHECK(u.to != src[0]);
+  CHECK_FALSE(t.is_shared(src[0]));
+  CHECK(t.shared_blocks() == 0);
+  CHECK(t.block_owner(src[0]) == 1);
+  CHECK(t.block_owner(u.to) == 2);
+  CHECK(t.records_held(2) == bs / g);
+  CHECK(t.live_slots(2) == bs);
+  for (int i = 0; i < bs; ++i) {
+    const SlotRef a{src[0], static_cast<std::uint32_t>(i)}, b{u.to, static_cast<std::uint32_t>(i)};
+    CHECK(t.slot_position(b) == t.slot_position(a));
+    CHECK(t.slot_segment(b) == t.slot_segment(a));
+    const std::uint32_t r = t.slot_record(b);
+    const auto at = std::find(u.records_from.begin(), u.records_from.end(), t.slot_record(a)) - u.records_from.begin();
+    REQUIRE(at < static_cast<std::ptrdiff_t>(u.records_to.size()));
+    CHECK(r == u.records_to[static_cast<std::size_t>(at)]);
+    CHECK(t.record_owner(r) == 2);
+    CHECK(t.record_refs(r) == g);
+  }
+  // Both may now evict in their own block; the last live slot frees it.
+  std::vector<SlotRef> all;
+  for (int i = 0; i < bs; ++i) all.push_back({u.to, static_cast<std::uint32_t>(i)});
+  REQUIRE(t.evict(2, all).is_ok());
+  CHECK(t.blocks(2).empty());
+  CHECK(t.records_held(2) == 0);
+}
+
+TEST_CASE("BlockTable: a copy on write the pool cannot hold fails and changes nothing",
+          "[block_table][shared][errors]") {
+  const int g = 8, bs = 16;
+  BlockTable t(table_config(g, bs, {0, 0, 2, 2}, kR4E4T2, 2));
+  for (int i = 0; i < 4; ++i) {  // both R blocks of the pool, full
+    for (int j = 0; j < g; ++j) {
+      CommitPlan plan;
+      const bool fills = t.staged_count(0) + 1 == g;
+      if (fills) REQUIRE(t.plan_commit(0, R, plan).is_ok());
+      t.push_staged(0, R, 0);
+      if (fills) t.apply_commit(plan);
+    }
+  }
+  REQUIRE(t.share_prefix(0, 1, 2).is_ok());
+  const auto before = tt::snapshot_table(t);
+  BlockTable::UnsharePlan u;
+  PlanClaims claims;
+  const Status e = t.plan_unshare(1, t.blocks(1)[0], u, claims);
+  CHECK(e.code() == StatusCode::kPoolExhausted);
+  CHECK_THAT(e.message(), Contains("NVFP4") || Contains("nvfp4"));
+  CHECK(claims.blocks[static_cast<int>(Precision::kNvfp4)] == 0);
+  TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+}

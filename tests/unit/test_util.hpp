@@ -625,9 +625,9 @@ class CtModel {
 inline std::string describe(const MemoryUsage& m) {
   std::ostringstream os;
   os << "{live " << m.live_tokens << ", staged " << m.staged_tokens << ", holes " << m.hole_slots << ", blocks "
-     << m.blocks_held << ", records " << m.records_held << ", pages " << m.page_bytes << ", meta " << m.metadata_bytes
-     << ", rec " << m.scale_record_bytes << ", staging " << m.staging_bytes << ", fullkv " << m.fullkv_fp16_bytes
-     << "}";
+     << m.blocks_held << ", shared " << m.blocks_shared << ", records " << m.records_held << ", pages " << m.page_bytes
+     << ", meta " << m.metadata_bytes << ", rec " << m.scale_record_bytes << ", staging " << m.staging_bytes
+     << ", fullkv " << m.fullkv_fp16_bytes << "}";
   return os.str();
 }
 
@@ -849,6 +849,11 @@ inline std::vector<std::string> snapshot_table(const BlockTable& t) {
     for (auto w : t.evict_mask(b)) mk << std::hex << w << " ";
     line("block ", b, " owner ", t.block_owner(b), " thought ", t.block_thought(b), " fill ", t.block_fill(b), " live ",
          t.block_live(b), " mask ", mk.str());
+    if (t.is_shared(b)) {
+      std::ostringstream hs;
+      for (auto h : t.holders(b)) hs << h << " ";
+      line("block ", b, " shared by ", hs.str());
+    }
     for (int i = 0; i < t.block_fill(b); ++i) {
       const SlotRef r{b, static_cast<std::uint32_t>(i)};
       if (!t.is_live(r)) continue;

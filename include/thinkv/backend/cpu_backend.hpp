@@ -42,6 +42,8 @@ class BasicCpuKvBackend {
   using Vec = std::vector<T, typename std::allocator_traits<Alloc>::template rebind_alloc<T>>;
 
  public:
+  /// Reads blocks by id and with their owner's second-level scales: a block may be shared.
+  static constexpr bool kSharesPages = true;
   BasicCpuKvBackend() requires std::is_default_constructible_v<Alloc> : BasicCpuKvBackend(Alloc{}) {}
   explicit BasicCpuKvBackend(const Alloc& alloc) : alloc_(alloc), staging_(alloc_), s2_(alloc_) {}
 

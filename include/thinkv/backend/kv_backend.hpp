@@ -109,6 +109,15 @@ concept state_io_backend = kv_backend<B> &&
   { b.write_stream_scales(stream, fin) } -> std::same_as<Status>;
 };
 
+/// A state_io_backend that reads every block through the table's views (its owner's
+/// second-level scales, its page by id), so a block may sit in several streams' lists
+/// (BlockTable's shared blocks): copy_sequence then shares a pinned prompt's blocks instead of
+/// copying them. A backend declares it with `static constexpr bool kSharesPages = true;`.
+template <class B>
+concept page_sharing_backend = state_io_backend<B> && requires {
+  requires B::kSharesPages;
+};
+
 /// The sizes state_io_backend's calls check, for backends to share the message.
 inline Status check_state_io_size(std::size_t got, std::size_t want, const char* what) {
   if (got == want) return Status::ok();

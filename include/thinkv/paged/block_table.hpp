@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <span>
 #include <string>
@@ -83,8 +84,10 @@ struct BlockTableStats {
   std::int64_t blocks_freed = 0;
   std::int64_t records_allocated = 0;
   std::int64_t records_freed = 0;
-  std::int64_t chunks_grown = 0;     ///< block chunks given storage (all pools)
-  std::int64_t chunks_released = 0;  ///< block chunks whose storage was released
+  std::int64_t chunks_grown = 0;            ///< block chunks given storage (all pools)
+  std::int64_t chunks_released = 0;         ///< block chunks whose storage was released
+  std::int64_t blocks_shared = 0;           ///< blocks given to another stream by share_prefix (each time)
+  std::int64_t blocks_copied_on_write = 0;  ///< shared blocks copied for a holder (apply_unshare)
 };
 
 /// Host metadata of the CT cache. Single-threaded; not copyable by accident (use copy()).
@@ -739,6 +742,12 @@ class BlockTable {
         return {StatusCode::kOutOfRange,
                 "slot {block " + std::to_string(r.block) + ", slot " + std::to_string(r.slot) + "} does not exist"};
       }
+      if (is_shared(r.block)) {
+        return {StatusCode::kInvalidArgument, "slot {block " + std::to_string(r.block) + ", slot " +
+                                                  std::to_string(r.slot) +
+                                                  "} lies in a block several streams share: copy it first "
+                                                  "(plan_unshare / apply_unshare)"};
+      }
       const Loc l = loc(r.block);
       const bool live = l.ok && l.pool->owner[l.local] == stream && static_cast<int>(r.slot) < l.pool->fill[l.local] &&
                         ((l.pool->mask[mask_index(l, r.slot)] >> (r.slot % 64)) & 1u) == 0;
@@ -809,6 +818,10 @@ class BlockTable {
     ++op_;
     StreamState& s = stream_(stream);
     for (std::uint32_t b : s.blocks) {
+      if (is_shared(b)) {  // the block stays with its other holders
+        drop_holder(b, stream);
+        continue;
+      }
       for (int i = 0; i < block_fill(b); ++i) {
         const SlotRef r{b, static_cast<std::uint32_t>(i)};
         if (is_evicted(r)) continue;
@@ -838,16 +851,19 @@ class BlockTable {
 
   /// A stream's blocks as an image, and the ids they have here: `block_ids[i]` is the block of
   /// image.blocks[i], `record_ids[j]` the record the image numbers j.
+  /// With `first_block`, the stream's blocks from that index on (copy_sequence shares the ones
+  /// before it): the records are those of the exported blocks only.
   void export_stream(int stream, StreamImage& image, std::vector<std::uint32_t>& block_ids,
-                     std::vector<std::uint32_t>& record_ids) const {
+                     std::vector<std::uint32_t>& record_ids, std::size_t first_block = 0) const {
     const StreamState& s = stream_(stream);
     const int bs = config_.block_size;
-    image.blocks.assign(s.blocks.size(), BlockImage{});
-    block_ids.assign(s.blocks.begin(), s.blocks.end());
+    first_block = std::min(first_block, s.blocks.size());
+    image.blocks.assign(s.blocks.size() - first_block, BlockImage{});
+    block_ids.assign(s.blocks.begin() + static_cast<std::ptrdiff_t>(first_block), s.blocks.end());
     record_ids.clear();
     std::vector<std::pair<std::uint32_t, std::uint32_t>> seen;  // (record, index), sorted
-    for (std::size_t k = 0; k < s.blocks.size(); ++k) {
-      const std::uint32_t b = s.blocks[k];
+    for (std::size_t k = 0; k < block_ids.size(); ++k) {
+      const std::uint32_t b = block_ids[k];
       const Loc l = loc(b);
       BlockImage& bi = image.blocks[k];
       bi.thought = l.pool->thought[l.local];
@@ -1056,6 +1072,209 @@ class BlockTable {
       s.list_version = list_changed(stream);
       StageSet& t = set_of(stream);
       t.max_blocks = std::max(t.max_blocks, static_cast<std::uint32_t>(s.blocks.size()));
+    }
+  }
+
+  // ---- shared blocks (copy_sequence's prefix sharing) ------------------------------------------
+  //
+  // A block may be held by several streams: copy_sequence gives the destination the source's
+  // leading blocks of the pinned prompt instead of copies. Only full blocks without holes whose
+  // every token is pinned are shared, so nothing writes into them: commits never reuse them (no
+  // hole, no unwritten slot), TBE never evicts pinned tokens, a shift never moves them. The one
+  // write left, remove() of a shared token, copies the block first (plan_unshare, apply_unshare:
+  // copy on write); evict() refuses a shared block. The block keeps one owner among its holders
+  // (its key-scale records' owner too, and the stream whose second-level scales its codes use:
+  // every holder has the same ones, copied with the state); when the owner lets go, the next
+  // holder owns it. A shared block counts once in allocated_bytes().
+
+  /// True when more than one stream holds block b.
+  [[nodiscard]] bool is_shared(std::uint32_t b) const { return !holders_.empty() && holders_.contains(b); }
+  /// The streams that hold block b when it is shared (in the order they took it), else empty.
+  [[nodiscard]] std::span<const std::int32_t> holders(std::uint32_t b) const {
+    const auto it = holders_.find(b);
+    return it == holders_.end() ? std::span<const std::int32_t>{} : std::span<const std::int32_t>(it->second);
+  }
+  /// Shared blocks in the table (each once).
+  [[nodiscard]] std::size_t shared_blocks() const noexcept { return holders_.size(); }
+  /// How many of the stream's leading blocks could be shared: full, without a hole, every slot's
+  /// position below `below` (the pinned prefix's end), and no key-scale record of theirs named by
+  /// a slot outside the block (a group that refilled holes of two blocks: sharing one of them
+  /// would split the group's record when it is copied on write).
+  [[nodiscard]] std::size_t shareable_prefix(int stream, std::int32_t below) const {
+    const StreamState& s = stream_(stream);
+    const int bs = config_.block_size;
+    std::vector<std::pair<std::uint32_t, int>> uses;  // a block's records and their slots in it
+    std::size_t n = 0;
+    for (; n < s.blocks.size(); ++n) {
+      const Loc l = loc(s.blocks[n]);
+      if (!l.ok || l.pool->fill[l.local] != bs || l.pool->live[l.local] != bs) break;
+      const std::int32_t* pos = l.pool->slot_position.data() + slot_index(l, 0);
+      if (!std::all_of(pos, pos + bs, [&](std::int32_t x) { return x < below; })) break;
+      uses.clear();
+      const std::uint32_t* rec = l.pool->slot_record.data() + slot_index(l, 0);
+      for (int i = 0; i < bs; ++i) {
+        if (rec[i] == kNoRecord) continue;
+        const auto it = std::find_if(uses.begin(), uses.end(), [&](const auto& u) { return u.first == rec[i]; });
+        if (it == uses.end()) {
+          uses.emplace_back(rec[i], 1);
+        } else {
+          ++it->second;
+        }
+      }
+      if (!std::all_of(uses.begin(), uses.end(), [&](const auto& u) { return record_refs_[u.first] == u.second; }))
+        break;
+    }
+    return n;
+  }
+  /// Puts the first `n` blocks of stream `src` at the front of stream `dst`'s list, shared (no
+  /// data moves; dst's later blocks stay after them). kInvalidArgument (nothing changes) when one
+  /// of them is not full or has a hole, or dst already holds it.
+  [[nodiscard]] Status share_prefix(int src, int dst, std::size_t n) {
+    THINKV_RETURN_IF_ERROR(check_stream(src));
+    THINKV_RETURN_IF_ERROR(check_stream(dst));
+    const StreamState& a = stream_(src);
+    StreamState& d = stream_(dst);
+    if (src == dst || n > a.blocks.size()) {
+      return {StatusCode::kInvalidArgument, "share_prefix(" + std::to_string(src) + ", " + std::to_string(dst) + ", " +
+                                                std::to_string(n) + "): needs two streams and at most the source's " +
+                                                std::to_string(a.blocks.size()) + " blocks"};
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::uint32_t b = a.blocks[k];
+      if (block_fill(b) != config_.block_size || block_live(b) != config_.block_size ||
+          std::find(d.blocks.begin(), d.blocks.end(), b) != d.blocks.end()) {
+        return {StatusCode::kInvalidArgument, "share_prefix: block " + std::to_string(b) + " of stream " +
+                                                  std::to_string(src) + " is not full and hole-free, or stream " +
+                                                  std::to_string(dst) + " holds it"};
+      }
+    }
+    if (n == 0) return Status::ok();
+    ++op_;
+    d.blocks.insert(d.blocks.begin(), a.blocks.begin(), a.blocks.begin() + static_cast<std::ptrdiff_t>(n));
+    d.thoughts.insert(d.thoughts.begin(), a.thoughts.begin(), a.thoughts.begin() + static_cast<std::ptrdiff_t>(n));
+    d.live += static_cast<std::int64_t>(n) * config_.block_size;
+    stats_.blocks_shared += static_cast<std::int64_t>(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      std::vector<std::int32_t>& h = holders_[a.blocks[k]];
+      if (h.empty()) h.push_back(src);
+      h.push_back(dst);
+    }
+    d.list_version = list_changed(dst);
+    StageSet& t = set_of(dst);
+    t.max_blocks = std::max(t.max_blocks, static_cast<std::uint32_t>(d.blocks.size()));
+    return Status::ok();
+  }
+
+  /// A shared block's copy for one of its holders (copy on write): the fresh block that takes its
+  /// place in the stream's list and fresh key-scale records for the distinct records its slots
+  /// name (`records_from[i]` copied to `records_to[i]`).
+  struct UnsharePlan {
+    int stream = 0;
+    std::uint32_t from = kNoBlock, to = kNoBlock;
+    std::vector<std::uint32_t> records_from, records_to;
+  };
+  /// Plans the copy of shared block `b` for `stream` (a holder), after what `claims` took (and
+  /// adds its own). kInvalidArgument when the stream does not hold b or b is not shared;
+  /// kPoolExhausted (nothing changes) when the pool, the record range or memory_limit_bytes
+  /// cannot supply the copy.
+  [[nodiscard]] Status plan_unshare(int stream, std::uint32_t b, UnsharePlan& plan, PlanClaims& claims) const {
+    THINKV_RETURN_IF_ERROR(check_stream(stream));
+    const auto h = holders(b);
+    if (std::find(h.begin(), h.end(), stream) == h.end()) {
+      return {StatusCode::kInvalidArgument,
+              "block " + std::to_string(b) + " is not a block stream " + std::to_string(stream) + " shares"};
+    }
+    const Precision p = pools_.precision_of(b);
+    const int pi = static_cast<int>(p);
+    PlanClaims after = claims;
+    plan.stream = stream;
+    plan.from = b;
+    plan.to = nth_free_block(p, after.blocks[pi]++);
+    if (plan.to == kNoBlock) {
+      return {StatusCode::kPoolExhausted, "the " + std::string(to_string(p)) +
+                                              " pool has no free block to copy shared block " + std::to_string(b) +
+                                              " for stream " + std::to_string(stream) + "; raise pool_blocks[" +
+                                              std::string(to_string(p)) + "] or end sequences"};
+    }
+    plan.records_from.clear();
+    plan.records_to.clear();
+    for (int i = 0; i < block_fill(b); ++i) {
+      const SlotRef r{b, static_cast<std::uint32_t>(i)};
+      const std::uint32_t rec = is_evicted(r) ? kNoRecord : slot_record(r);
+      if (rec == kNoRecord ||
+          std::find(plan.records_from.begin(), plan.records_from.end(), rec) != plan.records_from.end())
+        continue;
+      const std::uint32_t to = nth_free_record(after.records++);
+      if (to == kNoRecord) {
+        return {StatusCode::kPoolExhausted, "the key-scale record pool (" + std::to_string(record_capacity()) +
+                                                " records) cannot hold a shared block's copy; raise record_capacity"};
+      }
+      plan.records_from.push_back(rec);
+      plan.records_to.push_back(to);
+    }
+    THINKV_RETURN_IF_ERROR(check_limit(after, "copying shared block " + std::to_string(b)));
+    claims = after;
+    return Status::ok();
+  }
+  /// Applies plans of plan_unshare made together (their claims in order): each stream's list
+  /// names the copy where it named the shared block, the copy's slots name the fresh records,
+  /// and the stream lets go of the shared block (its next holder owns it when it was the owner).
+  void apply_unshare(std::span<const UnsharePlan> plans) {
+    ++op_;
+    const int bs = config_.block_size;
+    const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
+    for (const UnsharePlan& u : plans) {
+      const Precision p = pools_.precision_of(u.to);
+      const int pi = static_cast<int>(p);
+      grow_pool(p, std::max(pool_[pi].grown, round_blocks(p, u.to - pools_.base[pi] + 1)));
+      for (std::uint32_t r : u.records_to) {
+        if (r >= records_grown_) grow_records(round_records(r + 1));
+      }
+      std::uint32_t lf = 0, lt = 0;
+      PoolState& ps = pool_of(u.to, lt);
+      (void)pool_of(u.from, lf);
+      ps.free.erase(u.to);
+      ++ps.free_version;
+      ps.owner[lt] = u.stream;
+      ps.thought[lt] = ps.thought[lf];
+      ps.fill[lt] = ps.fill[lf];
+      ps.live[lt] = ps.live[lf];
+      ps.seg_lo[lt] = ps.seg_lo[lf];
+      ps.seg_hi[lt] = ps.seg_hi[lf];
+      std::copy_n(ps.mask.begin() + static_cast<std::ptrdiff_t>(lf * words), words,
+                  ps.mask.begin() + static_cast<std::ptrdiff_t>(lt * words));
+      StreamState& s = stream_(u.stream);
+      for (std::size_t j = 0; j < u.records_to.size(); ++j) {
+        const std::uint32_t r = u.records_to[j];
+        std::erase(free_records_, r);
+        record_refs_[r] = 0;
+        record_owner_[r] = u.stream;
+        ++s.records;
+        ++stats_.records_allocated;
+      }
+      for (int i = 0; i < bs; ++i) {
+        const std::size_t f = slot_index(lf, static_cast<std::uint32_t>(i)),
+                          t = slot_index(lt, static_cast<std::uint32_t>(i));
+        ps.slot_segment[t] = ps.slot_segment[f];
+        ps.slot_position[t] = ps.slot_position[f];
+        const std::uint32_t rec = ps.slot_record[f];
+        const bool live =
+            i < ps.fill[lf] && ((ps.mask[mask_index(lf, static_cast<std::uint32_t>(i))] >> (i % 64)) & 1u) == 0;
+        std::uint32_t to = kNoRecord;
+        if (live && rec != kNoRecord) {
+          const auto at = std::find(u.records_from.begin(), u.records_from.end(), rec) - u.records_from.begin();
+          to = u.records_to[static_cast<std::size_t>(at)];
+          ++record_refs_[to];
+        }
+        ps.slot_record[t] = to;
+      }
+      touch(ps, lt);
+      ++ps.chunk_held[lt / chunk_[pi]];
+      ++stats_.blocks_allocated;
+      ++stats_.blocks_copied_on_write;
+      *std::find(s.blocks.begin(), s.blocks.end(), u.from) = u.to;
+      s.list_version = list_changed(u.stream);
+      drop_holder(u.from, u.stream);
     }
   }
 
@@ -1340,6 +1559,28 @@ class BlockTable {
     for (std::uint64_t w : evict_mask(b)) n += __builtin_popcountll(w);
     return n;
   }
+  /// `stream` lets go of shared block b: when it owned b, the next holder owns it and the key-scale
+  /// records of b's slots the stream owned; a block left with one holder is no longer shared.
+  void drop_holder(std::uint32_t b, int stream) {
+    const auto it = holders_.find(b);
+    std::vector<std::int32_t>& h = it->second;
+    std::erase(h, stream);
+    std::uint32_t local = 0;
+    PoolState& ps = pool_of(b, local);
+    if (ps.owner[local] == stream) {
+      const std::int32_t next = h.front();
+      ps.owner[local] = next;
+      touch(ps, local);
+      for (int i = 0; i < ps.fill[local]; ++i) {
+        const std::uint32_t rec = ps.slot_record[slot_index(local, static_cast<std::uint32_t>(i))];
+        if (rec == kNoRecord || record_owner_[rec] != stream) continue;
+        record_owner_[rec] = next;
+        --stream_(stream).records;
+        ++stream_(next).records;
+      }
+    }
+    if (h.size() == 1) holders_.erase(it);
+  }
   void release_block(std::uint32_t b) {
     std::uint32_t local = 0;
     PoolState& ps = pool_of(b, local);
@@ -1380,7 +1621,8 @@ class BlockTable {
   std::vector<std::uint32_t> free_records_;  // freed ids below records_grown_; the back goes first
   std::vector<StreamState> streams_;
   std::vector<StageSet> sets_;
-  std::vector<SlotRef> sorted_;  // evict's scratch
+  std::vector<SlotRef> sorted_;                                 // evict's scratch
+  std::map<std::uint32_t, std::vector<std::int32_t>> holders_;  // shared blocks: their holders
 };
 
 }  // namespace thinkv
