@@ -677,7 +677,9 @@ TEST_CASE("Sequence state: the block table refuses a stream image it could not h
   auto rng = tt::make_rng("sequence_state_images");
   const ThinKvSpec cfg = tt::sequence_spec(CacheMode::kThinKv);
   with_cache(cfg, [&](auto& a) {
-    grow(a, 0, 300, rng);
+    // Decoded without removals: TBE's evictions leave holes in every stream (grow()'s random
+    // removals could leave none with holes and more than two records: THINKV_TEST_SEED=14270498953872194927).
+    decode_n(a, 0, 300, rng);
     const auto& table = a.paged().table();
     // A stream with holes, several records and a partly written block.
     thinkv::StreamSnapshot snap;
