@@ -2,7 +2,9 @@
 /// The host cost of seq::PositionEvictor, what a cell-based runtime (the llama.cpp adapter) pays
 /// per decoded token on top of its own decode: add_token in steady state over the token budget
 /// (the classifier's refresh, the planner, K-means when a segment steps down), and a roll-back
-/// (remove a tail of 16 positions, add them again: llama.cpp's seq_rm after a rejected draft).
+/// (remove a tail of 16 positions, add them again: llama.cpp's seq_rm after a rejected draft), and
+/// shift (llama.cpp's seq_add after a context shift: every stored key row of the moved positions
+/// turned through the RoPE of delta positions; one shift per item).
 /// Arguments: feature dim (floats per position: feature layers x KV heads x head_dim) and budget.
 /// Llama-3-8B: 32 layers x 8 KV heads x 128 = 32,768 floats with every layer as features, 4,096
 /// with 4 feature layers. Counters: positions evicted per token, bytes the evictor holds.
@@ -94,5 +96,24 @@ void BM_RollBack16(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * 16);
 }
 BENCHMARK(BM_RollBack16)->ArgNames({"dim"})->Arg(4096);
+
+void BM_Shift(benchmark::State& state) {
+  const int dim = static_cast<int>(state.range(0)), budget = 1024;
+  const std::vector<float> rows = random_rows(dim);
+  PositionEvictor ev(config_for(dim, budget));
+  std::vector<std::int32_t> evict;
+  for (std::int32_t p = 0; p < 64 + budget + 200; ++p) {
+    if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) state.SkipWithError("add_token failed");
+  }
+  thinkv::RopeSpec rope;
+  rope.theta = 500000.0;
+  for (auto _ : state) {  // every position after the pinned prefix up 256 and back (two shifts)
+    if (!ev.shift(64, -1, 256, &rope).is_ok() || !ev.shift(64 + 256, -1, -256, &rope).is_ok())
+      state.SkipWithError("shift failed");
+  }
+  state.counters["moved_per_shift"] = static_cast<double>(ev.live_count() - 64);
+  state.SetItemsProcessed(state.iterations() * 2);
+}
+BENCHMARK(BM_Shift)->ArgNames({"dim"})->Arg(4096)->Arg(32768)->Unit(benchmark::kMillisecond);
 
 }  // namespace

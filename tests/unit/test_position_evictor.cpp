@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -259,7 +260,44 @@ TEST_CASE("PositionEvictor's segment sizes match every stream of a multi-layer, 
   CHECK(ev.stats().evicted > 100);
 }
 
-TEST_CASE("PositionEvictor under random add / remove matches a model of a llama.cpp sequence's cells",
+namespace {
+
+/// llama.cpp's seq_add on the model's cells (positions in [p0, p1) move by delta; one moved
+/// below 0 is freed) and what the evictor answers, from the model alone: kUnsupported when a
+/// pinned position moves or a moved one lands below `pinned`, kInvalidArgument when a moved
+/// position that stays reaches an unmoved neighbour.
+StatusCode shift_outcome(const std::set<std::int32_t>& cells, std::int32_t pinned, std::int32_t p0, std::int32_t p1,
+                         std::int32_t delta) {
+  const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+  const std::int64_t hi = p1 < 0 ? std::numeric_limits<std::int64_t>::max() : p1;
+  if (delta == 0 || lo >= hi) return StatusCode::kOk;
+  std::vector<std::int32_t> in;
+  std::int64_t below = -1, above = std::numeric_limits<std::int64_t>::max();
+  for (std::int32_t p : cells) {
+    if (p >= lo && p < hi) {
+      in.push_back(p);
+    } else if (p < lo) {
+      below = p;
+    } else if (above == std::numeric_limits<std::int64_t>::max()) {
+      above = p;
+    }
+  }
+  if (in.empty()) return StatusCode::kOk;
+  if (pinned > 0 && (in.front() < pinned || static_cast<std::int64_t>(in.front()) + delta < pinned))
+    return StatusCode::kUnsupported;
+  std::vector<std::int64_t> kept;
+  for (std::int32_t p : in) {
+    if (static_cast<std::int64_t>(p) + delta >= 0) kept.push_back(static_cast<std::int64_t>(p) + delta);
+  }
+  if (!kept.empty() && ((below >= 0 && kept.front() <= below) || kept.back() >= above)) {
+    return StatusCode::kInvalidArgument;
+  }
+  return StatusCode::kOk;
+}
+
+}  // namespace
+
+TEST_CASE("PositionEvictor under random add / remove / shift matches a model of a llama.cpp sequence's cells",
           "[seq][position_evictor]") {
   TT_SEEDED_RNG();
   // The model: the set of positions the runtime holds for one sequence (llama.cpp's cells with
@@ -281,8 +319,62 @@ TEST_CASE("PositionEvictor under random add / remove matches a model of a llama.
     std::set<std::int32_t> cells;
     std::int32_t next = 0;
     INFO("run " << run << " budget " << ec.token_budget << " pinned " << ec.pinned_prefix);
+    RopeSpec rope;
+    rope.style = run % 2 == 0 ? RopeStyle::kAdjacentPairs : RopeStyle::kHalves;
     for (int op = 0; op < 600; ++op) {
-      if (tt::chance(rng, 0.03) && next > 0) {
+      if (tt::chance(rng, 0.04) && next > 0) {
+        // seq_add: half of them llama.cpp's context shift (seq_rm(keep, keep + n), then the rest
+        // moved down by n), half a random range and delta (refused as the model predicts).
+        std::int32_t p0 = 0, p1 = -1, delta = 0;
+        if (tt::chance(rng, 0.5) && next - ec.pinned_prefix >= 4) {
+          const std::int32_t keep = ec.pinned_prefix, n = tt::uniform_int(rng, 1, (next - keep) / 2);
+          REQUIRE(ev.remove(keep, keep + n).is_ok());
+          for (auto it = cells.begin(); it != cells.end();) {
+            it = (*it >= keep && *it < keep + n) ? cells.erase(it) : std::next(it);
+          }
+          p0 = keep + n;
+          delta = -n;
+        } else {
+          p0 = tt::uniform_int(rng, -3, next);
+          p1 = tt::chance(rng, 0.4) ? -1 : tt::uniform_int(rng, std::max(p0, 0) + 1, next + 5);
+          delta = tt::uniform_int(rng, -40, 40);
+        }
+        INFO("shift [" << p0 << ", " << p1 << ") by " << delta);
+        const StatusCode want = shift_outcome(cells, ec.pinned_prefix, p0, p1, delta);
+        const auto live_before = ev.live_positions();
+        const Status st = ev.shift(p0, p1, delta, &rope);
+        INFO(st.to_string());
+        REQUIRE(st.code() == want);
+        if (st.is_ok()) {
+          const std::int32_t lo = std::max(p0, 0);
+          auto moves = [&](std::int32_t p) { return p >= lo && (p1 < 0 || p < p1); };
+          const bool tail = moves(next - 1);
+          std::set<std::int32_t> moved;
+          for (std::int32_t p : cells) {
+            if (!moves(p)) {
+              moved.insert(p);
+            } else if (p + delta >= 0) {
+              moved.insert(p + delta);
+            }
+          }
+          cells = std::move(moved);
+          if (tail) next = cells.empty() ? 0 : *cells.rbegin() + 1;
+        } else {
+          REQUIRE(ev.live_positions() == live_before);
+        }
+        // The segments stay in order: starts ascending, each at or before its first position and
+        // after the positions of the segments before it.
+        std::int32_t prev_hi = -1, prev_start = -1;
+        for (const auto& seg : ev.segments()) {
+          REQUIRE(seg.state.start > prev_start);
+          REQUIRE(seg.state.start > prev_hi);
+          if (!seg.positions.empty()) {
+            REQUIRE(seg.state.start <= seg.positions.front());
+            prev_hi = seg.positions.back();
+          }
+          prev_start = seg.state.start;
+        }
+      } else if (tt::chance(rng, 0.03) && next > 0) {
         // seq_rm over a random range; a third of them truncate the tail (p1 = -1).
         const std::int32_t p0 = tt::uniform_int(rng, 0, next - 1);
         const std::int32_t p1 = tt::chance(rng, 0.33) ? -1 : tt::uniform_int(rng, p0 + 1, next + 5);
@@ -434,4 +526,85 @@ TEST_CASE("PositionEvictor refuses a selector that breaks its contract and evict
              Contains("one too many") && Contains("returned 33 indices") && Contains("nothing was evicted"));
   CHECK(evict.empty());
   CHECK(snapshot(ev) == before);
+}
+
+TEST_CASE("PositionEvictor::shift turns the moved positions' stored keys through delta positions of the model's RoPE",
+          "[seq][position_evictor]") {
+  TT_SEEDED_RNG();
+  seq::PositionEvictorConfig ec;
+  ec.num_layers = 2;
+  ec.num_kv_heads = 2;
+  ec.head_dim = 8;
+  ec.segment_len = 32;
+  ec.token_budget = 0;  // no budget and no transition (R only): nothing evicted, every row is checked
+  ec.pinned_prefix = 4;
+  auto script = random_script(rng, 8);
+  seq::BasicPositionEvictor<ScriptedClassifier, RetentionSchedule, KmeansSelector> ev(
+      ec, ScriptedClassifier{script, 32, false}, RetentionSchedule{16, 8, 4, 2});
+  std::map<std::int32_t, std::vector<float>> rows;
+  for (std::int32_t p = 0; p < 100; ++p) {
+    std::vector<std::int32_t> evict;
+    rows[p] = tt::random_row(rng, ev.config().feature_dim());
+    REQUIRE(ev.add_token(p, rows[p], {}, evict).is_ok());
+  }
+  for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kHalves}) {
+    RopeSpec rope;
+    rope.style = style;
+    rope.theta = 500000.0;
+    const std::int32_t delta = style == RopeStyle::kAdjacentPairs ? -10 : 7;
+    // llama.cpp's context shift: seq_rm(40, 50), then seq_add(50, -1, -10) (and back up by 7 after).
+    if (delta < 0) REQUIRE(ev.remove(40, 50).is_ok());
+    const std::int32_t from = delta < 0 ? 50 : 40;
+    REQUIRE(ev.shift(from, -1, delta, &rope).is_ok());
+    std::map<std::int32_t, std::vector<float>> next_rows;
+    for (const auto& [p, r] : rows) {
+      if (delta < 0 && p >= 40 && p < 50) continue;
+      next_rows[p >= from ? p + delta : p] = r;
+    }
+    // The reference turn, written from RoPE's definition: pair i at angle delta * theta^(-2i/d).
+    const int d = ec.head_dim;
+    for (auto& [p, r] : next_rows) {
+      if (p < from + delta) continue;
+      for (std::size_t h = 0; h * d < r.size(); ++h) {
+        std::vector<double> x(r.begin() + static_cast<std::ptrdiff_t>(h * d),
+                              r.begin() + static_cast<std::ptrdiff_t>((h + 1) * d));
+        for (int i = 0; i < d / 2; ++i) {
+          const double a = delta * std::pow(rope.theta, -2.0 * i / d);
+          const int u = style == RopeStyle::kAdjacentPairs ? 2 * i : i;
+          const int v = style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + d / 2;
+          const double x0 = x[static_cast<std::size_t>(u)], x1 = x[static_cast<std::size_t>(v)];
+          r[h * d + static_cast<std::size_t>(u)] = static_cast<float>(x0 * std::cos(a) - x1 * std::sin(a));
+          r[h * d + static_cast<std::size_t>(v)] = static_cast<float>(x0 * std::sin(a) + x1 * std::cos(a));
+        }
+      }
+    }
+    rows = std::move(next_rows);
+    REQUIRE(ev.next_position() == rows.rbegin()->first + 1);
+    std::size_t checked = 0;
+    for (const auto& seg : ev.segments()) {
+      if (seg.features.empty()) continue;  // the pinned segment stores none
+      const auto dim = static_cast<std::size_t>(ev.config().feature_dim());
+      for (std::size_t j = 0; j < seg.positions.size(); ++j) {
+        const auto& want = rows.at(seg.positions[j]);
+        for (std::size_t c = 0; c < dim; ++c) {
+          INFO("position " << seg.positions[j] << " channel " << c);
+          REQUIRE(seg.features[j * dim + c] == Approx(want[c]).margin(1e-5));
+        }
+        ++checked;
+      }
+    }
+    CHECK(checked == rows.size() - 4);
+    CHECK(ev.stats().shifted > 0);
+  }
+  // The next token continues at the new end; a shift into the pinned prefix is refused.
+  std::vector<std::int32_t> evict;
+  REQUIRE(ev.add_token(ev.next_position(), tt::random_row(rng, ev.config().feature_dim()), {}, evict).is_ok());
+  const auto live = ev.live_positions();
+  const Status e = ev.shift(10, -1, -8);
+  CHECK(e.code() == StatusCode::kUnsupported);
+  CHECK_THAT(e.message(), Contains("pinned prefix"));
+  CHECK(ev.live_positions() == live);
+  RopeSpec odd;
+  odd.rotary_dims = 3;
+  CHECK(ev.shift(10, -1, 4, &odd).code() == StatusCode::kInvalidArgument);
 }

@@ -18,13 +18,16 @@
 ///    stream keeps its own tokens). docs/design.md ("Integrating a cell-based runtime") says what
 ///    that costs;
 ///  - no quantization: the runtime's cells keep their own format (TBQ needs ThinKV's storage).
-/// One evictor per sequence. Every call that returns an error leaves the evictor as it was.
+/// One evictor per sequence, a value type: llama.cpp's seq_cp is a copy of the source's evictor
+/// (then remove() of the cut), its seq_add is shift(), its seq_rm is remove(). Every call that
+/// returns an error leaves the evictor as it was.
 /// Host-only, header-only, CUDA-free.
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "thinkv/policy/retention_schedule.hpp"
+#include "thinkv/seq/rope.hpp"
 #include "thinkv/status.hpp"
 #include "thinkv/tbe/eviction_plan.hpp"
 #include "thinkv/tbe/token_selector.hpp"
@@ -102,7 +106,8 @@ struct PositionEvictorStats {
   std::int64_t tbe_plans = 0;    ///< non-empty eviction plans applied
   std::int64_t selections = 0;   ///< selector calls
   std::int64_t evicted = 0;      ///< positions freed by TBE
-  std::int64_t removed = 0;      ///< positions the runtime removed (remove())
+  std::int64_t removed = 0;      ///< positions the runtime removed (remove(), or shifted below 0)
+  std::int64_t shifted = 0;      ///< positions the runtime moved (shift())
   std::int64_t budget_unreachable = 0;
   std::int64_t select_ns = 0;                          ///< time in the selector
   std::int64_t tokens_by_type[kNumThoughtTypes] = {};  ///< positions added, by their type
@@ -375,6 +380,129 @@ class BasicPositionEvictor {
                                    [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
                     segments_.end());
     stats_.removed += removed;
+    return Status::ok();
+  }
+
+  /// The runtime moved positions [p0, p1) of this sequence by `delta` (llama.cpp's seq_add, e.g.
+  /// a context shift: seq_rm(n_keep, n_keep + n), then seq_add(n_keep + n, -1, -n); p0 < 0 = 0,
+  /// p1 < 0 = to the end). The evictor follows: the live positions in the range move with their
+  /// segments (a segment's start moves with it when it lies in the range), positions that become
+  /// negative are forgotten as llama.cpp frees those cells, and when the range holds the last
+  /// position the next one is the last live position + 1 again. With `rope` (the model's RoPE),
+  /// the stored feature rows of the moved positions (their post-RoPE keys) turn through `delta`
+  /// positions as the runtime's cached keys do; nullptr leaves them (a model without RoPE, or a
+  /// selector that reads no keys). The classifier's refresh steps and the segment boundaries of
+  /// later tokens follow the new positions. Errors (nothing changes): kUnsupported when a
+  /// position of the pinned prefix would move or a moved one land in it (the prompt stays put:
+  /// llama.cpp's n_keep); kInvalidArgument when the move breaks the order of the live positions
+  /// (a moved one at or past a neighbour that stays), or `rope` does not fit head_dim;
+  /// kOutOfRange when the next position would pass max_position.
+  [[nodiscard]] Status shift(std::int32_t p0, std::int32_t p1, std::int32_t delta, const RopeSpec* rope = nullptr) {
+    const std::int32_t lo = std::max<std::int32_t>(p0, 0);
+    const std::int32_t hi = p1 < 0 ? std::numeric_limits<std::int32_t>::max() : p1;
+    const std::string call =
+        "shift(" + std::to_string(p0) + ", " + std::to_string(p1) + ", " + std::to_string(delta) + ")";
+    if (rope != nullptr) {
+      if (Status r = rope->validate(config_.head_dim); !r.is_ok()) return {r.code(), call + ": " + r.message()};
+    }
+    if (delta == 0 || lo >= hi) return Status::ok();
+    auto moves = [&](std::int32_t p) { return p >= lo && p < hi; };
+    std::int64_t in = 0, gone = 0;
+    std::int32_t first = std::numeric_limits<std::int32_t>::max(), last = -1;  // moved and kept, after the move
+    std::int32_t below = -1, above = std::numeric_limits<std::int32_t>::max(), lowest_in = -1, tail = -1;
+    for (const PositionSegment& seg : segments_) {
+      for (const std::int32_t p : seg.positions) {
+        if (!moves(p)) {
+          if (p < lo) below = std::max(below, p);
+          if (p >= hi) above = std::min(above, p);
+          tail = std::max(tail, p);
+          continue;
+        }
+        ++in;
+        if (lowest_in < 0) lowest_in = p;
+        const std::int64_t q = static_cast<std::int64_t>(p) + delta;
+        if (q < 0) {
+          ++gone;
+          continue;
+        }
+        first = std::min(first, static_cast<std::int32_t>(q));
+        last = std::max(last, static_cast<std::int32_t>(q));
+        tail = std::max(tail, static_cast<std::int32_t>(q));
+      }
+    }
+    if (in == 0) return Status::ok();
+    const std::int32_t pin = config_.pinned_prefix;
+    if (pin > 0 && (lowest_in < pin || (in > gone && first < pin) || gone > 0)) {
+      return {StatusCode::kUnsupported, call + ": the pinned prefix (positions below " + std::to_string(pin) +
+                                            ") neither moves nor takes moved positions"};
+    }
+    if (in > gone &&
+        ((below >= 0 && first <= below) || (above != std::numeric_limits<std::int32_t>::max() && last >= above))) {
+      return {StatusCode::kInvalidArgument, call + ": the moved positions would reach past a position that stays (" +
+                                                std::to_string(below >= 0 && first <= below ? below : above) +
+                                                "); the live positions keep their order"};
+    }
+    const bool tail_moves = next_ > 0 && moves(next_ - 1);
+    const std::int32_t next = tail_moves ? tail + 1 : next_;
+    if (next > config_.max_position) {
+      return {StatusCode::kOutOfRange, call + ": the next position " + std::to_string(next) +
+                                           " would pass max_position " + std::to_string(config_.max_position)};
+    }
+    // Commit: nothing below fails.
+    const auto dim = static_cast<std::size_t>(selector_.reads_keys() ? config_.feature_dim() : 0);
+    const auto d = static_cast<std::size_t>(config_.head_dim);
+    const RopeSpec::Turn turn = rope != nullptr ? rope->turn(delta, config_.head_dim) : RopeSpec::Turn{};
+    std::vector<double> row(d);
+    for (PositionSegment& seg : segments_) {
+      std::vector<int> keep;
+      for (std::size_t j = 0; j < seg.positions.size(); ++j) {
+        std::int32_t& p = seg.positions[j];
+        if (!moves(p)) {
+          keep.push_back(static_cast<int>(j));
+          continue;
+        }
+        if (static_cast<std::int64_t>(p) + delta < 0) continue;  // freed by the runtime
+        p += delta;
+        keep.push_back(static_cast<int>(j));
+        ++stats_.shifted;
+        if (rope == nullptr || seg.features.empty()) continue;
+        for (std::size_t h = 0; h * d < dim; ++h) {  // every feature layer's every KV head
+          float* x = seg.features.data() + j * dim + h * d;
+          for (std::size_t c = 0; c < d; ++c) row[c] = x[c];
+          RopeSpec::apply(row, turn);
+          for (std::size_t c = 0; c < d; ++c) x[c] = static_cast<float>(row[c]);
+        }
+      }
+      if (keep.size() != seg.positions.size()) {
+        std::vector<std::int32_t> dropped;
+        keep_only(seg, keep, dim, dropped);
+      }
+    }
+    // Segment starts: moved with the range, then kept at or before their first position and
+    // after the positions and starts of the segments before them (as BasicThinKvCache's shift).
+    std::int32_t prev_hi = -1, prev_start = -1;
+    for (PositionSegment& seg : segments_) {
+      std::int32_t ns = seg.state.start;
+      if (moves(ns)) ns = static_cast<std::int32_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(ns) + delta));
+      ns = std::max({ns, prev_hi + 1, prev_start + 1});
+      if (!seg.positions.empty()) ns = std::min(ns, seg.positions.front());
+      seg.state.start = ns;
+      prev_start = ns;
+      if (!seg.positions.empty()) prev_hi = std::max(prev_hi, seg.positions.back());
+    }
+    stats_.removed += gone;
+    segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
+                                   [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
+                    segments_.end());
+    if (tail_moves) {
+      next_ = next;
+      if (!segments_.empty() && segments_.back().positions.empty()) segments_.pop_back();
+      if (!segments_.empty()) segments_.back().state.closed = false;
+      if (segments_.empty()) {
+        next_ = 0;
+        tracker_ = initial_tracker_;
+      }
+    }
     return Status::ok();
   }
 
