@@ -19,6 +19,7 @@
 #include <cassert>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <numeric>
 #include <cstdint>
 #include <limits>
@@ -81,6 +82,13 @@ struct ThinKvConfig {
   /// a backend that reads shared blocks (page_sharing_backend: the CPU backend). false: every
   /// copy is whole.
   bool share_prompt_blocks = true;
+  /// Tensor parallelism: this cache holds KV heads [kv_head_offset, kv_head_offset +
+  /// num_kv_heads) of a model with model_kv_heads KV heads per layer (0 = num_kv_heads: the whole
+  /// model). K-means selections are seeded by the model's (layer, KV head), so each rank selects
+  /// what the unsharded cache selects for its heads; ThinKvCache::set_signal_reduction makes the
+  /// thought signal the mean over every rank's query heads.
+  int model_kv_heads = 0;
+  int kv_head_offset = 0;
 
   static constexpr int kMaxKvHeads = 4096;
   static constexpr int kMaxTokens = 1 << 30;
@@ -138,6 +146,13 @@ struct ThinKvConfig {
     if (pinned_prefix < 0 || pinned_prefix > max_tokens) {
       return bad("pinned_prefix " + std::to_string(pinned_prefix) + " is out of range; allowed: 0..max_tokens (" +
                  std::to_string(max_tokens) + ")");
+    }
+    const int model = model_kv_heads == 0 ? num_kv_heads : model_kv_heads;
+    if (model_kv_heads < 0 || kv_head_offset < 0 || kv_head_offset > model - num_kv_heads) {
+      return bad("kv_head_offset " + std::to_string(kv_head_offset) + " with model_kv_heads " +
+                 std::to_string(model_kv_heads) + " does not hold this cache's " + std::to_string(num_kv_heads) +
+                 " KV heads; allowed: model_kv_heads 0 (= num_kv_heads) or >= num_kv_heads, 0 <= kv_head_offset <= "
+                 "model_kv_heads - num_kv_heads");
     }
     return paged_config(kFullKvMap).validate();
   }
@@ -309,6 +324,35 @@ class BasicThinKvCache {
   [[nodiscard]] const std::vector<SegmentState>& segments(int seq) const { return seq_(seq).segments; }
   /// Position of the token being decoded (or next to decode) in a sequence.
   [[nodiscard]] std::int32_t position(int seq) const { return seq_(seq).position; }
+  /// Tensor parallelism: this cache holds one rank's slice of the model's heads (its config's
+  /// num_kv_heads and num_q_heads are the slice's), and the thought signal must be the mean over
+  /// all `total_q_heads` query heads of every rank, so that every rank takes the same thought,
+  /// segment and eviction decisions (K-means and eviction stay on each rank's own heads).
+  /// `all_reduce` receives, on refresh steps only, every refreshing sequence's per-layer sums of
+  /// head sparsities over this rank's heads ([sequences x num_layers], the sequences in
+  /// ascending id order; NaN for a layer the classifier does not read) and must replace each
+  /// element by its sum over all ranks, the same on every rank (NCCL's all-reduce with ncclSum
+  /// does this; in double, the sums of a few shares of one scale are exact, so a rank's signal
+  /// equals the unsharded cache's). It is called once per end_token that refreshes, and once per
+  /// end_step for all its refreshing sequences: every rank must run the same steps with the same
+  /// sequences (a collective's contract). An error it returns (a collective that timed out, a
+  /// rank that failed) fails that end_token / end_step with nothing changed: the token or step
+  /// stays open; call it again to retry, or reset the sequences. Call between steps, not while a
+  /// token is open; nullptr turns it off (total_q_heads must then be num_q_heads).
+  /// kInvalidArgument names a bad total_q_heads (below num_q_heads).
+  using SignalAllReduce = std::function<Status(std::span<double> layer_sums)>;
+  [[nodiscard]] Status set_signal_reduction(int total_q_heads, SignalAllReduce all_reduce) {
+    if (total_q_heads < config_.num_q_heads || (!all_reduce && total_q_heads != config_.num_q_heads)) {
+      return {StatusCode::kInvalidArgument, "set_signal_reduction: total_q_heads " + std::to_string(total_q_heads) +
+                                                " must be at least this rank's num_q_heads (" +
+                                                std::to_string(config_.num_q_heads) +
+                                                "), and equal to it without an all-reduce"};
+    }
+    total_q_heads_ = total_q_heads;
+    signal_all_reduce_ = std::move(all_reduce);
+    return Status::ok();
+  }
+
   /// Keeps the first `tokens` positions of a sequence (its prompt) out of TBE and stores them as R
   /// (ThinKvConfig::pinned_prefix, per sequence). Only before the sequence's first token.
   [[nodiscard]] Status pin_prefix(int seq, std::int32_t tokens) {
@@ -443,9 +487,11 @@ class BasicThinKvCache {
     a.sparsity = want ? sparsity_.data() : nullptr;
     THINKV_RETURN_IF_ERROR(cache_.attend(a));
     if (want) {
-      float sum = 0.0f;
+      double sum = 0.0;  // exact: a few floats of one scale (set_signal_reduction's ranks add the same)
       for (float x : sparsity_) sum += x;
-      seq_(seq).layer_sparsity[static_cast<std::size_t>(layer)] = sum / static_cast<float>(config_.num_q_heads);
+      seq_(seq).layer_sum[static_cast<std::size_t>(layer)] = sum;
+      seq_(seq).layer_sparsity[static_cast<std::size_t>(layer)] =
+          static_cast<float>(sum / static_cast<double>(config_.num_q_heads));
     }
     return Status::ok();
   }
@@ -476,6 +522,8 @@ class BasicThinKvCache {
     }
     new_transition = false;
     if (refresh_due(s)) {
+      const int one[1] = {seq};
+      THINKV_RETURN_IF_ERROR(reduce_signals(one));  // tensor parallelism: this rank's sums to all heads'
       ThoughtType t{};
       THINKV_RETURN_IF_ERROR(s.tracker.refresh(s.position, s.layer_sparsity, &t));
       ++stats_.refreshes;
@@ -1433,12 +1481,16 @@ class BasicThinKvCache {
         for (std::size_t b = 0; b < n; ++b) {
           if (step_.rows[b].sparsity == 0 || !wants_sparsity(step_.seqs[b], l)) continue;
           const float* x = step_.sparsity.data() + (static_cast<std::size_t>(slot) * n + b) * hq;
-          float sum = 0.0f;
+          double sum = 0.0;
           for (int h = 0; h < hq; ++h) sum += x[h];
-          seq_(step_.seqs[b]).layer_sparsity[static_cast<std::size_t>(l)] = sum / static_cast<float>(hq);
+          SeqState& s = seq_(step_.seqs[b]);
+          s.layer_sum[static_cast<std::size_t>(l)] = sum;
+          s.layer_sparsity[static_cast<std::size_t>(l)] = static_cast<float>(sum / static_cast<double>(hq));
         }
       }
     }
+    // Under tensor parallelism: one all-reduce for every sequence of the step that refreshes.
+    THINKV_RETURN_IF_ERROR(reduce_signals(step_.seqs));
     step_.open = false;
     for (int seq : step_.seqs) std::fill(seq_(seq).appended.begin(), seq_(seq).appended.end(), 1);
     if constexpr (kEvicts && kAsyncSelect) {
@@ -1720,6 +1772,8 @@ class BasicThinKvCache {
     std::vector<std::uint8_t> appended;  ///< [num_layers] this token
     std::vector<SegmentState> segments;
     std::vector<float> layer_sparsity;
+    std::vector<double> layer_sum;  ///< [num_layers] this token's head sparsities summed over this cache's heads
+    bool signal_reduced = false;    ///< this token's layer sums went through the signal all-reduce
     std::int32_t position = 0;
     std::uint32_t next_segment = 0;
     ThoughtType type = ThoughtType::kReasoning;
@@ -1956,12 +2010,43 @@ class BasicThinKvCache {
   [[nodiscard]] bool refresh_due(const SeqState& s) const {
     return s.position >= s.pinned && s.tracker.refreshes() && s.tracker.is_refresh_step(s.position);
   }
+  /// set_signal_reduction's all-reduce over the sequences of `seqs` that refresh at this token
+  /// and were not reduced yet (one call for all of them, ascending ids); their layer sparsities
+  /// become the all-rank sums over total_q_heads. Nothing changes on an error.
+  [[nodiscard]] Status reduce_signals(std::span<const int> seqs) {
+    if (!signal_all_reduce_) return Status::ok();
+    std::vector<int> due;
+    for (int seq : seqs) {
+      if (!seq_(seq).signal_reduced && refresh_due(seq_(seq))) due.push_back(seq);
+    }
+    if (due.empty()) return Status::ok();
+    std::sort(due.begin(), due.end());
+    const auto L = static_cast<std::size_t>(config_.num_layers);
+    std::vector<double> sums(due.size() * L);
+    for (std::size_t k = 0; k < due.size(); ++k) {
+      const std::vector<double>& x = seq_(due[k]).layer_sum;
+      std::copy(x.begin(), x.end(), sums.begin() + static_cast<std::ptrdiff_t>(k * L));
+    }
+    if (Status r = signal_all_reduce_(sums); !r.is_ok()) {
+      return {r.code(), "the thought signal's all-reduce over tensor-parallel ranks failed (" +
+                            std::to_string(due.size()) + " sequence(s) refreshing at this step): " + r.message()};
+    }
+    for (std::size_t k = 0; k < due.size(); ++k) {
+      SeqState& s = seq_(due[k]);
+      for (std::size_t l = 0; l < L; ++l) {
+        s.layer_sparsity[l] = static_cast<float>(sums[k * L + l] / static_cast<double>(total_q_heads_));
+      }
+      s.signal_reduced = true;
+    }
+    return Status::ok();
+  }
   void reset_state(SeqState& s) const {
     s = SeqState{};
     s.pinned = config_.pinned_prefix;
     s.appended.assign(static_cast<std::size_t>(config_.num_layers), 0);
     s.tracker = tracker_type(policy_.classifier);
     s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
+    s.layer_sum.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<double>::quiet_NaN());
   }
   [[nodiscard]] Status check_seq(int seq) const {
     if (seq < 0 || seq >= config_.num_sequences) {
@@ -2041,6 +2126,8 @@ class BasicThinKvCache {
     assert(pushed.is_ok());  // plan_begin checked the thought rule
     (void)pushed;
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.layer_sum.begin(), s.layer_sum.end(), std::numeric_limits<double>::quiet_NaN());
+    s.signal_reduced = false;
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
     if (!pinned) s.tracker.observe(s.position, hint);
@@ -2203,6 +2290,8 @@ class BasicThinKvCache {
             .subspan(static_cast<std::size_t>(plan.groups * config_.group_size));
     THINKV_RETURN_IF_ERROR(cache_.set_staged(first, plan.type, tail, plan.start + tokens));
     std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.layer_sum.begin(), s.layer_sum.end(), std::numeric_limits<double>::quiet_NaN());
+    s.signal_reduced = false;
     std::fill(s.appended.begin(), s.appended.end(), 0);
     return Status::ok();
   }
@@ -2458,7 +2547,7 @@ class BasicThinKvCache {
             THINKV_RETURN_IF_ERROR(cache_.read_token(slots[j], std::span<float>(keys.data() + j * d, d), vbuf));
           }
         }
-        SegmentTokens tokens{keys, positions, d, st, segment, st - stream_of(seq, 0, 0)};
+        SegmentTokens tokens{keys, positions, d, st, segment, model_lane(st - stream_of(seq, 0, 0))};
         const std::vector<int> kept = policy_.selector.select(tokens, size);
         ++w.selections;
         THINKV_RETURN_IF_ERROR(check_selection(kept, tokens.count(), size, st, segment));
@@ -2602,7 +2691,7 @@ class BasicThinKvCache {
           j.keep = size;
           j.count = count;
           // KmeansSelector::select's seed: by the stream's lane in its sequence
-          j.seed = selection_seed(policy_.selector.options.seed, st - stream_of(w->seq, 0, 0), segment);
+          j.seed = selection_seed(policy_.selector.options.seed, model_lane(st - stream_of(w->seq, 0, 0)), segment);
           jobs.push_back(j);
           job_of.push_back(w);
         }
@@ -2610,6 +2699,12 @@ class BasicThinKvCache {
     }
   }
 
+  /// The model's lane (layer x model KV heads + KV head) of a stream's lane in its sequence
+  /// (layer x num_kv_heads + KV head): selections are seeded by it (ThinKvConfig::kv_head_offset).
+  [[nodiscard]] int model_lane(int lane) const noexcept {
+    const int hk = config_.num_kv_heads, model = config_.model_kv_heads == 0 ? hk : config_.model_kv_heads;
+    return lane / hk * model + config_.kv_head_offset + lane % hk;
+  }
   /// A selector's answer must be `keep` distinct indices into the segment, ascending.
   Status check_selection(const std::vector<int>& kept, int count, int keep, int stream, std::uint32_t segment) const {
     return thinkv::check_selection(kept, count, keep, policy_.selector.to_string(),
@@ -2619,6 +2714,8 @@ class BasicThinKvCache {
   ThinKvConfig config_;
   P policy_;
   PrecisionMap map_;
+  int total_q_heads_ = 0;              // set_signal_reduction: query heads of all ranks
+  SignalAllReduce signal_all_reduce_;  // set_signal_reduction's all-reduce (empty: one rank)
   PagedKvCache<B> cache_;
   std::vector<SeqState> seqs_;
   ThinKvStats stats_;
