@@ -668,20 +668,16 @@ class BlockTable {
     grow_records(records_needed(plan));
     PoolState& ps = pool_[p];
     for (std::uint32_t b : plan.new_blocks) {
-      ps.free.erase(b);
-      ++ps.free_version;
       const std::uint32_t local = b - pools_.base[p];
-      ps.owner[local] = plan.stream;
+      take_block(ps, p, b, local, plan.stream);
       ps.thought[local] = plan.thought;
       ps.fill[local] = 0;
       ps.live[local] = 0;
       ps.seg_lo[local] = 0xFFFFFFFFu;
       ps.seg_hi[local] = 0;
       touch(ps, local);
-      ++ps.chunk_held[local / chunk_[p]];
       s.blocks.push_back(b);
       s.thoughts.push_back(plan.thought);
-      ++stats_.blocks_allocated;
     }
     if (!plan.new_blocks.empty()) {
       s.list_version = list_changed(plan.stream);
@@ -1021,9 +1017,7 @@ class BlockTable {
       grow_pool(p, round_blocks(p, b - pools_.base[pi] + 1));
       PoolState& ps = pool_[pi];
       const std::uint32_t local = b - pools_.base[pi];
-      ps.free.erase(b);
-      ++ps.free_version;
-      ps.owner[local] = stream;
+      take_block(ps, pi, b, local, stream);
       ps.thought[local] = bi.thought;
       ps.fill[local] = bi.fill;
       ps.seg_lo[local] = bi.seg_lo;
@@ -1041,13 +1035,11 @@ class BlockTable {
       }
       ps.live[local] = static_cast<std::uint16_t>(bi.fill - holes);
       touch(ps, local);
-      ++ps.chunk_held[local / chunk_[pi]];
       s.blocks.push_back(b);
       s.thoughts.push_back(bi.thought);
       s.live += bi.fill - holes;
       s.holes += holes;
       s.holes_by_thought[static_cast<int>(bi.thought)] += holes;
-      ++stats_.blocks_allocated;
     }
     for (std::uint32_t r : record_ids) {
       if (r >= records_grown_) grow_records(round_records(r + 1));
@@ -1226,16 +1218,14 @@ class BlockTable {
     for (const UnsharePlan& u : plans) {
       const Precision p = pools_.precision_of(u.to);
       const int pi = static_cast<int>(p);
-      grow_pool(p, std::max(pool_[pi].grown, round_blocks(p, u.to - pools_.base[pi] + 1)));
+      grow_pool(p, round_blocks(p, u.to - pools_.base[pi] + 1));
       for (std::uint32_t r : u.records_to) {
         if (r >= records_grown_) grow_records(round_records(r + 1));
       }
       std::uint32_t lf = 0, lt = 0;
       PoolState& ps = pool_of(u.to, lt);
       (void)pool_of(u.from, lf);
-      ps.free.erase(u.to);
-      ++ps.free_version;
-      ps.owner[lt] = u.stream;
+      take_block(ps, pi, u.to, lt, u.stream);
       ps.thought[lt] = ps.thought[lf];
       ps.fill[lt] = ps.fill[lf];
       ps.live[lt] = ps.live[lf];
@@ -1269,8 +1259,6 @@ class BlockTable {
         ps.slot_record[t] = to;
       }
       touch(ps, lt);
-      ++ps.chunk_held[lt / chunk_[pi]];
-      ++stats_.blocks_allocated;
       ++stats_.blocks_copied_on_write;
       *std::find(s.blocks.begin(), s.blocks.end(), u.from) = u.to;
       s.list_version = list_changed(u.stream);
@@ -1580,6 +1568,15 @@ class BlockTable {
       }
     }
     if (h.size() == 1) holders_.erase(it);
+  }
+  /// Takes free block b (local id `local` of pool `pi`) for `stream`: out of the free set, owned,
+  /// counted in its chunk. The caller fills its metadata and puts it in the stream's list.
+  void take_block(PoolState& ps, int pi, std::uint32_t b, std::uint32_t local, int stream) {
+    ps.free.erase(b);
+    ++ps.free_version;
+    ps.owner[local] = stream;
+    ++ps.chunk_held[local / chunk_[pi]];
+    ++stats_.blocks_allocated;
   }
   void release_block(std::uint32_t b) {
     std::uint32_t local = 0;
