@@ -486,13 +486,7 @@ class BasicThinKvCache {
     const bool want = wants_sparsity(seq, layer);
     a.sparsity = want ? sparsity_.data() : nullptr;
     THINKV_RETURN_IF_ERROR(cache_.attend(a));
-    if (want) {
-      double sum = 0.0;  // exact: a few floats of one scale (set_signal_reduction's ranks add the same)
-      for (float x : sparsity_) sum += x;
-      seq_(seq).layer_sum[static_cast<std::size_t>(layer)] = sum;
-      seq_(seq).layer_sparsity[static_cast<std::size_t>(layer)] =
-          static_cast<float>(sum / static_cast<double>(config_.num_q_heads));
-    }
+    if (want) record_layer_signal(seq_(seq), layer, sparsity_);
     return Status::ok();
   }
 
@@ -1481,11 +1475,7 @@ class BasicThinKvCache {
         for (std::size_t b = 0; b < n; ++b) {
           if (step_.rows[b].sparsity == 0 || !wants_sparsity(step_.seqs[b], l)) continue;
           const float* x = step_.sparsity.data() + (static_cast<std::size_t>(slot) * n + b) * hq;
-          double sum = 0.0;
-          for (int h = 0; h < hq; ++h) sum += x[h];
-          SeqState& s = seq_(step_.seqs[b]);
-          s.layer_sum[static_cast<std::size_t>(l)] = sum;
-          s.layer_sparsity[static_cast<std::size_t>(l)] = static_cast<float>(sum / static_cast<double>(hq));
+          record_layer_signal(seq_(step_.seqs[b]), l, std::span<const float>(x, static_cast<std::size_t>(hq)));
         }
       }
     }
@@ -2045,8 +2035,23 @@ class BasicThinKvCache {
     s.pinned = config_.pinned_prefix;
     s.appended.assign(static_cast<std::size_t>(config_.num_layers), 0);
     s.tracker = tracker_type(policy_.classifier);
-    s.layer_sparsity.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<float>::quiet_NaN());
-    s.layer_sum.assign(static_cast<std::size_t>(config_.num_layers), std::numeric_limits<double>::quiet_NaN());
+    s.layer_sparsity.resize(static_cast<std::size_t>(config_.num_layers));
+    s.layer_sum.resize(static_cast<std::size_t>(config_.num_layers));
+    clear_signal(s);
+  }
+  /// No layer's signal measured yet for the sequence's next token (NaN), not all-reduced.
+  static void clear_signal(SeqState& s) {
+    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(s.layer_sum.begin(), s.layer_sum.end(), std::numeric_limits<double>::quiet_NaN());
+    s.signal_reduced = false;
+  }
+  /// A layer's attention sparsity per query head of this cache: their sum (for the tensor-parallel
+  /// all-reduce; exact in double, a few floats of one scale) and their mean, the layer's signal.
+  static void record_layer_signal(SeqState& s, int layer, std::span<const float> heads) {
+    double sum = 0.0;
+    for (float x : heads) sum += x;
+    s.layer_sum[static_cast<std::size_t>(layer)] = sum;
+    s.layer_sparsity[static_cast<std::size_t>(layer)] = static_cast<float>(sum / static_cast<double>(heads.size()));
   }
   [[nodiscard]] Status check_seq(int seq) const {
     if (seq < 0 || seq >= config_.num_sequences) {
@@ -2125,9 +2130,7 @@ class BasicThinKvCache {
     const Status pushed = cache_.push_staged(stream_of(seq, 0, 0), s.type, s.segments.back().id);
     assert(pushed.is_ok());  // plan_begin checked the thought rule
     (void)pushed;
-    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(s.layer_sum.begin(), s.layer_sum.end(), std::numeric_limits<double>::quiet_NaN());
-    s.signal_reduced = false;
+    clear_signal(s);
     std::fill(s.appended.begin(), s.appended.end(), 0);
     s.in_token = true;
     if (!pinned) s.tracker.observe(s.position, hint);
@@ -2289,9 +2292,7 @@ class BasicThinKvCache {
         std::span<const std::uint32_t>(s.prompt_rows)
             .subspan(static_cast<std::size_t>(plan.groups * config_.group_size));
     THINKV_RETURN_IF_ERROR(cache_.set_staged(first, plan.type, tail, plan.start + tokens));
-    std::fill(s.layer_sparsity.begin(), s.layer_sparsity.end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(s.layer_sum.begin(), s.layer_sum.end(), std::numeric_limits<double>::quiet_NaN());
-    s.signal_reduced = false;
+    clear_signal(s);
     std::fill(s.appended.begin(), s.appended.end(), 0);
     return Status::ok();
   }
