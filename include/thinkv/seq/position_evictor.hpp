@@ -322,9 +322,7 @@ class BasicPositionEvictor {
     o.state.size = static_cast<std::int32_t>(o.positions.size());
     for (auto& [si, k] : kept) keep_only(segments_[si], k, dim, evict);
     for (const SegmentStep& st : plan.steps) segments_[segment_index(st.segment)].state.level = st.to_level;
-    segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
-                                   [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
-                    segments_.end());
+    drop_empty_closed_segments();
     std::sort(evict.begin() + static_cast<std::ptrdiff_t>(evict_from), evict.end());
     ++next_;
     ++stats_.tokens;
@@ -376,9 +374,7 @@ class BasicPositionEvictor {
       next_ = tail;
       if (segments_.empty()) tracker_ = initial_tracker_;
     }
-    segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
-                                   [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
-                    segments_.end());
+    drop_empty_closed_segments();
     stats_.removed += removed;
     return Status::ok();
   }
@@ -432,7 +428,7 @@ class BasicPositionEvictor {
     }
     if (in == 0) return Status::ok();
     const std::int32_t pin = config_.pinned_prefix;
-    if (pin > 0 && (lowest_in < pin || (in > gone && first < pin) || gone > 0)) {
+    if (pin > 0 && (lowest_in < pin || static_cast<std::int64_t>(lowest_in) + delta < pin)) {
       return {StatusCode::kUnsupported, call + ": the pinned prefix (positions below " + std::to_string(pin) +
                                             ") neither moves nor takes moved positions"};
     }
@@ -491,9 +487,7 @@ class BasicPositionEvictor {
       if (!seg.positions.empty()) prev_hi = std::max(prev_hi, seg.positions.back());
     }
     stats_.removed += gone;
-    segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
-                                   [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
-                    segments_.end());
+    drop_empty_closed_segments();
     if (tail_moves) {
       next_ = next;
       if (!segments_.empty() && segments_.back().positions.empty()) segments_.pop_back();
@@ -515,6 +509,12 @@ class BasicPositionEvictor {
   }
 
  private:
+  /// Closed segments left with no live position are gone (the open one stays: the next token joins it).
+  void drop_empty_closed_segments() {
+    segments_.erase(std::remove_if(segments_.begin(), segments_.end(),
+                                   [](const PositionSegment& s) { return s.positions.empty() && s.state.closed; }),
+                    segments_.end());
+  }
   [[nodiscard]] bool refresh_due(std::int32_t pos) const noexcept {
     return pos >= config_.pinned_prefix && tracker_.refreshes() && tracker_.is_refresh_step(pos);
   }
