@@ -48,15 +48,23 @@ std::span<const float> row(const std::vector<float>& rows, int dim, std::int64_t
           static_cast<std::size_t>(dim)};
 }
 
+/// Adds positions next_position() .. `until` - 1 (the warm-up before the timed loop); false on an error.
+bool add_until(PositionEvictor& ev, const std::vector<float>& rows, int dim, std::int32_t until) {
+  std::vector<std::int32_t> evict;
+  for (std::int32_t p = ev.next_position(); p < until; ++p) {
+    evict.clear();
+    if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) return false;
+  }
+  return true;
+}
+
 void BM_AddTokenSteadyState(benchmark::State& state) {
   const int dim = static_cast<int>(state.range(0)), budget = static_cast<int>(state.range(1));
   const std::vector<float> rows = random_rows(dim);
   PositionEvictor ev(config_for(dim, budget));
   std::vector<std::int32_t> evict;
   // Warm up past the budget so every timed token is in steady state.
-  for (std::int32_t p = 0; p < 64 + budget + 256; ++p) {
-    if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) state.SkipWithError("add_token failed");
-  }
+  if (!add_until(ev, rows, dim, 64 + budget + 256)) state.SkipWithError("add_token failed");
   const std::int64_t evicted0 = ev.stats().evicted;
   std::int64_t tokens = 0;
   for (auto _ : state) {
@@ -81,17 +89,10 @@ void BM_RollBack16(benchmark::State& state) {
   const int dim = static_cast<int>(state.range(0)), budget = 1024;
   const std::vector<float> rows = random_rows(dim);
   PositionEvictor ev(config_for(dim, budget));
-  std::vector<std::int32_t> evict;
-  for (std::int32_t p = 0; p < 64 + budget + 200; ++p) {
-    if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) state.SkipWithError("add_token failed");
-  }
+  if (!add_until(ev, rows, dim, 64 + budget + 200)) state.SkipWithError("add_token failed");
   for (auto _ : state) {
     const std::int32_t end = ev.next_position();
-    if (!ev.remove(end - 16, -1).is_ok()) state.SkipWithError("remove failed");
-    for (std::int32_t p = ev.next_position(); p < end; ++p) {
-      evict.clear();
-      if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) state.SkipWithError("add_token failed");
-    }
+    if (!ev.remove(end - 16, -1).is_ok() || !add_until(ev, rows, dim, end)) state.SkipWithError("roll back failed");
   }
   state.SetItemsProcessed(state.iterations() * 16);
 }
@@ -101,10 +102,7 @@ void BM_Shift(benchmark::State& state) {
   const int dim = static_cast<int>(state.range(0)), budget = 1024;
   const std::vector<float> rows = random_rows(dim);
   PositionEvictor ev(config_for(dim, budget));
-  std::vector<std::int32_t> evict;
-  for (std::int32_t p = 0; p < 64 + budget + 200; ++p) {
-    if (!ev.add_token(p, row(rows, dim, p), {}, evict).is_ok()) state.SkipWithError("add_token failed");
-  }
+  if (!add_until(ev, rows, dim, 64 + budget + 200)) state.SkipWithError("add_token failed");
   thinkv::RopeSpec rope;
   rope.theta = 500000.0;
   for (auto _ : state) {  // every position after the pinned prefix up 256 and back (two shifts)
