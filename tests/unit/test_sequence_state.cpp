@@ -821,3 +821,37 @@ TEST_CASE("Position shift: a backend that fails half way through the key rotatio
       },
       FailingWrites(fail_at));
 }
+
+TEST_CASE("Sequence state: a saved state holds only its own sequence's bytes, whatever its blocks held before",
+          "[sequence_state]") {
+  // Sequence 0 decodes and ends; sequence 1 then takes its freed blocks (lowest free id first)
+  // and fills only part of one. The state saved is the one a fresh cache saves for the same
+  // tokens: the unwritten slots of a block carry neither the previous owner's codes nor its slot
+  // metadata. (12 tokens, below the first refresh: the state has no measured refresh time.)
+  for (CacheMode mode : {CacheMode::kFull, CacheMode::kTbq}) {
+    INFO("mode " << thinkv::decoder::to_string(mode));
+    const ThinKvSpec cfg = tt::sequence_spec(mode);
+    auto rng = tt::make_rng("sequence_state_hygiene");
+    std::vector<TokenInputs> mine, other;
+    for (int t = 0; t < 12; ++t) mine.push_back(random_token(rng, cfg));
+    for (int t = 0; t < 20; ++t) other.push_back(random_token(rng, cfg));
+    std::vector<std::uint8_t> used, fresh;
+    with_cache(cfg, [&](auto& a) {
+      for (const TokenInputs& t : other) (void)decode(a, 2, t);  // keeps the storage chunk held
+      for (int t = 0; t < 100; ++t) (void)decode(a, 0, random_token(rng, cfg));
+      REQUIRE(a.reset_sequence(0).is_ok());
+      for (const TokenInputs& t : mine) (void)decode(a, 1, t);
+      REQUIRE(a.save_sequence(1, used).is_ok());
+    });
+    with_cache(cfg, [&](auto& b) {
+      for (const TokenInputs& t : other) (void)decode(b, 2, t);
+      for (const TokenInputs& t : mine) (void)decode(b, 1, t);
+      REQUIRE(b.save_sequence(1, fresh).is_ok());
+    });
+    REQUIRE(used.size() == fresh.size());
+    std::size_t first = used.size();
+    for (std::size_t i = 0; i < used.size() && first == used.size(); ++i) first = used[i] != fresh[i] ? i : first;
+    INFO("the states differ from byte " << first << " of " << used.size());
+    REQUIRE(used == fresh);
+  }
+}

@@ -873,6 +873,9 @@ class BlockTable {
                              l.pool->slot_segment.begin() + static_cast<std::ptrdiff_t>(first + bs));
       bi.slot_position.assign(l.pool->slot_position.begin() + static_cast<std::ptrdiff_t>(first),
                               l.pool->slot_position.begin() + static_cast<std::ptrdiff_t>(first + bs));
+      // Unwritten slots say nothing (their metadata may be a previous owner's): segment 0, position -1.
+      std::fill(bi.slot_segment.begin() + bi.fill, bi.slot_segment.end(), 0u);
+      std::fill(bi.slot_position.begin() + bi.fill, bi.slot_position.end(), -1);
       bi.slot_record.assign(static_cast<std::size_t>(bs), kNoRecord);
       for (int i = 0; i < bi.fill; ++i) {
         const SlotRef r{b, static_cast<std::uint32_t>(i)};
