@@ -645,10 +645,15 @@ class PagedKvCache {
     for (std::uint32_t b : blocks) bytes += static_cast<std::size_t>(layout().page_bytes(table_.block_precision(b)));
     out.pages.resize(bytes);
     std::size_t at = 0;
-    for (std::uint32_t b : blocks) {
+    for (std::size_t k = 0; k < blocks.size(); ++k) {
+      const std::uint32_t b = blocks[k];
       const Precision p = table_.block_precision(b);
       const auto n = static_cast<std::size_t>(layout().page_bytes(p));
-      THINKV_RETURN_IF_ERROR(backend_.read_page(p, table_.pools().local_index(b), std::span(out.pages).subspan(at, n)));
+      const std::span<std::uint8_t> page = std::span(out.pages).subspan(at, n);
+      THINKV_RETURN_IF_ERROR(backend_.read_page(p, table_.pools().local_index(b), page));
+      // Unwritten slots are saved as zeros: a block taken from the pool keeps its previous
+      // owner's bytes there (a commit writes only its slots), which are not this stream's.
+      for (int i = out.image.blocks[k].fill; i < config().block_size; ++i) layout().clear_slot(page, p, i);
       at += n;
     }
     const auto d = static_cast<std::size_t>(config().head_dim);

@@ -126,11 +126,6 @@ class BasicCpuKvBackend {
       return {StatusCode::kInternal, "commit plan has " + std::to_string(plan.slots.size()) +
                                          " slots, expected group_size " + std::to_string(g)};
     }
-    // A block taken fresh starts zeroed: its unwritten slots never hold a previous owner's codes
-    // (a saved state copies whole pages).
-    for (const std::uint32_t b : plan.new_blocks) {
-      std::fill_n(const_cast<std::uint8_t*>(page_ptr(b)), static_cast<std::size_t>(layout_.page_bytes(p)), 0);
-    }
     if (p == Precision::kBf16) {
       for (int i = 0; i < g; ++i) {
         for (int kv = 0; kv < 2; ++kv) {

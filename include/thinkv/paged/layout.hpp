@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <ostream>
+#include <span>
 #include <string>
 
 #include "thinkv/policy/precision_map.hpp"
@@ -229,6 +230,14 @@ struct CacheLayout {
   /// Data bytes of one page (block) at precision p: what the pool allocates per block.
   [[nodiscard]] constexpr std::int64_t page_bytes(Precision p) const noexcept {
     return std::int64_t{block_size} * slot_data_bytes(p);
+  }
+  /// Zeroes slot `slot`'s bytes (its K row, V row and value scales) in a page at precision p.
+  constexpr void clear_slot(std::span<std::uint8_t> page, Precision p, int slot) const noexcept {
+    const auto row = static_cast<std::size_t>(row_bytes(p)), vsb = static_cast<std::size_t>(value_scale_bytes(p));
+    const auto bs = static_cast<std::size_t>(block_size), i = static_cast<std::size_t>(slot);
+    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>(i * row), row, std::uint8_t{0});
+    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>((bs + i) * row), row, std::uint8_t{0});
+    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>(2 * bs * row + i * vsb), vsb, std::uint8_t{0});
   }
   /// 64-bit words of a block's eviction mask.
   [[nodiscard]] constexpr int evict_mask_words() const noexcept { return (block_size + 63) / 64; }
