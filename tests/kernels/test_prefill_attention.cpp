@@ -1,6 +1,10 @@
 // GPU test: launch_prefill_attention (causal prompt attention) against causal attention in
 // float64 over the same (encoded) inputs, for head_dim 8..256 (and 40, not a multiple of 32),
-// GQA group sizes 1..8, every element type, outputs poisoned before the launch. Tolerance:
+// GQA group sizes 1..8, every element type, outputs poisoned before the launch. head_dim 32, 64,
+// 128 and 256 take the tiled kernel (64 query rows = 64 / G tokens x G heads per CTA, key tiles of
+// 32 rows, 16 at 256): shapes whose tokens * G is not a multiple of 64, groups (3) that split a
+// token's heads across two CTAs, FP32 K/V (cp.async) and FP16/BF16 K/V or unaligned strides
+// (converting loads); the other head_dims the simple kernel. Tolerance:
 // 2^-(mantissa bits of out) * max|out| + 5e-5 * max|v| (FP32 arithmetic, expf within 2 ulp, up to
 // 700 terms), per output row. Fresh random inputs per run (THINKV_TEST_SEED pins them).
 
@@ -53,6 +57,14 @@ TEST_CASE("Prefill attention matches causal attention in float64", "[prefill_att
       {65, 6, 3, 40, ElementType::kF32, ElementType::kBf16, ElementType::kF16, 1.5f},
       {50, 2, 2, 8, ElementType::kF32, ElementType::kF32, ElementType::kF32, 4.0f},
       {90, 8, 8, 256, ElementType::kBf16, ElementType::kF32, ElementType::kF32, 1.0f},
+      // The tiled kernel: partial last query tiles, G = 8 sharing a K/V tile, G = 3 splitting a
+      // token's heads across CTAs, one token, D = 32.
+      {333, 16, 2, 128, ElementType::kF32, ElementType::kF32, ElementType::kF32, 2.0f},
+      {201, 6, 2, 64, ElementType::kF16, ElementType::kF16, ElementType::kF16, 1.5f},
+      {100, 4, 4, 64, ElementType::kF32, ElementType::kF32, ElementType::kF32, 3.0f},
+      {77, 8, 1, 256, ElementType::kF32, ElementType::kF32, ElementType::kBf16, 2.0f},
+      {1, 8, 1, 128, ElementType::kF32, ElementType::kF32, ElementType::kF32, 1.0f},
+      {45, 3, 1, 32, ElementType::kBf16, ElementType::kF32, ElementType::kF32, 2.0f},
   };
   std::normal_distribution<float> normal;
   for (const Shape& s : shapes) {
@@ -132,30 +144,40 @@ TEST_CASE("Prefill attention with a prefix: a continued chunk attends its KV hea
   // K/V in the scratch layout attend_chunk builds: FP32 [hkv, rows, d] (row stride d, head stride
   // rows * d), KV head h's prefix[h] stored rows first, the chunk's rows after them; unused rows
   // hold NaN, so a row read beyond prefix[h] + t poisons the output. Reference: float64, as above.
+  // `pad` widens the row stride to d + pad (pad 1: rows not 16-byte aligned, the tiled kernel's
+  // converting loads; pad 4: cp.async with a row stride other than d). Prefixes that end mid key
+  // tile, a long prefix (4,000 rows, 300 tokens), head_dim 32, 64, 128, 256, and G = 8.
   TT_SEEDED_RNG();
   struct Shape {
     int tokens, hq, hkv, d;
     std::vector<int> prefix;
+    int pad = 0;
   };
   const Shape shapes[] = {
-      {1, 4, 2, 64, {0, 33}},
-      {37, 8, 2, 128, {300, 5}},
-      {16, 8, 4, 32, {1, 64, 0, 129}},
-      {70, 4, 1, 40, {250}},
+      {1, 4, 2, 64, {0, 33}},           // one token
+      {37, 8, 2, 128, {300, 5}},        // prefixes ending mid key tile
+      {16, 8, 4, 32, {1, 64, 0, 129}},  // four KV heads, four prefixes
+      {70, 4, 1, 40, {250}},            // the simple kernel
+      {300, 8, 1, 64, {4000}},          // long prefix, G = 8
+      {40, 4, 2, 256, {100, 37}},       // key tiles of 16
+      {65, 16, 2, 64, {31, 0}},         // G = 8, a prefix ending mid tile
+      {50, 16, 2, 128, {1000, 33}, 1},  // unaligned rows: converting loads
+      {29, 24, 3, 32, {40, 3, 77}, 4},  // cp.async, row stride d + 4
   };
   std::normal_distribution<float> normal;
   for (const Shape& s : shapes) {
-    INFO("tokens " << s.tokens << ", Hq " << s.hq << ", Hkv " << s.hkv << ", D " << s.d);
+    INFO("tokens " << s.tokens << ", Hq " << s.hq << ", Hkv " << s.hkv << ", D " << s.d << ", pad " << s.pad);
     const int longest = *std::max_element(s.prefix.begin(), s.prefix.end());
     const auto rows = static_cast<std::size_t>(longest + s.tokens + 3);  // 3 spare rows, poisoned
     const auto T = static_cast<std::size_t>(s.tokens);
-    std::vector<float> q(T * s.hq * s.d), k(s.hkv * rows * s.d, NAN), v(k.size(), NAN);
+    const auto rs = static_cast<std::size_t>(s.d + s.pad);  // row stride
+    std::vector<float> q(T * s.hq * s.d), k(s.hkv * rows * rs, NAN), v(k.size(), NAN);
     for (auto& x : q) x = normal(rng) * 2.0f;
     for (int h = 0; h < s.hkv; ++h) {
       for (std::size_t j = 0; j < static_cast<std::size_t>(s.prefix[static_cast<std::size_t>(h)]) + T; ++j) {
         for (int c = 0; c < s.d; ++c) {
-          k[(h * rows + j) * s.d + c] = normal(rng);
-          v[(h * rows + j) * s.d + c] = normal(rng);
+          k[(h * rows + j) * rs + c] = normal(rng);
+          v[(h * rows + j) * rs + c] = normal(rng);
         }
       }
     }
@@ -176,8 +198,8 @@ TEST_CASE("Prefill attention with a prefix: a continued chunk attends its KV hea
     p.v = dv.p;
     p.out = dout.p;
     p.prefix = static_cast<const int*>(dp.p);
-    p.kv_row_stride = s.d;
-    p.kv_head_stride = static_cast<long long>(rows) * s.d;
+    p.kv_row_stride = static_cast<long long>(rs);
+    p.kv_head_stride = static_cast<long long>(rows * rs);
     REQUIRE(kernels::launch_prefill_attention(p, nullptr) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     std::vector<float> out(q.size());
@@ -193,7 +215,7 @@ TEST_CASE("Prefill attention with a prefix: a continued chunk attends its KV hea
         double m = -INFINITY, l = 0, vmax = 0;
         for (std::size_t j = 0; j < n; ++j) {
           double dot = 0;
-          for (int c = 0; c < s.d; ++c) dot += double{q[(t * s.hq + h) * s.d + c]} * k[(kvh * rows + j) * s.d + c];
+          for (int c = 0; c < s.d; ++c) dot += double{q[(t * s.hq + h) * s.d + c]} * k[(kvh * rows + j) * rs + c];
           sc[j] = dot * scale;
           m = std::max(m, sc[j]);
         }
@@ -202,7 +224,7 @@ TEST_CASE("Prefill attention with a prefix: a continued chunk attends its KV hea
           const double e = std::exp(sc[j] - m);
           l += e;
           for (int c = 0; c < s.d; ++c) {
-            const double x = v[(kvh * rows + j) * s.d + c];
+            const double x = v[(kvh * rows + j) * rs + c];
             acc[static_cast<std::size_t>(c)] += e * x;
             vmax = std::max(vmax, std::fabs(x));
           }
