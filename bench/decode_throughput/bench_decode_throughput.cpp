@@ -31,6 +31,11 @@
 /// --batch 0 (default): the largest batch whose worst-case cache (max_sequences) fits the device
 /// memory left after the weights and the step buffers, capped by --max-batch.
 /// --check: runs the configuration twice from the same seed and requires the same tokens.
+/// --tp N: tensor parallelism over N GPUs (NCCL; one process per GPU, forked before any CUDA
+/// call): rank r on GPU r holds 1/N of every layer's heads and FFN units and of the cache, the
+/// batch is the largest that fits on every rank, rank 0 prints the results (KV bytes per rank)
+/// with the all-reduces' share of the step. --shape r1-llama-70b: 80 layers, dim 8192, 64 query
+/// and 8 KV heads of 128, FFN 28672, vocabulary 128256 (DeepSeek-R1-Distill-Llama-70B's shape).
 /// Steps are pipelined (GpuTransformer::launch / collect: the host plans step t + 1 while the
 /// device runs step t, each sequence fed its previous greedy token on the device); --sync waits
 /// for each step (GpuTransformer::step) instead, host and device work then add up.
@@ -48,7 +53,13 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "decoder/gpu_transformer.hpp"
+#ifdef THINKV_HAVE_NCCL
+#include "decoder/nccl_collective.hpp"
+#endif
 #include "rkv_cache.hpp"
 #include "thinkv/policy/cache_policy.hpp"
 
@@ -103,6 +114,7 @@ struct Args {
   bool check = false;
   bool rkv_overlap = false;
   bool sync = false;  // step() (wait for each step) instead of launch / collect (pipelined)
+  int tp = 1;         // tensor-parallel ranks (one GPU each)
 };
 
 bool parse(int argc, char** argv, Args& a) {
@@ -144,6 +156,8 @@ bool parse(int argc, char** argv, Args& a) {
       a.steps = std::atoi(v);
     else if (k == "--seed")
       a.seed = std::strtoull(v, nullptr, 10);
+    else if (k == "--tp")
+      a.tp = std::atoi(v);
     else {
       std::fprintf(stderr, "bench_decode_throughput: unknown option %s\n", k.c_str());
       return false;
@@ -153,8 +167,18 @@ bool parse(int argc, char** argv, Args& a) {
     std::fprintf(stderr, "bench_decode_throughput: --method %s: allowed full, thinkv, rkv\n", a.method.c_str());
     return false;
   }
-  if (a.steps < 1 || a.budget < 128 || a.context < 2 || a.max_batch < 1 || a.batch < 0) {
-    std::fprintf(stderr, "bench_decode_throughput: --steps >= 1, --budget >= 128, --context >= 2, --batch >= 0\n");
+  if (a.steps < 1 || a.budget < 128 || a.context < 2 || a.max_batch < 1 || a.batch < 0 || a.tp < 1) {
+    std::fprintf(stderr,
+                 "bench_decode_throughput: --steps >= 1, --budget >= 128, --context >= 2, --batch >= 0, --tp >= 1\n");
+    return false;
+  }
+  if (a.tp > 1 && a.method == "rkv") {
+    std::fprintf(stderr, "bench_decode_throughput: --method rkv does not run under tensor parallelism (--tp 1)\n");
+    return false;
+  }
+  if (a.shape != "tiny" && a.shape != "llama3-8b" && a.shape != "r1-llama-70b") {
+    std::fprintf(stderr, "bench_decode_throughput: --shape %s: allowed tiny, llama3-8b, r1-llama-70b\n",
+                 a.shape.c_str());
     return false;
   }
   return true;
@@ -165,6 +189,9 @@ ModelConfig shape_config(const std::string& s) {
   if (s == "tiny") {  // the smoke test's
     c.dim = 256, c.hidden_dim = 512, c.n_layers = 4, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 64,
     c.vocab_size = 1000;
+  } else if (s == "r1-llama-70b") {  // DeepSeek-R1-Distill-Llama-70B / Llama-3.3-70B
+    c.dim = 8192, c.hidden_dim = 28672, c.n_layers = 80, c.n_heads = 64, c.n_kv_heads = 8, c.head_dim = 128,
+    c.vocab_size = 128256, c.rope_theta = 500000.0f;
   } else {  // Llama-3-8B / R1-Llama-8B
     c.dim = 4096, c.hidden_dim = 14336, c.n_layers = 32, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128,
     c.vocab_size = 128256, c.rope_theta = 500000.0f;
@@ -183,12 +210,15 @@ bench::RkvOptions rkv_options(const Args& a) {
   return o;
 }
 
-ThinKvConfig cache_config(const ModelConfig& m, const Args& a, int sequences) {
+/// The cache of rank `rank` of a.tp (all heads when a.tp is 1).
+ThinKvConfig cache_config(const ModelConfig& m, const Args& a, int sequences, int rank = 0) {
   ThinKvConfig c;
   c.num_sequences = sequences;
   c.num_layers = m.n_layers;
-  c.num_kv_heads = m.n_kv_heads;
-  c.num_q_heads = m.n_heads;
+  c.num_kv_heads = m.n_kv_heads / a.tp;
+  c.num_q_heads = m.n_heads / a.tp;
+  c.model_kv_heads = m.n_kv_heads;
+  c.kv_head_offset = rank * c.num_kv_heads;
   c.head_dim = m.head_dim;
   c.group_size = 16;
   c.block_size = 16;
@@ -209,10 +239,19 @@ ScheduledThinKvPolicy thinkv_policy() {
   return p;
 }
 
-/// Device bytes a step's buffers take per sequence (gpu_transformer.cpp's layout, rounded up).
-std::int64_t act_bytes_per_seq(const ModelConfig& c) {
+/// A rank's share of the model: its heads and FFN units (the embedding and classifier whole).
+ModelConfig rank_slice(ModelConfig c, int tp) {
+  c.n_heads /= tp;
+  c.n_kv_heads /= tp;
+  c.hidden_dim /= tp;
+  return c;
+}
+
+/// Device bytes a step's buffers take per sequence (gpu_transformer.cpp's layout, rounded up;
+/// `c` a rank's slice, plus the partial sums under tensor parallelism).
+std::int64_t act_bytes_per_seq(const ModelConfig& c, int tp) {
   const std::int64_t f32 = 4LL * (c.dim + (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() + 2 * c.kv_dim() + c.q_dim() +
-                                  2 * c.hidden_dim + c.vocab_size);
+                                  2 * c.hidden_dim + c.vocab_size + (tp > 1 ? c.dim : 0));
   return f32 + 2LL * (c.dim + c.q_dim() + c.hidden_dim) + 64;
 }
 std::int64_t weight_bytes(const ModelConfig& c) {
@@ -234,11 +273,11 @@ struct Result {
   std::string error;
 };
 
-Result run(const Args& a, const ModelConfig& mc, int batch) {
+Result run(const Args& a, const ModelConfig& mc, int batch, Collective* tp) {
   Result r;
   r.batch = batch;
   std::unique_ptr<GpuCache> cache;
-  const ThinKvConfig cc = cache_config(mc, a, batch);
+  const ThinKvConfig cc = cache_config(mc, a, batch, tp != nullptr ? tp->rank() : 0);
   try {
     if (a.method == "rkv") {
       std::unique_ptr<bench::RkvCache> rc;
@@ -264,6 +303,7 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
   GpuDecoderOptions o;
   o.weights = GpuWeightType::kBF16;
   o.reserve = a.method == "full";
+  o.tensor_parallel = tp;
   if (Status s = GpuTransformer::create_random(mc, a.seed, std::move(cache), o, g); !s.is_ok()) {
     r.error = s.to_string();
     return r;
@@ -416,29 +456,32 @@ Result run(const Args& a, const ModelConfig& mc, int batch) {
   return r;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Args a;
-  if (!parse(argc, argv, a)) return 2;
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: bench_decode_throughput skipped\n");
-    return 77;
-  }
+/// One rank's run (the whole model when tp is nullptr): sizes the batch, runs, and on rank 0
+/// prints the results.
+int bench_main(const Args& a, Collective* tp) {
+  const int rank = tp != nullptr ? tp->rank() : 0;
   cudaDeviceProp prop{};
-  (void)cudaGetDeviceProperties(&prop, 0);
+  int device = 0;
+  (void)cudaGetDevice(&device);
+  (void)cudaGetDeviceProperties(&prop, device);
   const ModelConfig mc = shape_config(a.shape);
+  if (mc.n_kv_heads % a.tp != 0 || mc.hidden_dim % a.tp != 0) {
+    std::fprintf(stderr,
+                 "bench_decode_throughput: --shape %s has %d KV heads and %d FFN units: --tp %d does not divide them\n",
+                 a.shape.c_str(), mc.n_kv_heads, mc.hidden_dim, a.tp);
+    return 2;
+  }
+  const ModelConfig slice = rank_slice(mc, a.tp);
   int batch = a.batch;
   if (batch == 0) {  // the largest batch whose worst-case cache fits beside the weights and buffers
     std::size_t free = 0, total = 0;
     (void)cudaMemGetInfo(&free, &total);
     const std::int64_t margin = std::int64_t{3} << 30;  // cuBLAS, attention workspaces, the context
-    std::int64_t left = static_cast<std::int64_t>(free) - weight_bytes(mc) - margin;
+    std::int64_t left = static_cast<std::int64_t>(free) - weight_bytes(slice) - margin;
     batch = 1;
     for (int it = 0; it < 3; ++it) {
-      const std::int64_t kv = left - std::int64_t{batch} * act_bytes_per_seq(mc);
-      const ThinKvConfig cc = cache_config(mc, a, 1);
+      const std::int64_t kv = left - std::int64_t{batch} * act_bytes_per_seq(slice, a.tp);
+      const ThinKvConfig cc = cache_config(mc, a, 1, rank);
       int n = 0;
       if (a.method == "rkv") {
         const bench::RkvOptions ro = rkv_options(a);
@@ -448,32 +491,45 @@ int main(int argc, char** argv) {
       }
       batch = std::max(1, std::min(a.max_batch, n));
     }
+    if (tp != nullptr) {  // every rank runs the smallest rank's batch
+      std::vector<double> each(static_cast<std::size_t>(a.tp), 0.0);
+      each[static_cast<std::size_t>(rank)] = batch;
+      if (Status s = tp->all_reduce_host(each, nullptr); !s.is_ok()) {
+        std::fprintf(stderr, "bench_decode_throughput: rank %d: agreeing on the batch: %s\n", rank,
+                     s.to_string().c_str());
+        return 1;
+      }
+      batch = static_cast<int>(*std::min_element(each.begin(), each.end()));
+    }
   }
-  const Result r = run(a, mc, batch);
+  const Result r = run(a, mc, batch, tp);
   if (!r.error.empty()) {
-    std::fprintf(stderr, "bench_decode_throughput: %s (batch %d)\n", r.error.c_str(), batch);
+    std::fprintf(stderr, "bench_decode_throughput: rank %d: %s (batch %d)\n", rank, r.error.c_str(), batch);
     return 1;
   }
   bool same = true;
   if (a.check) {
-    const Result again = run(a, mc, batch);
+    const Result again = run(a, mc, batch, tp);
     same = again.error.empty() && again.token_hash == r.token_hash;
     if (!same) std::fprintf(stderr, "bench_decode_throughput: a second run with the same seed gave other tokens\n");
   }
+  if (rank != 0) return same ? 0 : 1;
   const double per_seq_held = static_cast<double>(r.held_bytes) / batch;
   const double per_seq_alloc = static_cast<double>(r.allocated_bytes) / batch;
   const double steps = std::max(1, a.steps);
   const double layers = r.times.layers_ms / steps, attn = r.times.attention_ms / steps, head = r.times.head_ms / steps;
   const double hb = r.times.host_begin_ms / steps, he = r.times.host_end_ms / steps, hw = r.times.host_wait_ms / steps;
   const double rkv_score = r.rkv.score_ms / steps, rkv_gather = r.rkv.gather_ms / steps;
+  const double allreduce = r.times.allreduce_ms / steps;
   std::fprintf(stderr,
                "%s budget %d context %d batch %d: %.2f ms/step, %.0f tokens/s; KV per sequence held %.1f MiB, "
                "allocated %.1f MiB; device per step: layers (GEMMs + norms) %.2f ms, attention (append + attend) "
                "%.2f ms, head %.2f ms, TBE selection %.3f ms, R-KV scores %.3f ms, R-KV gather %.3f ms; host: "
-               "begin_step %.2f ms, end_step %.2f ms, waiting %.2f ms\n",
+               "begin_step %.2f ms, end_step %.2f ms, waiting %.2f ms; tensor parallelism %d, all-reduces %.3f ms "
+               "(KV per rank)\n",
                a.method.c_str(), a.method == "full" ? 0 : a.budget, a.context, batch, r.step_ms, r.tokens_per_s,
                per_seq_held / 1048576.0, per_seq_alloc / 1048576.0, layers, attn, head, r.dev.select_ms, rkv_score,
-               rkv_gather, hb, he, hw);
+               rkv_gather, hb, he, hw, a.tp, allreduce);
   std::printf(
       "{\"method\":\"%s\",\"shape\":\"%s\",\"gpu\":\"%s\",\"budget\":%d,\"context\":%d,\"batch\":%d,\"steps\":%d,"
       "\"step_ms\":%.4f,\"tokens_per_s\":%.1f,\"kv_held_bytes_per_seq\":%.0f,\"kv_allocated_bytes_per_seq\":%.0f,"
@@ -484,13 +540,91 @@ int main(int argc, char** argv) {
       "\"transitions_per_step\":%.4f,\"rkv_overlap\":%s,\"rkv_score_ms\":%.4f,\"rkv_gather_ms\":%.4f,"
       "\"compressions_per_step\":%.3f,\"host_begin_ms\":%.4f,\"host_end_ms\":%.4f,\"host_wait_ms\":%.4f,"
       "\"tokens\":%" PRId64 ",\"pipelined\":%s,\"fill_s\":%.2f,\"warmup_s\":%.2f,\"token_hash\":\"%016" PRIx64
-      "\",\"repeat_same\":%s}\n",
+      "\",\"repeat_same\":%s,\"tp\":%d,\"allreduce_ms\":%.4f,\"allreduce_share\":%.4f}\n",
       a.method.c_str(), a.shape.c_str(), prop.name, a.method == "full" ? 0 : a.budget, a.context, batch, a.steps,
       r.step_ms, r.tokens_per_s, per_seq_held, per_seq_alloc, r.weights, r.live_tokens, layers, attn, head,
       r.dev.append_ms, r.dev.attend_ms, r.dev.prepare_ms, r.dev.select_ms, r.stats.eviction_calls / steps,
       r.stats.tokens_evicted / steps, r.stats.selections / steps, r.stats.transition_events / steps,
       a.method == "rkv" ? (a.rkv_overlap ? "true" : "false") : "null", rkv_score, rkv_gather,
       static_cast<double>(r.rkv.compressions) / steps, hb, he, hw, r.tokens, a.sync ? "false" : "true", r.fill_s,
-      r.warmup_s, r.token_hash, a.check ? (same ? "true" : "false") : "null");
+      r.warmup_s, r.token_hash, a.check ? (same ? "true" : "false") : "null", a.tp, allreduce,
+      r.step_ms > 0 ? allreduce / r.step_ms : 0.0);
   return same ? 0 : 1;
+}
+
+/// --tp N: one process per GPU, forked before any CUDA call; rank 0 makes NCCL's group id.
+int run_ranks(const Args& a) {
+#ifndef THINKV_HAVE_NCCL
+  (void)a;
+  std::fprintf(stderr, "bench_decode_throughput: --tp %d needs NCCL, and this build found none\n", a.tp);
+  return 2;
+#else
+  const ModelConfig mc = shape_config(a.shape);
+  if (mc.n_kv_heads % a.tp != 0 || mc.hidden_dim % a.tp != 0) {
+    std::fprintf(stderr,
+                 "bench_decode_throughput: --shape %s has %d KV heads and %d FFN units: --tp %d does not divide them\n",
+                 a.shape.c_str(), mc.n_kv_heads, mc.hidden_dim, a.tp);
+    return 2;
+  }
+  std::string id;
+  if (Status s = NcclCollective::unique_id(id); !s.is_ok()) {
+    std::fprintf(stderr, "bench_decode_throughput: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  std::fflush(nullptr);
+  std::vector<pid_t> kids;
+  for (int r = 0; r < a.tp; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("bench_decode_throughput: fork");
+      return 1;
+    }
+    if (pid == 0) {
+      int devices = 0;
+      if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < a.tp) {
+        if (r == 0)
+          std::printf("bench_decode_throughput: --tp %d needs %d GPUs, found %d: skipped\n", a.tp, a.tp, devices);
+        std::fflush(nullptr);
+        _exit(77);
+      }
+      int rc = 1;
+      if (cudaSetDevice(r) == cudaSuccess) {
+        std::unique_ptr<NcclCollective> comm;
+        if (Status s = NcclCollective::create(id, r, a.tp, std::chrono::minutes(5), comm); !s.is_ok()) {
+          std::fprintf(stderr, "bench_decode_throughput: %s\n", s.to_string().c_str());
+        } else {
+          rc = bench_main(a, comm.get());
+          if (rc != 0) comm->abort("rank " + std::to_string(r) + " failed");
+        }
+      }
+      std::fflush(nullptr);
+      _exit(rc);
+    }
+    kids.push_back(pid);
+  }
+  int worst = 0;
+  bool all_skipped = true;
+  for (const pid_t k : kids) {
+    int st = 0;
+    (void)waitpid(k, &st, 0);
+    const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+    all_skipped = all_skipped && rc == 77;
+    if (rc != 77) worst = std::max(worst, rc);
+  }
+  return all_skipped ? 77 : worst;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  if (!parse(argc, argv, a)) return 2;
+  if (a.tp > 1) return run_ranks(a);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: bench_decode_throughput skipped\n");
+    return 77;
+  }
+  return bench_main(a, nullptr);
 }

@@ -7,6 +7,7 @@
 /// state behind a pointer. make_gpu_cache() builds the cache a ThinKvSpec (the CLI's sets)
 /// describes; GpuCacheModel<P> any other.
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,6 +53,14 @@ class GpuCache {
   [[nodiscard]] virtual ThoughtStats thought_stats(int seq) const = 0;
   [[nodiscard]] virtual std::vector<SegmentState> segments(int seq) const = 0;
   [[nodiscard]] virtual std::span<const float> layer_sparsity(int seq) const = 0;
+  /// Tensor parallelism: BasicThinKvCache::set_signal_reduction (the thought signal summed over
+  /// the ranks). A cache without ThinKV's signal refuses with kUnsupported.
+  [[nodiscard]] virtual Status set_signal_reduction(int total_q_heads,
+                                                    std::function<Status(std::span<double>)> all_reduce) {
+    (void)total_q_heads;
+    (void)all_reduce;
+    return {StatusCode::kUnsupported, method_name() + " cannot be sharded by tensor parallelism"};
+  }
 };
 
 /// GpuCache over BasicThinKvCache<P, CudaKvBackend>.
@@ -99,6 +108,9 @@ class GpuCacheModel final : public GpuCache {
   ThoughtStats thought_stats(int seq) const override { return c_.tracker(seq).stats(); }
   std::vector<SegmentState> segments(int seq) const override { return c_.segments(seq); }
   std::span<const float> layer_sparsity(int seq) const override { return c_.layer_sparsity(seq); }
+  Status set_signal_reduction(int total_q_heads, std::function<Status(std::span<double>)> all_reduce) override {
+    return c_.set_signal_reduction(total_q_heads, std::move(all_reduce));
+  }
 
  private:
   BasicThinKvCache<P, CudaKvBackend> c_;

@@ -156,6 +156,25 @@ __global__ void fill_uniform_kernel(void* out, Elem e, std::size_t n, std::uint6
   }
 }
 
+__global__ void fill_uniform_block_kernel(void* out, Elem e, std::int64_t rows, std::int64_t cols, std::uint64_t seed,
+                                          float scale, std::int64_t src_cols, std::int64_t row0, std::int64_t col0) {
+  const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
+  for (std::size_t t = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::size_t r = t / static_cast<std::size_t>(cols), c = t % static_cast<std::size_t>(cols);
+    const std::size_t g =
+        (static_cast<std::size_t>(row0) + r) * static_cast<std::size_t>(src_cols) + static_cast<std::size_t>(col0) + c;
+    const std::uint64_t h = mix64(seed + 0x9E3779B97F4A7C15ull * (g + 1));
+    const float u = static_cast<float>(h >> 40) * 0x1p-24f;  // [0, 1), as fill_uniform_kernel
+    store(out, e, t, (2.0f * u - 1.0f) * scale);
+  }
+}
+
+__global__ void add_kernel(float* x, const float* y, std::size_t n) {
+  const std::size_t t = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < n) x[t] += y[t];
+}
+
 __global__ void fill_f32_kernel(float* out, std::size_t n, float value) {
   const std::size_t t = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t < n) out[t] = value;
@@ -209,6 +228,22 @@ cudaError_t fill_uniform(void* out, Elem e, std::size_t n, std::uint64_t seed, f
   if (n == 0) return cudaSuccess;
   const std::size_t blocks = std::min<std::size_t>(blocks_for(n, 256), 65536);
   fill_uniform_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(out, e, n, seed, scale);
+  return cudaGetLastError();
+}
+
+cudaError_t fill_uniform_block(void* out, Elem e, std::int64_t rows, std::int64_t cols, std::uint64_t seed, float scale,
+                               std::int64_t src_cols, std::int64_t row0, std::int64_t col0, cudaStream_t stream) {
+  const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
+  if (n == 0) return cudaSuccess;
+  const std::size_t blocks = std::min<std::size_t>(blocks_for(n, 256), 65536);
+  fill_uniform_block_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(out, e, rows, cols, seed, scale,
+                                                                               src_cols, row0, col0);
+  return cudaGetLastError();
+}
+
+cudaError_t add(float* x, const float* y, std::size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  add_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(x, y, n);
   return cudaGetLastError();
 }
 

@@ -49,6 +49,16 @@ cudaError_t scatter_tokens(const int* next, const int* seqs, int batch, int* las
 /// (reproducible whatever the launch shape; for weights whose values do not matter).
 cudaError_t fill_uniform(void* out, Elem e, std::size_t n, std::uint64_t seed, float scale, cudaStream_t stream);
 
+/// A block of a matrix fill_uniform would draw: `rows` x `cols` values (row-major, in `e`) whose
+/// element (r, c) is fill_uniform's element (row0 + r) * src_cols + col0 + c of the same seed
+/// (the whole matrix has src_cols columns). With row0 = col0 = 0 and src_cols = cols, exactly
+/// fill_uniform: a tensor-parallel rank draws its slice of the matrix one GPU draws.
+cudaError_t fill_uniform_block(void* out, Elem e, std::int64_t rows, std::int64_t cols, std::uint64_t seed, float scale,
+                               std::int64_t src_cols, std::int64_t row0, std::int64_t col0, cudaStream_t stream);
+
+/// x[i] += y[i] for n values (FP32).
+cudaError_t add(float* x, const float* y, std::size_t n, cudaStream_t stream);
+
 /// n copies of `value` (FP32).
 cudaError_t fill_f32(float* out, std::size_t n, float value, cudaStream_t stream);
 

@@ -111,6 +111,13 @@ struct GpuTransformer::Impl {
   bool timing = false;
   GpuStepTimes times;
 
+  // Tensor parallelism: this rank's slice (the whole model when tp is nullptr).
+  Collective* tp = nullptr;
+  int tp_size = 1, tp_rank = 0;
+  int hq = 0, hkv = 0;                    // this rank's query and KV heads
+  std::int64_t qd = 0, kvd = 0, hid = 0;  // this rank's q_dim, kv_dim, FFN hidden units
+  float* partial = nullptr;               // [max_batch, dim]: a rank's share of wo's / w2's output
+
   ~Impl() {
     cache.reset();  // the backend's device state goes before the stream
     if (blas != nullptr) cublasDestroy(blas);
@@ -143,12 +150,37 @@ struct GpuTransformer::Impl {
     if (!cache_in) return {StatusCode::kInvalidArgument, "GPU decoder: no cache given"};
     cache = std::move(cache_in);
     const ThinKvConfig& spec = cache->config();
-    if (spec.num_layers != c.n_layers || spec.num_kv_heads != c.n_kv_heads || spec.num_q_heads != c.n_heads ||
-        spec.head_dim != c.head_dim) {
+    tp = options.tensor_parallel;
+    tp_size = tp != nullptr ? tp->size() : 1;
+    tp_rank = tp != nullptr ? tp->rank() : 0;
+    if (c.n_kv_heads % tp_size != 0 || c.n_heads % tp_size != 0 || c.hidden_dim % tp_size != 0) {
+      return {StatusCode::kInvalidArgument,
+              "GPU decoder: tensor parallelism over " + std::to_string(tp_size) + " ranks needs the KV heads (" +
+                  std::to_string(c.n_kv_heads) + "), query heads (" + std::to_string(c.n_heads) +
+                  ") and FFN hidden units (" + std::to_string(c.hidden_dim) + ") to split evenly"};
+    }
+    hq = c.n_heads / tp_size;
+    hkv = c.n_kv_heads / tp_size;
+    qd = std::int64_t{hq} * c.head_dim;
+    kvd = std::int64_t{hkv} * c.head_dim;
+    hid = c.hidden_dim / tp_size;
+    const int model_kv = spec.model_kv_heads == 0 ? spec.num_kv_heads : spec.model_kv_heads;
+    if (spec.num_layers != c.n_layers || spec.num_kv_heads != hkv || spec.num_q_heads != hq ||
+        spec.head_dim != c.head_dim || model_kv != c.n_kv_heads || spec.kv_head_offset != tp_rank * hkv) {
       return {StatusCode::kShapeMismatch,
               "GPU decoder: the cache is configured for layers=" + std::to_string(spec.num_layers) +
                   " kv_heads=" + std::to_string(spec.num_kv_heads) + " q_heads=" + std::to_string(spec.num_q_heads) +
-                  " head_dim=" + std::to_string(spec.head_dim) + "; the model has " + c.to_string()};
+                  " head_dim=" + std::to_string(spec.head_dim) + " (KV heads " + std::to_string(spec.kv_head_offset) +
+                  ".. of " + std::to_string(model_kv) + "); the model has " + c.to_string() +
+                  (tp_size > 1 ? ", of which tensor-parallel rank " + std::to_string(tp_rank) + " of " +
+                                     std::to_string(tp_size) + " holds " + std::to_string(hkv) + " KV heads from " +
+                                     std::to_string(tp_rank * hkv) + " and " + std::to_string(hq) +
+                                     " query heads (tensor_parallel_slice)"
+                               : std::string())};
+    }
+    if (tp != nullptr) {
+      THINKV_RETURN_IF_ERROR(cache->set_signal_reduction(
+          c.n_heads, [this](std::span<double> sums) { return tp->all_reduce_host(sums, stream); }));
     }
     max_batch = spec.num_sequences;
     TKV_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -162,14 +194,15 @@ struct GpuTransformer::Impl {
     hints.resize(static_cast<std::size_t>(max_batch));
     // Step buffers.
     const std::size_t B = static_cast<std::size_t>(max_batch);
-    const std::size_t qkv_w = static_cast<std::size_t>(c.q_dim() + 2 * c.kv_dim());
+    const std::size_t qkv_w = static_cast<std::size_t>(qd + 2 * kvd);
+    const std::size_t Q = static_cast<std::size_t>(qd), KV = static_cast<std::size_t>(kvd),
+                      H = static_cast<std::size_t>(hid);
     Carve cv;
-    const std::size_t o_x = cv.take(B * c.dim * 4), o_qkv = cv.take(B * qkv_w * 4), o_q = cv.take(B * c.q_dim() * 4),
-                      o_k = cv.take(B * c.kv_dim() * 4), o_v = cv.take(B * c.kv_dim() * 4),
-                      o_att = cv.take(B * c.q_dim() * 4), o_h13 = cv.take(B * 2 * c.hidden_dim * 4),
-                      o_logits = cv.take(B * c.vocab_size * 4), o_xb = cv.take(wbytes(B * c.dim)),
-                      o_attw = cv.take(wbytes(B * c.q_dim())), o_hh = cv.take(wbytes(B * c.hidden_dim)),
-                      o_ints = cv.take(B * 5 * sizeof(int));
+    const std::size_t o_x = cv.take(B * c.dim * 4), o_qkv = cv.take(B * qkv_w * 4), o_q = cv.take(B * Q * 4),
+                      o_k = cv.take(B * KV * 4), o_v = cv.take(B * KV * 4), o_att = cv.take(B * Q * 4),
+                      o_h13 = cv.take(B * 2 * H * 4), o_logits = cv.take(B * c.vocab_size * 4),
+                      o_xb = cv.take(wbytes(B * c.dim)), o_attw = cv.take(wbytes(B * Q)), o_hh = cv.take(wbytes(B * H)),
+                      o_partial = tp != nullptr ? cv.take(B * c.dim * 4) : 0, o_ints = cv.take(B * 5 * sizeof(int));
     act_bytes = static_cast<std::int64_t>(cv.off);
     TKV_CUDA(cudaMalloc(&acts, cv.off), "cudaMalloc of the step buffers");
     auto* base = static_cast<unsigned char*>(acts);
@@ -184,6 +217,7 @@ struct GpuTransformer::Impl {
     xb = base + o_xb;
     attw = base + o_attw;
     hh = base + o_hh;
+    if (tp != nullptr) partial = reinterpret_cast<float*>(base + o_partial);
     d_tokens = reinterpret_cast<int*>(base + o_ints);  // tokens, positions, sequences: one upload
     d_pos = d_tokens + B;
     d_seqs = d_pos + B;
@@ -203,7 +237,7 @@ struct GpuTransformer::Impl {
   /// Offsets of every weight in the allocation; fill(name, ptr) places each.
   Status allocate_weights(std::vector<std::size_t>& offs) {
     const ModelConfig& c = cfg;
-    const std::int64_t dim = c.dim, qd = c.q_dim(), kvd = c.kv_dim(), hid = c.hidden_dim, voc = c.vocab_size;
+    const std::int64_t dim = c.dim, voc = c.vocab_size;  // qd, kvd, hid: this rank's slice
     Carve cv;
     offs.clear();
     offs.push_back(cv.take(wbytes(voc * dim)));                                 // embedding
@@ -249,18 +283,32 @@ struct GpuTransformer::Impl {
     return Status::ok();
   }
 
-  /// Copies matrices (stacked row-wise, in order) into `dst` in the weights' element type.
-  Status upload_matrices(const void* dst, std::initializer_list<const Matrix*> ms) {
+  /// A block of a matrix: rows [r0, r0 + rows), columns [c0, c0 + cols).
+  struct Slice {
+    const Matrix* m = nullptr;
+    std::int64_t r0 = 0, rows = 0, c0 = 0, cols = 0;
+  };
+  static Slice rows_of(const Matrix& m, std::int64_t r0, std::int64_t rows) { return {&m, r0, rows, 0, m.cols}; }
+  static Slice cols_of(const Matrix& m, std::int64_t c0, std::int64_t cols) { return {&m, 0, m.rows, c0, cols}; }
+
+  /// Copies blocks of matrices (stacked row-wise, in order; all as wide) into `dst` in the
+  /// weights' element type.
+  Status upload_matrices(const void* dst, std::initializer_list<Slice> ms) {
     std::size_t rows = 0, cols = 0;
-    for (const Matrix* m : ms) {
-      rows += static_cast<std::size_t>(m->rows);
-      cols = static_cast<std::size_t>(m->cols);
+    for (const Slice& m : ms) {
+      rows += static_cast<std::size_t>(m.rows);
+      cols = static_cast<std::size_t>(m.cols);
     }
     std::vector<float> f(rows * cols);
     std::size_t r0 = 0;
-    for (const Matrix* m : ms) {
-      for (std::int64_t r = 0; r < m->rows; ++r) m->row(r, f.data() + (r0 + static_cast<std::size_t>(r)) * cols);
-      r0 += static_cast<std::size_t>(m->rows);
+    for (const Slice& m : ms) {
+      std::vector<float> row(static_cast<std::size_t>(m.m->cols));
+      for (std::int64_t r = 0; r < m.rows; ++r) {
+        m.m->row(m.r0 + r, row.data());
+        std::copy_n(row.begin() + m.c0, m.cols,
+                    f.begin() + static_cast<std::ptrdiff_t>((r0 + static_cast<std::size_t>(r)) * cols));
+      }
+      r0 += static_cast<std::size_t>(m.rows);
     }
     void* d = const_cast<void*>(dst);
     if (wt == Elem::kF32) {
@@ -288,6 +336,20 @@ struct GpuTransformer::Impl {
                          "cublasGemmEx");
   }
 
+  /// x += W in (W [dim, cols], this rank's columns of wo or w2): on one GPU the GEMM adds into
+  /// x; under tensor parallelism each rank's partial product is summed over the ranks first.
+  /// `ev` (two events, or nullptr): recorded around the all-reduce.
+  Status project_out(const void* W, int cols, const void* in, int B, cudaEvent_t* ev) {
+    if (tp == nullptr) return gemm(W, cfg.dim, cols, in, B, x, true);
+    THINKV_RETURN_IF_ERROR(gemm(W, cfg.dim, cols, in, B, partial, false));
+    const std::size_t n = static_cast<std::size_t>(B) * static_cast<std::size_t>(cfg.dim);
+    if (ev != nullptr) TKV_CUDA(cudaEventRecord(ev[0], stream), "cudaEventRecord");
+    THINKV_RETURN_IF_ERROR(tp->all_reduce(partial, n, stream));
+    if (ev != nullptr) TKV_CUDA(cudaEventRecord(ev[1], stream), "cudaEventRecord");
+    TKV_CUDA(gpu::add(x, partial, n, stream), "add");
+    return Status::ok();
+  }
+
   using Clock = std::chrono::steady_clock;
   static double ms(Clock::time_point from, Clock::time_point to) {
     return std::chrono::duration<double, std::milli>(to - from).count();
@@ -296,7 +358,9 @@ struct GpuTransformer::Impl {
   struct Slot {
     int* h = nullptr;  // pinned [4 * max_batch]: tokens, positions, sequences, next tokens
     cudaEvent_t done = nullptr;
-    cudaEvent_t ev[7] = {};  // timing: layer 0's parts (0-3), the layers (0-4), the head (5-6)
+    // timing: layer 0's parts (0-3), the layers (0-4), the head (5-6), layer 0's two all-reduces
+    // under tensor parallelism (7-8, 9-10)
+    cudaEvent_t ev[11] = {};
     std::vector<int> seqs;
     bool in_flight = false;
     bool timed = false;
@@ -422,10 +486,17 @@ struct GpuTransformer::Impl {
                                               " sequences into " + std::to_string(next.size()) + " outputs"};
     }
     const auto t_wait = Clock::now();
-    const cudaError_t e = cudaEventSynchronize(sl.done);
-    sl.in_flight = false;
-    oldest_slot ^= 1;
-    TKV_CUDA(e, "cudaEventSynchronize");
+    if (tp != nullptr) {  // bounded: a rank that stopped is an error, not a hang
+      const Status w = tp->wait(sl.done);
+      sl.in_flight = false;
+      oldest_slot ^= 1;
+      THINKV_RETURN_IF_ERROR(w);
+    } else {
+      const cudaError_t e = cudaEventSynchronize(sl.done);
+      sl.in_flight = false;
+      oldest_slot ^= 1;
+      TKV_CUDA(e, "cudaEventSynchronize");
+    }
     if (sl.timed) {
       const auto t_end = Clock::now();
       times.host_wait_ms += ms(t_wait, t_end);
@@ -465,13 +536,12 @@ struct GpuTransformer::Impl {
              "cudaMemcpyAsync");
     if (device_tokens) TKV_CUDA(gpu::gather_tokens(d_last, d_seqs, B, d_tokens, stream), "gather_tokens");
     TKV_CUDA(gpu::embed(embedding, wt, d_tokens, B, c.dim, x, stream), "embed");
-    const int qkv_rows = c.q_dim() + 2 * c.kv_dim();
+    const int qkv_rows = static_cast<int>(qd + 2 * kvd);
     for (int l = 0; l < c.n_layers; ++l) {
       const Layer& L = layers[static_cast<std::size_t>(l)];
       TKV_CUDA(gpu::rmsnorm(x, L.attn_norm, B, c.dim, c.rms_eps, xb, wt, stream), "rmsnorm");
       THINKV_RETURN_IF_ERROR(gemm(L.wqkv, qkv_rows, c.dim, xb, B, qkv, false));
-      TKV_CUDA(gpu::rope_split(qkv, d_pos, freqs, B, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, q, k, v, stream),
-               "rope_split");
+      TKV_CUDA(gpu::rope_split(qkv, d_pos, freqs, B, hq, hkv, c.head_dim, c.rope_dim, q, k, v, stream), "rope_split");
       if (timing && l == 0) TKV_CUDA(cudaEventRecord(ev[1], stream), "cudaEventRecord");
       THINKV_RETURN_IF_ERROR(
           cache->append_batch(l, seqs, TensorRef{k, ElementType::kF32}, TensorRef{v, ElementType::kF32}));
@@ -480,14 +550,14 @@ struct GpuTransformer::Impl {
       if (timing && l == 0) TKV_CUDA(cudaEventRecord(ev[2], stream), "cudaEventRecord");
       const void* attin = att;
       if (wt != Elem::kF32) {
-        TKV_CUDA(gpu::convert(att, Bs * static_cast<std::size_t>(c.q_dim()), attw, wt, stream), "convert");
+        TKV_CUDA(gpu::convert(att, Bs * static_cast<std::size_t>(qd), attw, wt, stream), "convert");
         attin = attw;
       }
-      THINKV_RETURN_IF_ERROR(gemm(L.wo, c.dim, c.q_dim(), attin, B, x, true));
+      THINKV_RETURN_IF_ERROR(project_out(L.wo, static_cast<int>(qd), attin, B, timing && l == 0 ? ev + 7 : nullptr));
       TKV_CUDA(gpu::rmsnorm(x, L.ffn_norm, B, c.dim, c.rms_eps, xb, wt, stream), "rmsnorm");
-      THINKV_RETURN_IF_ERROR(gemm(L.w13, 2 * c.hidden_dim, c.dim, xb, B, h13, false));
-      TKV_CUDA(gpu::silu_mul(h13, B, c.hidden_dim, hh, wt, stream), "silu_mul");
-      THINKV_RETURN_IF_ERROR(gemm(L.w2, c.dim, c.hidden_dim, hh, B, x, true));
+      THINKV_RETURN_IF_ERROR(gemm(L.w13, static_cast<int>(2 * hid), c.dim, xb, B, h13, false));
+      TKV_CUDA(gpu::silu_mul(h13, B, static_cast<int>(hid), hh, wt, stream), "silu_mul");
+      THINKV_RETURN_IF_ERROR(project_out(L.w2, static_cast<int>(hid), hh, B, timing && l == 0 ? ev + 9 : nullptr));
       if (timing && l == 0) TKV_CUDA(cudaEventRecord(ev[3], stream), "cudaEventRecord");
     }
     if (timing) TKV_CUDA(cudaEventRecord(ev[4], stream), "cudaEventRecord");
@@ -498,16 +568,23 @@ struct GpuTransformer::Impl {
   Status fill(int seq, int tokens, std::uint64_t seed) {
     const ModelConfig& c = cfg;
     if (tokens < 1) return {StatusCode::kInvalidArgument, "GPU decoder: fill of " + std::to_string(tokens) + " tokens"};
-    const std::size_t n = static_cast<std::size_t>(tokens) * c.kv_dim();
+    const std::size_t n = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(kvd);
     void* kv = nullptr;
     TKV_CUDA(cudaMallocAsync(&kv, 2 * n * sizeof(float), stream), "cudaMallocAsync of the fill's K/V");
     auto* k = static_cast<float*>(kv);
     float* v = k + n;
     Status s = cache->begin_prompt(seq, tokens);
     for (int l = 0; s.is_ok() && l < c.n_layers; ++l) {
+      // K then V of all KV heads, [2 tokens, kv_dim] as one GPU draws them; this rank's columns.
+      const std::uint64_t sd = seed * 1315423911ull + static_cast<std::uint64_t>(l);
       s = cuda_status(
-          gpu::fill_uniform(kv, Elem::kF32, 2 * n, seed * 1315423911ull + static_cast<std::uint64_t>(l), 1.0f, stream),
-          "fill_uniform");
+          gpu::fill_uniform_block(k, Elem::kF32, tokens, kvd, sd, 1.0f, c.kv_dim(), 0, tp_rank * kvd, stream),
+          "fill_uniform_block");
+      if (s.is_ok()) {
+        s = cuda_status(
+            gpu::fill_uniform_block(v, Elem::kF32, tokens, kvd, sd, 1.0f, c.kv_dim(), tokens, tp_rank * kvd, stream),
+            "fill_uniform_block");
+      }
       if (s.is_ok()) {
         s = cache->prefill(l, seq, TensorRef{nullptr, ElementType::kF32}, TensorRef{k, ElementType::kF32},
                            TensorRef{v, ElementType::kF32}, MutableTensorRef{nullptr, ElementType::kF32});
@@ -530,6 +607,12 @@ struct GpuTransformer::Impl {
     cudaEventElapsedTime(&post, ev[2], ev[3]);
     cudaEventElapsedTime(&all, ev[0], ev[4]);
     cudaEventElapsedTime(&head, ev[5], ev[6]);
+    if (tp != nullptr) {  // layer 0's two all-reduces, times the layers (alike)
+      float a1 = 0, a2 = 0;
+      cudaEventElapsedTime(&a1, ev[7], ev[8]);
+      cudaEventElapsedTime(&a2, ev[9], ev[10]);
+      times.allreduce_ms += (static_cast<double>(a1) + a2) * cfg.n_layers;
+    }
     const double layer0 = static_cast<double>(pre) + attn + post;
     const double scale = layer0 > 0 ? static_cast<double>(all) / layer0 : 1.0;
     times.attention_ms += attn * scale;
@@ -545,7 +628,14 @@ GpuTransformer::~GpuTransformer() = default;
 Status GpuTransformer::create(const Model& model, const ThinKvSpec& cache, const GpuDecoderOptions& options,
                               std::unique_ptr<GpuTransformer>& out) {
   std::unique_ptr<GpuCache> c;
-  THINKV_RETURN_IF_ERROR(make_gpu_cache(cache, c));
+  if (options.tensor_parallel != nullptr) {
+    ThinKvSpec slice;
+    THINKV_RETURN_IF_ERROR(
+        tensor_parallel_slice(cache, options.tensor_parallel->rank(), options.tensor_parallel->size(), slice));
+    THINKV_RETURN_IF_ERROR(make_gpu_cache(slice, c));
+  } else {
+    THINKV_RETURN_IF_ERROR(make_gpu_cache(cache, c));
+  }
   return create(model, std::move(c), options, out);
 }
 
@@ -558,8 +648,11 @@ Status GpuTransformer::create(const Model& model, std::unique_ptr<GpuCache> cach
   std::vector<std::size_t> offs;
   THINKV_RETURN_IF_ERROR(impl->allocate_weights(offs));
   Impl& m = *impl;
-  THINKV_RETURN_IF_ERROR(m.upload_matrices(m.embedding, {&model.tok_embeddings}));
-  THINKV_RETURN_IF_ERROR(m.upload_matrices(m.output, {&model.output}));
+  using S = Impl;
+  const std::int64_t qd = m.qd, kvd = m.kvd, hid = m.hid, r = m.tp_rank;
+  THINKV_RETURN_IF_ERROR(
+      m.upload_matrices(m.embedding, {S::rows_of(model.tok_embeddings, 0, model.config.vocab_size)}));
+  THINKV_RETURN_IF_ERROR(m.upload_matrices(m.output, {S::rows_of(model.output, 0, model.config.vocab_size)}));
   THINKV_RETURN_IF_ERROR(m.upload_vector(m.final_norm, model.final_norm, model.config.dim));
   THINKV_RETURN_IF_ERROR(m.upload_freqs(model.rope_freq_factors));
   for (std::size_t l = 0; l < m.layers.size(); ++l) {
@@ -567,10 +660,13 @@ Status GpuTransformer::create(const Model& model, std::unique_ptr<GpuCache> cach
     const Impl::Layer& L = m.layers[l];
     THINKV_RETURN_IF_ERROR(m.upload_vector(L.attn_norm, w.attn_norm, model.config.dim));
     THINKV_RETURN_IF_ERROR(m.upload_vector(L.ffn_norm, w.ffn_norm, model.config.dim));
-    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.wqkv, {&w.wq, &w.wk, &w.wv}));
-    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.wo, {&w.wo}));
-    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.w13, {&w.w1, &w.w3}));
-    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.w2, {&w.w2}));
+    // This rank's heads (rows of wq, wk, wv; columns of wo) and hidden units (rows of w1, w3;
+    // columns of w2): all of them on one GPU.
+    THINKV_RETURN_IF_ERROR(m.upload_matrices(
+        L.wqkv, {S::rows_of(w.wq, r * qd, qd), S::rows_of(w.wk, r * kvd, kvd), S::rows_of(w.wv, r * kvd, kvd)}));
+    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.wo, {S::cols_of(w.wo, r * qd, qd)}));
+    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.w13, {S::rows_of(w.w1, r * hid, hid), S::rows_of(w.w3, r * hid, hid)}));
+    THINKV_RETURN_IF_ERROR(m.upload_matrices(L.w2, {S::cols_of(w.w2, r * hid, hid)}));
   }
   out.reset(new GpuTransformer(std::move(impl)));
   return Status::ok();
@@ -588,25 +684,45 @@ Status GpuTransformer::create_random(const ModelConfig& config, std::uint64_t se
   Impl& m = *impl;
   const ModelConfig& c = config;
   std::uint64_t s = seed;
-  auto fill = [&](const void* p, std::int64_t n, std::int64_t fan_in) {
-    return cuda_status(
-        gpu::fill_uniform(const_cast<void*>(p), m.wt, static_cast<std::size_t>(n), ++s * 0x100000001B3ull,
-                          1.0f / std::sqrt(static_cast<float>(fan_in)), m.stream),
-        "fill_uniform");
+  // fill(p, blocks, fan_in): the next matrix's seed; its blocks {rows, cols, whole matrix's
+  // columns, first row, first column} written one after another at p. A rank's slice of a
+  // matrix holds the values the whole matrix holds there.
+  struct Block {
+    std::int64_t rows, cols, src_cols, row0, col0;
   };
+  auto fill = [&](const void* p, std::initializer_list<Block> blocks, std::int64_t fan_in) -> Status {
+    const std::uint64_t sd = ++s * 0x100000001B3ull;
+    auto* dst = static_cast<unsigned char*>(const_cast<void*>(p));
+    for (const Block& b : blocks) {
+      THINKV_RETURN_IF_ERROR(cuda_status(
+          gpu::fill_uniform_block(dst, m.wt, b.rows, b.cols, sd, 1.0f / std::sqrt(static_cast<float>(fan_in)),
+                                  b.src_cols, b.row0, b.col0, m.stream),
+          "fill_uniform_block"));
+      dst += m.wbytes(b.rows * b.cols);
+    }
+    return Status::ok();
+  };
+  const std::int64_t qd = m.qd, kvd = m.kvd, hid = m.hid, r = m.tp_rank;
   auto ones = [&](const float* p, int n) {
     return cuda_status(gpu::fill_f32(const_cast<float*>(p), static_cast<std::size_t>(n), 1.0f, m.stream), "fill_f32");
   };
-  THINKV_RETURN_IF_ERROR(fill(m.embedding, std::int64_t{c.vocab_size} * c.dim, 1));
-  THINKV_RETURN_IF_ERROR(fill(m.output, std::int64_t{c.vocab_size} * c.dim, c.dim));
+  THINKV_RETURN_IF_ERROR(fill(m.embedding, {{c.vocab_size, c.dim, c.dim, 0, 0}}, 1));
+  THINKV_RETURN_IF_ERROR(fill(m.output, {{c.vocab_size, c.dim, c.dim, 0, 0}}, c.dim));
   THINKV_RETURN_IF_ERROR(ones(m.final_norm, c.dim));
   for (const Impl::Layer& L : m.layers) {
     THINKV_RETURN_IF_ERROR(ones(L.attn_norm, c.dim));
     THINKV_RETURN_IF_ERROR(ones(L.ffn_norm, c.dim));
-    THINKV_RETURN_IF_ERROR(fill(L.wqkv, std::int64_t{c.q_dim() + 2 * c.kv_dim()} * c.dim, c.dim));
-    THINKV_RETURN_IF_ERROR(fill(L.wo, std::int64_t{c.dim} * c.q_dim(), c.q_dim()));
-    THINKV_RETURN_IF_ERROR(fill(L.w13, std::int64_t{2} * c.hidden_dim * c.dim, c.dim));
-    THINKV_RETURN_IF_ERROR(fill(L.w2, std::int64_t{c.dim} * c.hidden_dim, c.hidden_dim));
+    // The whole wqkv is [q_dim + 2 kv_dim, dim], w13 [2 hidden, dim], wo [dim, q_dim], w2
+    // [dim, hidden]: this rank's rows and columns of them.
+    THINKV_RETURN_IF_ERROR(fill(L.wqkv,
+                                {{qd, c.dim, c.dim, r * qd, 0},
+                                 {kvd, c.dim, c.dim, c.q_dim() + r * kvd, 0},
+                                 {kvd, c.dim, c.dim, c.q_dim() + c.kv_dim() + r * kvd, 0}},
+                                c.dim));
+    THINKV_RETURN_IF_ERROR(fill(L.wo, {{c.dim, qd, c.q_dim(), 0, r * qd}}, c.q_dim()));
+    THINKV_RETURN_IF_ERROR(
+        fill(L.w13, {{hid, c.dim, c.dim, r * hid, 0}, {hid, c.dim, c.dim, c.hidden_dim + r * hid, 0}}, c.dim));
+    THINKV_RETURN_IF_ERROR(fill(L.w2, {{c.dim, hid, c.hidden_dim, 0, r * hid}}, c.hidden_dim));
   }
   TKV_CUDA(cudaStreamSynchronize(m.stream), "cudaStreamSynchronize");
   THINKV_RETURN_IF_ERROR(m.upload_freqs({}));
@@ -616,14 +732,25 @@ Status GpuTransformer::create_random(const ModelConfig& config, std::uint64_t se
 
 const ModelConfig& GpuTransformer::config() const noexcept { return impl_->cfg; }
 int GpuTransformer::max_batch() const noexcept { return impl_->max_batch; }
+namespace {
+/// Under tensor parallelism a rank's failure ends the group (a sequence's non-finite values
+/// excepted: every rank sees the same logits, and the runtime resets the sequence on all).
+Status abort_group_on_failure(Collective* tp, Status s) {
+  if (tp != nullptr && !s.is_ok() && s.code() != StatusCode::kNonFinite) tp->abort(s.message());
+  return s;
+}
+}  // namespace
+
 Status GpuTransformer::step(std::span<const int> seqs, std::span<const int> tokens, std::span<int> next,
                             std::span<float> logits) {
-  return impl_->forward(seqs, tokens, next, logits);
+  return abort_group_on_failure(impl_->tp, impl_->forward(seqs, tokens, next, logits));
 }
 Status GpuTransformer::launch(std::span<const int> seqs, std::span<const int> tokens) {
-  return impl_->launch(seqs, tokens, {});
+  return abort_group_on_failure(impl_->tp, impl_->launch(seqs, tokens, {}));
 }
-Status GpuTransformer::collect(std::span<int> next) { return impl_->collect(next, false); }
+Status GpuTransformer::collect(std::span<int> next) {
+  return abort_group_on_failure(impl_->tp, impl_->collect(next, false));
+}
 Status GpuTransformer::reset_sequence(int seq) {
   if (impl_->in_flight() != 0) {
     return {StatusCode::kInvalidArgument, "GPU decoder: reset_sequence while launched steps are not collected"};
@@ -637,7 +764,9 @@ Status GpuTransformer::reset_sequence(int seq) {
   }
   return Status::ok();
 }
-Status GpuTransformer::fill(int seq, int tokens, std::uint64_t seed) { return impl_->fill(seq, tokens, seed); }
+Status GpuTransformer::fill(int seq, int tokens, std::uint64_t seed) {
+  return abort_group_on_failure(impl_->tp, impl_->fill(seq, tokens, seed));
+}
 GpuCache& GpuTransformer::cache() noexcept { return *impl_->cache; }
 Status GpuTransformer::settle() { return impl_->cache->settle(); }
 std::int32_t GpuTransformer::position(int seq) const { return impl_->cache->position(seq); }

@@ -30,6 +30,7 @@
 #include <span>
 #include <string>
 
+#include "collective.hpp"
 #include "gpu_cache.hpp"
 #include "model.hpp"
 #include "session.hpp"
@@ -49,6 +50,20 @@ struct GpuDecoderOptions {
   /// Allocate the cache's whole pool ranges at creation (CudaKvBackend::reserve_storage): for a
   /// batch sized to the device's memory, where growing by copies would need old and new at once.
   bool reserve = false;
+  /// Tensor parallelism (collective.hpp): this decoder is rank tp->rank() of tp->size(), one per
+  /// GPU (or per stream), each holding a slice of every layer: query, key and value heads
+  /// (whole KV heads with their query heads: wq, wk, wv split by rows), the matching columns of
+  /// wo, the FFN's hidden units (w1, w3 by rows, w2 by columns); the embedding, the norms and the
+  /// classifier are whole on every rank. Attention's and the FFN's partial outputs are summed
+  /// over the ranks (Collective::all_reduce, two per layer), so every rank holds the same
+  /// residual stream and the same logits. The cache is the rank's slice
+  /// (tensor_parallel_slice), its thought signal summed over the ranks on refresh steps, so
+  /// every rank takes the same thought, segment and eviction decisions. Every rank must make the
+  /// same calls (steps, launches, collects, resets) in the same order. A failure other than a
+  /// sequence's non-finite values (kNonFinite) aborts the group (Collective::abort): the other
+  /// ranks' next collective fails instead of waiting. nullptr: the whole model on one GPU.
+  /// Must outlive the decoder.
+  Collective* tensor_parallel = nullptr;
 };
 
 /// Device time by part, summed over the steps since set_timing(true) (CUDA events on the stream;
@@ -57,6 +72,9 @@ struct GpuStepTimes {
   double attention_ms = 0.0;  ///< the cache's append_batch + attend_batch
   double layers_ms = 0.0;     ///< everything else of the layers: GEMMs, norms, RoPE, SiLU
   double head_ms = 0.0;       ///< final norm, classifier GEMM, argmax and the copies back
+  /// Tensor parallelism: the layers' all-reduces, included in layers_ms (layer 0's two, times the
+  /// layers), as this rank's stream sees them: the transfer and the wait for the slowest rank.
+  double allreduce_ms = 0.0;
   // Host wall time (std::chrono), summed likewise: where a host-bound step spends it.
   double host_begin_ms = 0.0;  ///< the cache's begin_step (plans, commits, uploads)
   double host_end_ms = 0.0;    ///< the cache's end_step (refreshes, eviction plans, launches)
@@ -68,14 +86,18 @@ struct GpuStepTimes {
 class GpuTransformer {
  public:
   /// Uploads `model`'s weights (converted to options.weights) and builds the cache `cache`
-  /// describes (its num_sequences is the largest batch; its shape must be the model's).
+  /// describes (its num_sequences is the largest batch; its shape must be the model's; under
+  /// tensor parallelism this rank's slice of it is built).
   [[nodiscard]] static Status create(const Model& model, const ThinKvSpec& cache, const GpuDecoderOptions& options,
                                      std::unique_ptr<GpuTransformer>& out);
-  /// The same over a cache of the caller's (any policy set: GpuCacheModel<P>).
+  /// The same over a cache of the caller's (any policy set: GpuCacheModel<P>); under tensor
+  /// parallelism it must be configured as tensor_parallel_slice says for this rank.
   [[nodiscard]] static Status create(const Model& model, std::unique_ptr<GpuCache> cache,
                                      const GpuDecoderOptions& options, std::unique_ptr<GpuTransformer>& out);
   /// The same with weights drawn uniform in +-1/sqrt(fan-in) from `seed` on the device, for
-  /// throughput at shapes whose values do not matter (norm weights 1).
+  /// throughput at shapes whose values do not matter (norm weights 1). Each weight is a hash of
+  /// its index in the whole matrix, so ranks of tensor parallelism hold slices of the model one
+  /// GPU holds with the same seed.
   [[nodiscard]] static Status create_random(const ModelConfig& config, std::uint64_t seed,
                                             std::unique_ptr<GpuCache> cache, const GpuDecoderOptions& options,
                                             std::unique_ptr<GpuTransformer>& out);

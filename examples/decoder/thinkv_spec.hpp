@@ -99,6 +99,35 @@ decltype(auto) with_cache(const ThinKvSpec& s, F&& f, B backend = B{}) {
   });
 }
 
+/// Tensor parallelism: the spec of rank `rank` of `size` ranks for a model whose whole cache
+/// `whole` describes. The rank holds KV heads [rank * h, (rank + 1) * h) for h = num_kv_heads /
+/// size, and their query heads (num_q_heads / size); model_kv_heads and kv_head_offset say so,
+/// which keeps the rank's K-means seeds those of the unsharded cache. kInvalidArgument when the
+/// heads do not divide evenly among the ranks or the rank is outside 0 .. size - 1.
+[[nodiscard]] inline Status tensor_parallel_slice(const ThinKvSpec& whole, int rank, int size, ThinKvSpec& out) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return {StatusCode::kInvalidArgument, "tensor parallelism: rank " + std::to_string(rank) + " of " +
+                                              std::to_string(size) + " ranks (allowed: 0 <= rank < size)"};
+  }
+  if (whole.model_kv_heads != 0 && whole.model_kv_heads != whole.num_kv_heads) {
+    return {StatusCode::kInvalidArgument, "tensor parallelism: the spec is already a slice (model_kv_heads " +
+                                              std::to_string(whole.model_kv_heads) + ", num_kv_heads " +
+                                              std::to_string(whole.num_kv_heads) + ")"};
+  }
+  if (whole.num_kv_heads % size != 0 || whole.num_q_heads % size != 0) {
+    return {StatusCode::kInvalidArgument, "tensor parallelism: " + std::to_string(whole.num_kv_heads) +
+                                              " KV heads and " + std::to_string(whole.num_q_heads) +
+                                              " query heads do not split evenly over " + std::to_string(size) +
+                                              " ranks (each rank holds whole KV heads with their query heads)"};
+  }
+  out = whole;
+  out.num_kv_heads = whole.num_kv_heads / size;
+  out.num_q_heads = whole.num_q_heads / size;
+  out.model_kv_heads = whole.num_kv_heads;
+  out.kv_head_offset = rank * out.num_kv_heads;
+  return Status::ok();
+}
+
 inline Status ThinKvSpec::validate() const {
   if (static_cast<int>(mode) > static_cast<int>(CacheMode::kThinKv)) {
     return {StatusCode::kInvalidArgument,
