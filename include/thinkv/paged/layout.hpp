@@ -233,11 +233,15 @@ struct CacheLayout {
   }
   /// Zeroes slot `slot`'s bytes (its K row, V row and value scales) in a page at precision p.
   constexpr void clear_slot(std::span<std::uint8_t> page, Precision p, int slot) const noexcept {
-    const auto row = static_cast<std::size_t>(row_bytes(p)), vsb = static_cast<std::size_t>(value_scale_bytes(p));
-    const auto bs = static_cast<std::size_t>(block_size), i = static_cast<std::size_t>(slot);
-    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>(i * row), row, std::uint8_t{0});
-    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>((bs + i) * row), row, std::uint8_t{0});
-    std::fill_n(page.begin() + static_cast<std::ptrdiff_t>(2 * bs * row + i * vsb), vsb, std::uint8_t{0});
+    const int row = row_bytes(p), vsb = value_scale_bytes(p);
+    if (row < 0 || vsb < 0 || slot < 0 || slot >= block_size) return;
+    const std::size_t r = static_cast<unsigned>(row), v = static_cast<unsigned>(vsb), i = static_cast<unsigned>(slot),
+                      bs = static_cast<unsigned>(block_size);
+    for (std::size_t c = 0; c < r; ++c) {
+      page[i * r + c] = 0;
+      page[(bs + i) * r + c] = 0;
+    }
+    for (std::size_t c = 0; c < v; ++c) page[2 * bs * r + i * v + c] = 0;
   }
   /// 64-bit words of a block's eviction mask.
   [[nodiscard]] constexpr int evict_mask_words() const noexcept { return (block_size + 63) / 64; }
