@@ -301,3 +301,43 @@ TEST_CASE("Tensor parallelism: a failed all-reduce is reported and changes nothi
     CHECK(cache.tracker(0).stats().refreshes == types_before + 1);
   });
 }
+
+TEST_CASE("Tensor parallelism: tensor_parallel_slice gives each rank its heads and refuses what cannot split",
+          "[tensor_parallel]") {
+  using thinkv::decoder::tensor_parallel_slice;
+  const ThinKvSpec whole = spec(CacheMode::kThinKv, 8, 32);
+  for (int size : {1, 2, 4, 8}) {
+    for (int rank = 0; rank < size; ++rank) {
+      CAPTURE(size, rank);
+      ThinKvSpec s;
+      REQUIRE(tensor_parallel_slice(whole, rank, size, s).is_ok());
+      CHECK(s.num_kv_heads == 8 / size);
+      CHECK(s.num_q_heads == 32 / size);
+      CHECK(s.model_kv_heads == 8);
+      CHECK(s.kv_head_offset == rank * (8 / size));
+      CHECK(s.num_layers == whole.num_layers);
+      CHECK(s.head_dim == whole.head_dim);
+      CHECK(s.token_budget == whole.token_budget);
+      CHECK(s.mode == whole.mode);
+      CHECK(s.validate().is_ok());
+    }
+  }
+  auto refused = [&](const ThinKvSpec& w, int rank, int size, const char* needle) {
+    ThinKvSpec out = spec(CacheMode::kFull, 2, 4);
+    const ThinKvSpec before = out;
+    const Status s = tensor_parallel_slice(w, rank, size, out);
+    INFO(s.to_string());
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find(needle) != std::string::npos);
+    CHECK(out.num_kv_heads == before.num_kv_heads);  // the output is untouched
+    CHECK(out.kv_head_offset == before.kv_head_offset);
+  };
+  refused(whole, 2, 2, "rank 2 of 2");
+  refused(whole, -1, 2, "rank -1 of 2");
+  refused(whole, 0, 0, "rank 0 of 0");
+  refused(whole, 0, 3, "8 KV heads and 32 query heads do not split evenly over 3 ranks");
+  refused(whole, 0, 16, "over 16 ranks");
+  ThinKvSpec half;
+  REQUIRE(tensor_parallel_slice(whole, 1, 2, half).is_ok());
+  refused(half, 0, 2, "already a slice (model_kv_heads 8, num_kv_heads 4)");
+}
