@@ -486,17 +486,12 @@ struct GpuTransformer::Impl {
                                               " sequences into " + std::to_string(next.size()) + " outputs"};
     }
     const auto t_wait = Clock::now();
-    if (tp != nullptr) {  // bounded: a rank that stopped is an error, not a hang
-      const Status w = tp->wait(sl.done);
-      sl.in_flight = false;
-      oldest_slot ^= 1;
-      THINKV_RETURN_IF_ERROR(w);
-    } else {
-      const cudaError_t e = cudaEventSynchronize(sl.done);
-      sl.in_flight = false;
-      oldest_slot ^= 1;
-      TKV_CUDA(e, "cudaEventSynchronize");
-    }
+    // Under tensor parallelism the wait is bounded: a rank that stopped is an error, not a hang.
+    const Status waited =
+        tp != nullptr ? tp->wait(sl.done) : cuda_status(cudaEventSynchronize(sl.done), "cudaEventSynchronize");
+    sl.in_flight = false;
+    oldest_slot ^= 1;
+    THINKV_RETURN_IF_ERROR(waited);
     if (sl.timed) {
       const auto t_end = Clock::now();
       times.host_wait_ms += ms(t_wait, t_end);
@@ -575,16 +570,11 @@ struct GpuTransformer::Impl {
     float* v = k + n;
     Status s = cache->begin_prompt(seq, tokens);
     for (int l = 0; s.is_ok() && l < c.n_layers; ++l) {
-      // K then V of all KV heads, [2 tokens, kv_dim] as one GPU draws them; this rank's columns.
-      const std::uint64_t sd = seed * 1315423911ull + static_cast<std::uint64_t>(l);
-      s = cuda_status(
-          gpu::fill_uniform_block(k, Elem::kF32, tokens, kvd, sd, 1.0f, c.kv_dim(), 0, tp_rank * kvd, stream),
-          "fill_uniform_block");
-      if (s.is_ok()) {
-        s = cuda_status(
-            gpu::fill_uniform_block(v, Elem::kF32, tokens, kvd, sd, 1.0f, c.kv_dim(), tokens, tp_rank * kvd, stream),
-            "fill_uniform_block");
-      }
+      // K then V of all KV heads, [2 tokens, kv_dim] as one GPU draws them: this rank's columns.
+      s = cuda_status(gpu::fill_uniform_block(kv, Elem::kF32, 2 * std::int64_t{tokens}, kvd,
+                                              seed * 1315423911ull + static_cast<std::uint64_t>(l), 1.0f, c.kv_dim(), 0,
+                                              tp_rank * kvd, stream),
+                      "fill_uniform_block");
       if (s.is_ok()) {
         s = cache->prefill(l, seq, TensorRef{nullptr, ElementType::kF32}, TensorRef{k, ElementType::kF32},
                            TensorRef{v, ElementType::kF32}, MutableTensorRef{nullptr, ElementType::kF32});
@@ -627,15 +617,12 @@ GpuTransformer::~GpuTransformer() = default;
 
 Status GpuTransformer::create(const Model& model, const ThinKvSpec& cache, const GpuDecoderOptions& options,
                               std::unique_ptr<GpuTransformer>& out) {
-  std::unique_ptr<GpuCache> c;
-  if (options.tensor_parallel != nullptr) {
-    ThinKvSpec slice;
-    THINKV_RETURN_IF_ERROR(
-        tensor_parallel_slice(cache, options.tensor_parallel->rank(), options.tensor_parallel->size(), slice));
-    THINKV_RETURN_IF_ERROR(make_gpu_cache(slice, c));
-  } else {
-    THINKV_RETURN_IF_ERROR(make_gpu_cache(cache, c));
+  ThinKvSpec mine = cache;  // under tensor parallelism, this rank's slice
+  if (const Collective* tp = options.tensor_parallel; tp != nullptr) {
+    THINKV_RETURN_IF_ERROR(tensor_parallel_slice(cache, tp->rank(), tp->size(), mine));
   }
+  std::unique_ptr<GpuCache> c;
+  THINKV_RETURN_IF_ERROR(make_gpu_cache(mine, c));
   return create(model, std::move(c), options, out);
 }
 
