@@ -14,13 +14,13 @@
 
 #include <cuda_runtime.h>
 
-#include <barrier>
 #include <cmath>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../unit/local_all_reduce.hpp"
 #include "../unit/sequence_test_util.hpp"
 #include "../unit/test_util.hpp"
 #include "thinkv/backend/cuda_backend.hpp"
@@ -56,28 +56,6 @@ ThinKvPolicy policy() {
   p.classifier = ThoughtClassifier::three_types(0.3f, 0.6f, {0, 1}, 64, 2);
   return p;
 }
-
-/// An in-process all-reduce over `ranks` threads, in rank order, the same on every rank.
-class LocalAllReduce {
- public:
-  explicit LocalAllReduce(int ranks) : ranks_(ranks), slots_(static_cast<std::size_t>(ranks)), sync_(ranks) {}
-  Status operator()(int rank, std::span<double> x) {
-    slots_[static_cast<std::size_t>(rank)].assign(x.begin(), x.end());
-    sync_.arrive_and_wait();
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      double sum = 0.0;
-      for (int r = 0; r < ranks_; ++r) sum += slots_[static_cast<std::size_t>(r)].at(i);
-      x[i] = sum;
-    }
-    sync_.arrive_and_wait();
-    return Status::ok();
-  }
-
- private:
-  int ranks_;
-  std::vector<std::vector<double>> slots_;
-  std::barrier<> sync_;
-};
 
 /// Per step, per sequence, per layer: K, V of all KV heads and Q of all query heads.
 struct Inputs {
@@ -223,7 +201,7 @@ TEST_CASE("Tensor parallelism on the GPU: two ranks' device caches, the signal a
     INFO((reduce ? "signal all-reduced" : "control: each rank's own heads' signal"));
     Trace got[ranks];
     std::string failed[ranks];
-    LocalAllReduce all_reduce(ranks);
+    tt::LocalAllReduce all_reduce(ranks);
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {

@@ -33,39 +33,16 @@
 #include "../unit/test_util.hpp"
 #include "decoder/decoder.hpp"
 #include "decoder/gpu_transformer.hpp"
+#include "gpu_decoder_test_util.hpp"
 
 using namespace thinkv;
 using namespace thinkv::decoder;
 namespace fs = std::filesystem;
+using tt::find_model_file;
+using tt::load_or_skip;
+using tt::spec_for;
 
 namespace {
-
-std::string find_model(const char* name) {
-  std::vector<fs::path> dirs;
-  if (const char* e = std::getenv("THINKV_MODELS"); e != nullptr && *e != '\0') dirs.emplace_back(e);
-  const fs::path repo = fs::path(__FILE__).parent_path() / ".." / "..";
-  dirs.push_back(repo / "models");
-  dirs.push_back(repo / ".." / "shared" / "models");
-  for (const fs::path& d : dirs) {
-    if (fs::is_regular_file(d / name)) return (d / name).string();
-  }
-  return {};
-}
-
-/// Loads a model, or prints a SKIPPED line and returns false.
-bool load_or_skip(const char* name, Model& m) {
-  const std::string p = find_model(name);
-  if (p.empty()) {
-    const std::string msg = std::string("SKIPPED: ") + name + " not found ($THINKV_MODELS, models/, ../shared/models)";
-    WARN(msg);
-    std::printf("%s\n", msg.c_str());
-    return false;
-  }
-  const Status s = load_model(p, m);
-  INFO(s.to_string());
-  REQUIRE(s.is_ok());
-  return true;
-}
 
 /// Rounds every matrix of a model to BF16 (F32 copies it owns): what the GPU decoder computes
 /// with BF16 weights.
@@ -94,19 +71,6 @@ void round_to_bf16(Model& r) {
   for (LayerWeights& w : r.layers) {
     for (Matrix* x : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3}) round(*x);
   }
-}
-
-ThinKvSpec spec_for(const Model& m, CacheMode mode, int max_tokens, int budget, int sequences) {
-  CacheOptions o;
-  o.mode = mode;
-  o.max_tokens = max_tokens;
-  o.budget = budget;
-  ThinKvSpec k;
-  const Status s = make_cache_config(m.config, o, k);
-  INFO(s.to_string());
-  REQUIRE(s.is_ok());
-  k.num_sequences = sequences;
-  return k;
 }
 
 /// What the GPU run fed each sequence and the logits it got back.

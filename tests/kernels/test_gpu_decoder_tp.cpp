@@ -41,6 +41,7 @@
 #include "decoder/collective.hpp"
 #include "decoder/decoder.hpp"
 #include "decoder/gpu_transformer.hpp"
+#include "gpu_decoder_test_util.hpp"
 #include "thinkv/calibration.hpp"
 #ifdef THINKV_HAVE_NCCL
 #include "decoder/nccl_collective.hpp"
@@ -49,33 +50,11 @@
 using namespace thinkv;
 using namespace thinkv::decoder;
 namespace fs = std::filesystem;
+using tt::find_model_file;
+using tt::load_or_skip;
+using tt::spec_for;
 
 namespace {
-
-fs::path find_model_file(const char* name) {
-  std::vector<fs::path> dirs;
-  if (const char* e = std::getenv("THINKV_MODELS"); e != nullptr && *e != '\0') dirs.emplace_back(e);
-  const fs::path repo = fs::path(__FILE__).parent_path() / ".." / "..";
-  dirs.push_back(repo / "models");
-  dirs.push_back(repo / ".." / "shared" / "models");
-  for (const fs::path& d : dirs) {
-    if (fs::is_regular_file(d / name)) return d / name;
-  }
-  return {};
-}
-
-bool load_or_skip(const char* name, Model& m) {
-  if (const fs::path p = find_model_file(name); !p.empty()) {
-    const Status s = load_model(p.string(), m);
-    INFO(s.to_string());
-    REQUIRE(s.is_ok());
-    return true;
-  }
-  const std::string msg = std::string("SKIPPED: ") + name + " not found ($THINKV_MODELS, models/, ../shared/models)";
-  WARN(msg);
-  std::printf("%s\n", msg.c_str());
-  return false;
-}
 
 /// The testbed's committed calibration (models/testbed-calib.json): a classifier that reads the
 /// attention's sparsity on its layers at every refresh, so the signal's all-reduce is exercised.
@@ -88,21 +67,6 @@ ThoughtClassifier testbed_classifier(const Model& m) {
   REQUIRE(s.is_ok());
   REQUIRE(check_model(f, m.config.n_layers, m.name).is_ok());
   return classifier_from_calibration(f);
-}
-
-ThinKvSpec spec_for(const Model& m, CacheMode mode, int max_tokens, int budget, int sequences,
-                    const ThoughtClassifier& classifier = {}) {
-  CacheOptions o;
-  o.mode = mode;
-  o.max_tokens = max_tokens;
-  o.budget = budget;
-  o.classifier = classifier;
-  ThinKvSpec k;
-  const Status s = make_cache_config(m.config, o, k);
-  INFO(s.to_string());
-  REQUIRE(s.is_ok());
-  k.num_sequences = sequences;
-  return k;
 }
 
 /// One step of a schedule: which sequences take which tokens.
@@ -118,13 +82,15 @@ struct Trace {
   std::vector<ThoughtStats> thoughts;  // per sequence (refresh_ns cleared: a time)
   std::vector<std::vector<SegmentState>> segments;
   std::vector<std::int64_t> live;
-  std::int64_t tokens_evicted = 0, eviction_calls = 0;
+  std::int64_t tokens_evicted = 0;
   Status failure;  // the first failed step's status
   int failed_at = -1;
 };
 
-void record_decisions(GpuTransformer& g, int sequences, Trace& t) {
-  REQUIRE(g.settle().is_ok());
+/// Waits for the decoder's pending selections and records its decisions (no Catch2 assertion:
+/// ranks call it on their threads); settle's status.
+Status record_decisions(GpuTransformer& g, int sequences, Trace& t) {
+  THINKV_RETURN_IF_ERROR(g.settle());
   for (int q = 0; q < sequences; ++q) {
     ThoughtStats ts = g.cache().thought_stats(q);
     ts.refresh_ns = 0;
@@ -133,7 +99,7 @@ void record_decisions(GpuTransformer& g, int sequences, Trace& t) {
     t.live.push_back(g.live_tokens(q));
   }
   t.tokens_evicted = g.stats().tokens_evicted;
-  t.eviction_calls = g.stats().eviction_calls;
+  return Status::ok();
 }
 
 /// Sequences join at steps 0, 3, 6, ...; each feeds its prompt (BOS, then random tokens from
@@ -174,7 +140,7 @@ std::vector<Step> run_one_gpu(GpuTransformer& g, int sequences, int prompt_len, 
     trace.logits.push_back(logits);
     schedule.push_back(std::move(st));
   }
-  record_decisions(g, sequences, trace);
+  REQUIRE(record_decisions(g, sequences, trace).is_ok());
   return schedule;
 }
 
@@ -195,16 +161,9 @@ Trace replay(GpuTransformer& g, const std::vector<Step>& schedule, int sequences
     t.next.push_back(std::move(next));
     t.logits.push_back(std::move(logits));
   }
-  if (g.settle().is_ok()) {
-    for (int q = 0; q < sequences; ++q) {
-      ThoughtStats ts = g.cache().thought_stats(q);
-      ts.refresh_ns = 0;
-      t.thoughts.push_back(ts);
-      t.segments.push_back(g.cache().segments(q));
-      t.live.push_back(g.live_tokens(q));
-    }
-    t.tokens_evicted = g.stats().tokens_evicted;
-    t.eviction_calls = g.stats().eviction_calls;
+  if (Status s = record_decisions(g, sequences, t); !s.is_ok()) {
+    t.failure = s;  // settling after the last step
+    t.failed_at = static_cast<int>(schedule.size());
   }
   return t;
 }

@@ -9,7 +9,6 @@
 
 #include <catch2/catch.hpp>
 
-#include <barrier>
 #include <cstring>
 #include <set>
 #include <string>
@@ -19,6 +18,7 @@
 #include "../../examples/decoder/thinkv_spec.hpp"
 #include "thinkv/thinkv_cache.hpp"
 
+#include "local_all_reduce.hpp"
 #include "sequence_test_util.hpp"
 #include "test_util.hpp"
 
@@ -28,34 +28,9 @@ using thinkv::ThoughtType;
 using thinkv::decoder::CacheMode;
 using thinkv::decoder::ThinKvSpec;
 using thinkv::decoder::with_cache;
+using tt::LocalAllReduce;
 
 namespace {
-
-/// An in-process all-reduce over `ranks` threads: each rank's buffer summed element-wise in rank
-/// order, the same result on every rank. Rank r's call blocks until every rank called.
-class LocalAllReduce {
- public:
-  explicit LocalAllReduce(int ranks) : ranks_(ranks), slots_(static_cast<std::size_t>(ranks)), sync_(ranks) {}
-  Status operator()(int rank, std::span<double> x) {
-    slots_[static_cast<std::size_t>(rank)].assign(x.begin(), x.end());
-    sync_.arrive_and_wait();
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      double sum = 0.0;
-      for (int r = 0; r < ranks_; ++r) sum += slots_[static_cast<std::size_t>(r)].at(i);
-      x[i] = sum;
-    }
-    ++calls_[static_cast<std::size_t>(rank)];
-    sync_.arrive_and_wait();  // every rank read the slots before any writes them again
-    return Status::ok();
-  }
-  [[nodiscard]] int calls(int rank) const { return calls_[static_cast<std::size_t>(rank)]; }
-
- private:
-  int ranks_;
-  std::vector<std::vector<double>> slots_;
-  std::barrier<> sync_;
-  int calls_[8] = {};
-};
 
 /// One token's inputs for every layer: K/V of all KV heads, Q of all query heads.
 struct Token {
