@@ -567,20 +567,25 @@ class BlockTable {
     plan.precision = p;
     plan.record = kNoRecord;
     plan.reused_slots = 0;
+    plan.hole_search_from = 0;
     plan.slots.reserve(static_cast<std::size_t>(g));
     const StreamState& s = stream_(stream);
     const int words = layout_.evict_mask_words();
     // Every block of `thought` lies in pool p (the map sends a thought type to one precision).
     const PoolState& ps = pool_[pi];
     const std::uint32_t base = pools_.base[pi];
-    // 1. holes of the same thought type (in place reuse), oldest block first
-    if (s.holes_by_thought[static_cast<int>(thought)] > 0) {
-      for (std::size_t k = 0; k < s.blocks.size() && !plan_full(plan, g); ++k) {
+    // 1. holes of the same thought type (in place reuse), oldest block first; the blocks below
+    //    the stream's hole_free_below of the type hold none (its invariant), so the search
+    //    starts there instead of reading every older block's mask
+    const int ti = static_cast<int>(thought);
+    if (s.holes_by_thought[ti] > 0) {
+      for (std::size_t k = s.hole_free_below[ti]; k < s.blocks.size() && !plan_full(plan, g); ++k) {
         if (s.thoughts[k] != thought) continue;
         const std::uint32_t b = s.blocks[k];
         const std::uint64_t* mask = ps.mask.data() + static_cast<std::size_t>(b - base) * words;
         for (int w = 0; w < words && !plan_full(plan, g); ++w) {
           std::uint64_t bits = mask[w];
+          if (bits != 0) plan.hole_search_from = static_cast<std::uint32_t>(k);
           while (bits != 0 && !plan_full(plan, g)) {
             const int i = __builtin_ctzll(bits);
             bits &= bits - 1;
@@ -664,6 +669,9 @@ class BlockTable {
     ++op_;
     StreamState& s = stream_(plan.stream);
     const int p = static_cast<int>(plan.precision);
+    // The plan took every hole of its type's blocks before this index (plan_commit's search).
+    std::uint32_t& from = s.hole_free_below[static_cast<int>(plan.thought)];
+    from = std::max(from, plan.hole_search_from);
     grow_pool(plan.precision, blocks_needed(plan));
     grow_records(records_needed(plan));
     PoolState& ps = pool_[p];
@@ -763,9 +771,11 @@ class BlockTable {
     ++op_;
     StreamState& s = stream_(stream);
     bool emptied = false;
+    holed_.clear();
     for (std::size_t i = 0; i < sorted_.size();) {
       // One block's victims at a time: its mask words, live count and change log once.
       const std::uint32_t b = sorted_[i].block;
+      holed_.push_back(b);  // ascending: sorted_ is
       std::uint32_t local = 0;
       PoolState& q = pool_of(b, local);
       const int t = static_cast<int>(q.thought[local]);
@@ -789,6 +799,15 @@ class BlockTable {
       stats_.slots_evicted += n;
       emptied = emptied || q.live[local] == 0;
     }
+    // plan_commit's search for holes must reach the blocks that got some: each type's
+    // hole_free_below drops to the first of them (only the indices below it need a look).
+    std::uint32_t below = 0;
+    for (const std::uint32_t v : s.hole_free_below) below = std::max(below, v);
+    below = std::min(below, static_cast<std::uint32_t>(s.blocks.size()));
+    for (std::uint32_t k = 0; k < below; ++k) {
+      std::uint32_t& from = s.hole_free_below[static_cast<int>(s.thoughts[k])];
+      if (k < from && std::binary_search(holed_.begin(), holed_.end(), s.blocks[k])) from = k;
+    }
     // Return blocks with no live slot to their pools (their holes go with them).
     for (std::size_t k = 0; emptied && k < s.blocks.size();) {
       const std::uint32_t b = s.blocks[k];
@@ -799,6 +818,8 @@ class BlockTable {
         release_block(b);
         s.blocks.erase(s.blocks.begin() + static_cast<std::ptrdiff_t>(k));
         s.thoughts.erase(s.thoughts.begin() + static_cast<std::ptrdiff_t>(k));
+        // The blocks after it move down one index.
+        for (std::uint32_t& from : s.hole_free_below) from -= from > k ? 1 : 0;
         s.list_version = list_changed(stream);
       } else {
         ++k;
@@ -1284,6 +1305,10 @@ class BlockTable {
     std::int64_t holes = 0;
     std::int64_t holes_by_thought[kNumThoughtTypes] = {};
     std::int64_t records = 0;
+    // Per thought type: no block of the type at a `blocks` index below this holds a hole (a lower
+    // bound, where plan_commit's search for holes starts). apply_commit raises it past the blocks
+    // a plan emptied of holes; evict lowers it to the first block it makes holes in or removes.
+    std::uint32_t hole_free_below[kNumThoughtTypes] = {};
     std::uint32_t committed = 0;     // the StageSet::epoch whose full group this stream committed
     std::uint64_t list_version = 0;  // StreamView::list_version
   };
@@ -1622,6 +1647,7 @@ class BlockTable {
   std::vector<StreamState> streams_;
   std::vector<StageSet> sets_;
   std::vector<SlotRef> sorted_;                                 // evict's scratch
+  std::vector<std::uint32_t> holed_;                            // evict's scratch: blocks given holes
   std::map<std::uint32_t, std::vector<std::int32_t>> holders_;  // shared blocks: their holders
 };
 

@@ -65,6 +65,10 @@ struct CommitPlan {
   std::vector<std::uint32_t> new_blocks;  ///< blocks taken fresh from the pool, in order
   std::uint32_t record = kNoRecord;       ///< key-scale record of this group (kNoRecord: BF16)
   int reused_slots = 0;                   ///< how many of `slots` are evicted slots reused
+  /// Where the stream's next search for holes of `thought` may start once this plan is applied:
+  /// the block-list index of the last block the plan took holes from (every earlier block of the
+  /// type is then hole-free); 0 when it took none. The table's own bookkeeping.
+  std::uint32_t hole_search_from = 0;
 };
 
 /// The token a live slot holds, as storage needs it to decode the slot: the stream that owns its
