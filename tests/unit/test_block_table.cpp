@@ -5,11 +5,13 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "test_util.hpp"
 #include "thinkv/paged/flat_block_table.hpp"
+#include "thinkv/paged/id_bitset.hpp"
 
 using namespace thinkv;
 using Catch::Matchers::Contains;
@@ -1021,4 +1023,50 @@ TEST_CASE("BlockTable: a copy on write the pool cannot hold fails and changes no
   CHECK_THAT(e.message(), Contains("NVFP4") || Contains("nvfp4"));
   CHECK(claims.blocks[static_cast<int>(Precision::kNvfp4)] == 0);
   TT_REQUIRE_SAME_SNAPSHOT(before, tt::snapshot_table(t));
+}
+
+TEST_CASE("IdBitset holds the ids std::set holds, through inserts, erases, growth and truncation",
+          "[block_table][id_bitset]") {
+  TT_SEEDED_RNG();
+  for (int round = 0; round < 20; ++round) {
+    IdBitset bits;
+    std::set<std::uint32_t> model;
+    std::uint32_t n = static_cast<std::uint32_t>(uniform_int(rng, 0, 9000));
+    bits.resize(n);
+    CAPTURE(round, n);
+    for (int op = 0; op < 4000; ++op) {
+      const double a = uniform01(rng);
+      if (a < 0.01) {  // grow or shrink the universe (word and summary-word boundaries included)
+        const std::uint32_t edges[] = {0, 1, 63, 64, 65, 4095, 4096, 4097, 8191, 8192, 8193};
+        n = chance(rng, 0.5) ? edges[uniform_int(rng, 0, 10)] : static_cast<std::uint32_t>(uniform_int(rng, 0, 9000));
+        bits.resize(n);
+        model.erase(model.lower_bound(n), model.end());
+      } else if (n > 0) {
+        // Mostly near the low end, where a pool's free blocks cluster, and at word edges.
+        const std::uint32_t i =
+            chance(rng, 0.5)
+                ? static_cast<std::uint32_t>(uniform_int(rng, 0, static_cast<int>(n) - 1))
+                : std::min<std::uint32_t>(
+                      n - 1, static_cast<std::uint32_t>(uniform_int(rng, 0, 3) * 64 + uniform_int(rng, 0, 1) * 63));
+        if (a < 0.55) {
+          REQUIRE(bits.insert(i) == model.insert(i).second);
+        } else {
+          REQUIRE(bits.erase(i) == (model.erase(i) == 1));
+        }
+      }
+      REQUIRE(bits.size() == model.size());
+      REQUIRE(bits.universe() == n);
+      if (op % 97 == 0) {  // a whole walk, and next() from arbitrary points
+        std::vector<std::uint32_t> walk;
+        for (std::uint32_t i = bits.next(0); i != IdBitset::kNone; i = bits.next(i + 1)) walk.push_back(i);
+        REQUIRE(walk == std::vector<std::uint32_t>(model.begin(), model.end()));
+        for (int probe = 0; probe < 20; ++probe) {
+          const auto from = static_cast<std::uint32_t>(uniform_int(rng, 0, static_cast<int>(n) + 70));
+          const auto it = model.lower_bound(from);
+          REQUIRE(bits.next(from) == (it == model.end() ? IdBitset::kNone : *it));
+          REQUIRE(bits.contains(from) == (model.count(from) == 1));
+        }
+      }
+    }
+  }
 }

@@ -18,11 +18,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "thinkv/paged/id_bitset.hpp"
 #include "thinkv/paged/layout.hpp"
 #include "thinkv/paged/storage_view.hpp"
 #include "thinkv/status.hpp"
@@ -153,6 +153,7 @@ class BlockTable {
       ps.slot_position.reserve(ns);
       ps.chunk_held.reserve((nb + chunk_[p] - 1) / chunk_[p]);
       ps.changed.reserve(std::max<std::size_t>(1024, 2 * nb) + 1);  // touch() trims it at that size
+      bytes += ps.free.reserve(static_cast<std::uint32_t>(nb));
       held(ps.thought, ps.fill, ps.live, ps.owner, ps.mask, ps.slot_record, ps.slot_segment, ps.seg_lo, ps.seg_hi,
            ps.slot_position, ps.chunk_held, ps.changed);
     }
@@ -677,7 +678,7 @@ class BlockTable {
     PoolState& ps = pool_[p];
     for (std::uint32_t b : plan.new_blocks) {
       const std::uint32_t local = b - pools_.base[p];
-      take_block(ps, p, b, local, plan.stream);
+      take_block(ps, p, local, plan.stream);
       ps.thought[local] = plan.thought;
       ps.fill[local] = 0;
       ps.live[local] = 0;
@@ -1041,7 +1042,7 @@ class BlockTable {
       grow_pool(p, round_blocks(p, b - pools_.base[pi] + 1));
       PoolState& ps = pool_[pi];
       const std::uint32_t local = b - pools_.base[pi];
-      take_block(ps, pi, b, local, stream);
+      take_block(ps, pi, local, stream);
       ps.thought[local] = bi.thought;
       ps.fill[local] = bi.fill;
       ps.seg_lo[local] = bi.seg_lo;
@@ -1249,7 +1250,7 @@ class BlockTable {
       std::uint32_t lf = 0, lt = 0;
       PoolState& ps = pool_of(u.to, lt);
       (void)pool_of(u.from, lf);
-      take_block(ps, pi, u.to, lt, u.stream);
+      take_block(ps, pi, lt, u.stream);
       ps.thought[lt] = ps.thought[lf];
       ps.fill[lt] = ps.fill[lf];
       ps.live[lt] = ps.live[lf];
@@ -1325,7 +1326,7 @@ class BlockTable {
   /// One precision's pool: the allocated part of its id range and its blocks' metadata.
   struct PoolState {
     std::uint32_t grown = 0;                // blocks with storage: local ids [0, grown)
-    std::set<std::uint32_t> free;           // free global ids among them
+    IdBitset free;                          // free blocks among them, by local id
     std::uint64_t free_version = 0;         // changes of `free` (nth_free_block's cursor)
     std::vector<std::uint32_t> chunk_held;  // held blocks per chunk
     std::vector<ThoughtType> thought;       // per block, by local id
@@ -1372,9 +1373,9 @@ class BlockTable {
   }
   struct FreeCursor {
     std::uint64_t version = ~std::uint64_t{0};
-    const std::set<std::uint32_t>* set = nullptr;  // the set `it` walks (a copied table has its own)
+    const IdBitset* set = nullptr;  // the set walked (a copied table has its own)
     std::size_t k = 0;
-    std::set<std::uint32_t>::const_iterator it;
+    std::uint32_t local = 0;  // its k-th id
   };
   /// Where a global block id lives: its pool and local id; ok = false without storage.
   struct Loc {
@@ -1437,17 +1438,16 @@ class BlockTable {
     const PoolState& ps = pool_[i];
     if (k < ps.free.size()) {
       // Plans made with PlanClaims ask for k, k + 1, ... in turn: walk on from the last answer
-      // (a set has no random access) while the free set is unchanged.
+      // while the free set is unchanged.
       FreeCursor& c = cursor_[i];
       if (c.version != ps.free_version || c.set != &ps.free || k < c.k) {
         c.version = ps.free_version;
         c.set = &ps.free;
         c.k = 0;
-        c.it = ps.free.begin();
+        c.local = ps.free.next(0);
       }
-      c.it = std::next(c.it, static_cast<std::ptrdiff_t>(k - c.k));
-      c.k = k;
-      return *c.it;
+      for (; c.k < k; ++c.k) c.local = ps.free.next(c.local + 1);
+      return pools_.base[i] + c.local;
     }
     const std::size_t j = ps.grown + (k - ps.free.size());
     return j < pools_.count[i] ? pools_.base[i] + static_cast<std::uint32_t>(j) : kNoBlock;
@@ -1490,7 +1490,7 @@ class BlockTable {
     if (blocks <= ps.grown) return;
     const std::uint32_t old = ps.grown;
     resize_pool(static_cast<int>(p), blocks);
-    for (std::uint32_t i = old; i < blocks; ++i) ps.free.insert(ps.free.end(), pools_.base[static_cast<int>(p)] + i);
+    for (std::uint32_t i = old; i < blocks; ++i) ps.free.insert(i);
     ++ps.free_version;
     stats_.chunks_grown += (blocks - old + chunk_[static_cast<int>(p)] - 1) / chunk_[static_cast<int>(p)];
   }
@@ -1521,6 +1521,7 @@ class BlockTable {
     ps.seg_hi.resize(nb, 0);
     ps.slot_position.resize(ns, -1);
     ps.chunk_held.resize((nb + chunk_[p] - 1) / chunk_[p], 0);
+    ps.free.resize(blocks);  // ids past `blocks` leave the free set with their storage
     // New pages are logged as changed (a mirror learns their initial metadata); pages that go
     // need nothing (no stream lists them; their log entries are skipped, and a page that comes
     // back is logged again). A mirror follows growth and release by changes, not whole copies.
@@ -1536,7 +1537,6 @@ class BlockTable {
       while (chunks > 0 && ps.chunk_held[chunks - 1] == 0) --chunks;
       if (chunks == ps.chunk_held.size()) continue;
       const auto keep = static_cast<std::uint32_t>(std::min<std::size_t>(chunks * chunk_[p], ps.grown));
-      ps.free.erase(ps.free.lower_bound(pools_.base[p] + keep), ps.free.end());
       ++ps.free_version;
       stats_.chunks_released += static_cast<std::int64_t>(ps.chunk_held.size() - chunks);
       resize_pool(p, keep);
@@ -1597,10 +1597,10 @@ class BlockTable {
     }
     if (h.size() == 1) holders_.erase(it);
   }
-  /// Takes free block b (local id `local` of pool `pi`) for `stream`: out of the free set, owned,
+  /// Takes the free block of local id `local` of pool `pi` for `stream`: out of the free set, owned,
   /// counted in its chunk. The caller fills its metadata and puts it in the stream's list.
-  void take_block(PoolState& ps, int pi, std::uint32_t b, std::uint32_t local, int stream) {
-    ps.free.erase(b);
+  void take_block(PoolState& ps, int pi, std::uint32_t local, int stream) {
+    ps.free.erase(local);
     ++ps.free_version;
     ps.owner[local] = stream;
     ++ps.chunk_held[local / chunk_[pi]];
@@ -1619,7 +1619,7 @@ class BlockTable {
     ps.owner[local] = kNoStream;
     touch(ps, local);
     --ps.chunk_held[local / chunk_[static_cast<int>(pools_.precision_of(b))]];
-    ps.free.insert(b);
+    ps.free.insert(local);
     ++ps.free_version;
     ++stats_.blocks_freed;
   }
