@@ -156,6 +156,19 @@ TEST_CASE("Prompt sharing: copies share the pinned prompt's blocks and every ope
           less += ha < hb ? 1 : 0;
           REQUIRE(a.memory().physical_bytes() <= a.paged().allocated_bytes());
         }
+        {  // at the end, a fresh sequence past its pinned prompt copied whole, so that sharing at
+           // scale is checked for every seed (the random walk sometimes shares fewer blocks at once)
+          const int src = 0, dst = 1;
+          REQUIRE(a.reset_sequence(src).is_ok());
+          REQUIRE(b.reset_sequence(src).is_ok());
+          for (int t = 0; t < sa.pinned_prefix + g; ++t) decode_both(a, b, src, rng);
+          REQUIRE(a.reset_sequence(dst).is_ok());
+          REQUIRE(b.reset_sequence(dst).is_ok());
+          REQUIRE(a.copy_sequence(src, dst, -1, -1).is_ok());
+          REQUIRE(b.copy_sequence(src, dst, -1, -1).is_ok());
+          REQUIRE(tt::held_positions(a, dst) == tt::held_positions(b, dst));
+          most_shared = std::max(most_shared, a.paged().table().shared_blocks());
+        }
         const std::int64_t cows = a.paged().table().stats().blocks_copied_on_write;
         INFO("copies " << copies << ", copies on write " << cows << ", most shared " << most_shared
                        << ", ops with less " << less << ", saves " << saves);
