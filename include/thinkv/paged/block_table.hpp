@@ -707,9 +707,14 @@ class BlockTable {
     // Every slot of the plan lies in pool p (its thought's precision).
     PoolState& q = ps;
     const std::uint32_t base = pools_.base[p];
+    std::uint32_t logged = kNoBlock;  // the page touch() logged last (a plan's slots run by block)
     for (std::size_t i = 0; i < plan.slots.size(); ++i) {
       const SlotRef r = plan.slots[i];
       const std::uint32_t local = r.block - base;
+      if (local != logged) {
+        touch(q, local);
+        logged = local;
+      }
       const std::size_t si = slot_index(local, r.slot);
       std::uint64_t& word = q.mask[mask_index(local, r.slot)];
       const std::uint64_t bit = std::uint64_t{1} << (r.slot % 64);
@@ -721,7 +726,6 @@ class BlockTable {
         q.fill[local] = static_cast<std::uint16_t>(std::max<int>(q.fill[local], static_cast<int>(r.slot) + 1));
       }
       q.slot_record[si] = plan.record;
-      touch(q, local);
       q.slot_segment[si] = segments[i];
       q.seg_lo[local] = std::min(q.seg_lo[local], segments[i]);
       q.seg_hi[local] = std::max(q.seg_hi[local], segments[i]);
@@ -771,7 +775,7 @@ class BlockTable {
     }
     ++op_;
     StreamState& s = stream_(stream);
-    bool emptied = false;
+    emptied_.clear();
     holed_.clear();
     for (std::size_t i = 0; i < sorted_.size();) {
       // One block's victims at a time: its mask words, live count and change log once.
@@ -798,7 +802,7 @@ class BlockTable {
       s.holes += n;
       s.holes_by_thought[t] += n;
       stats_.slots_evicted += n;
-      emptied = emptied || q.live[local] == 0;
+      if (q.live[local] == 0) emptied_.push_back(b);
     }
     // plan_commit's search for holes must reach the blocks that got some: each type's
     // hole_free_below drops to the first of them (only the indices below it need a look).
@@ -809,10 +813,13 @@ class BlockTable {
       std::uint32_t& from = s.hole_free_below[static_cast<int>(s.thoughts[k])];
       if (k < from && std::binary_search(holed_.begin(), holed_.end(), s.blocks[k])) from = k;
     }
-    // Return blocks with no live slot to their pools (their holes go with them).
-    for (std::size_t k = 0; emptied && k < s.blocks.size();) {
+    // Return blocks with no live slot to their pools (their holes go with them): those this call
+    // emptied (ascending), found in the stream's list without reading every block's live count.
+    std::size_t released = 0;
+    for (std::size_t k = 0; released < emptied_.size() && k < s.blocks.size();) {
       const std::uint32_t b = s.blocks[k];
-      if (block_live(b) == 0) {
+      if (std::binary_search(emptied_.begin(), emptied_.end(), b)) {
+        ++released;
         const int holes = count_holes(b);
         s.holes -= holes;
         s.holes_by_thought[static_cast<int>(block_thought(b))] -= holes;
@@ -826,7 +833,7 @@ class BlockTable {
         ++k;
       }
     }
-    if (emptied) release_empty_chunks();
+    if (!emptied_.empty()) release_empty_chunks();
     return Status::ok();
   }
 
@@ -1648,6 +1655,7 @@ class BlockTable {
   std::vector<StageSet> sets_;
   std::vector<SlotRef> sorted_;                                 // evict's scratch
   std::vector<std::uint32_t> holed_;                            // evict's scratch: blocks given holes
+  std::vector<std::uint32_t> emptied_;                          // evict's scratch: blocks left with no live slot
   std::map<std::uint32_t, std::vector<std::int32_t>> holders_;  // shared blocks: their holders
 };
 
