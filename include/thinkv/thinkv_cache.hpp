@@ -2386,7 +2386,16 @@ class BasicThinKvCache {
     int seq = 0;
     EvictionPlan plan;
     std::vector<std::pair<std::uint32_t, std::int32_t>> targets;  // final size per segment
-    std::vector<std::pair<int, std::vector<SlotRef>>> victims;    // per (stream, segment)
+    // The selections' victims, stream by stream (a stream's segments adjacent): victim_runs[i]
+    // = (stream, end of its victims in victim_slots), the run starting where the one before ends.
+    std::vector<SlotRef> victim_slots;
+    std::vector<std::pair<int, std::uint32_t>> victim_runs;
+    /// Appends a selection's victim to stream st's run (opened when st is not the last run's).
+    void add_victim(int st, SlotRef r) {
+      if (victim_runs.empty() || victim_runs.back().first != st) victim_runs.emplace_back(st, victim_slots.size());
+      victim_slots.push_back(r);
+      victim_runs.back().second = static_cast<std::uint32_t>(victim_slots.size());
+    }
     std::int64_t selections = 0;
     bool selected = false;
   };
@@ -2552,13 +2561,12 @@ class BasicThinKvCache {
         const std::vector<int> kept = policy_.selector.select(tokens, size);
         ++w.selections;
         THINKV_RETURN_IF_ERROR(check_selection(kept, tokens.count(), size, st, segment));
-        std::vector<SlotRef>& victims = w.victims.emplace_back(st, std::vector<SlotRef>{}).second;
         std::size_t ki = 0;
         for (std::size_t j = 0; j < slots.size(); ++j) {
           if (ki < kept.size() && kept[ki] == static_cast<int>(j)) {
             ++ki;
           } else {
-            victims.push_back(slots[j]);
+            w.add_victim(st, slots[j]);
           }
         }
       }
@@ -2572,13 +2580,11 @@ class BasicThinKvCache {
   Status apply_tbe(TbeWork& w) {
     // One evict call per stream (its segments' victims are adjacent: selections are made stream
     // by stream).
-    for (std::size_t i = 0; i < w.victims.size();) {
-      const int st = w.victims[i].first;
-      evict_scratch_.clear();
-      for (; i < w.victims.size() && w.victims[i].first == st; ++i) {
-        evict_scratch_.insert(evict_scratch_.end(), w.victims[i].second.begin(), w.victims[i].second.end());
-      }
-      THINKV_RETURN_IF_ERROR(evict_stream(w.seq, st, evict_scratch_));
+    std::uint32_t begin = 0;
+    for (const auto& [st, end] : w.victim_runs) {
+      THINKV_RETURN_IF_ERROR(
+          evict_stream(w.seq, st, std::span<const SlotRef>(w.victim_slots.data() + begin, end - begin)));
+      begin = end;
     }
     apply_tbe_state(w);
     return Status::ok();
@@ -2628,14 +2634,14 @@ class BasicThinKvCache {
       }
     }
     for (TbeWork* w : works) {
-      w->victims.clear();
+      w->victim_slots.clear();
+      w->victim_runs.clear();
       w->selections = 0;
     }
     THINKV_RETURN_IF_ERROR(check_victims(jobs, victims, offsets));
     for (std::size_t ji = 0; ji < jobs.size(); ++ji) {
       TbeWork& w = *job_of[ji];
-      w.victims.emplace_back(jobs[ji].stream,
-                             std::vector<SlotRef>(victims.begin() + offsets[ji], victims.begin() + offsets[ji + 1]));
+      for (std::uint32_t j = offsets[ji]; j < offsets[ji + 1]; ++j) w.add_victim(jobs[ji].stream, victims[j]);
       ++w.selections;
     }
     for (TbeWork* w : works) w->selected = true;
