@@ -725,6 +725,23 @@ class PagedKvCache {
           sn.staged.size() != static_cast<std::size_t>(staged) * 2 * d) {
         return where({StatusCode::kCorruptData, "its byte sizes do not match its blocks, records and staged tokens"});
       }
+      // A save writes zeros into the slots past a block's fill (save_stream): anything else there
+      // is damage, and would not save back to the same bytes.
+      std::size_t at = 0;
+      for (std::size_t bk = 0; bk < sn.image.blocks.size(); ++bk) {
+        const BlockImage& bi = sn.image.blocks[bk];
+        const Precision p = config().precision.precision_of(bi.thought);
+        const auto page =
+            std::span<const std::uint8_t>(sn.pages).subspan(at, static_cast<std::size_t>(layout().page_bytes(p)));
+        for (int i = bi.fill; i < config().block_size; ++i) {
+          if (!layout().slot_is_clear(page, p, i)) {
+            return where({StatusCode::kCorruptData, "block " + std::to_string(bk) +
+                                                        " holds bytes in its unwritten slot " + std::to_string(i) +
+                                                        " (a save writes zeros past a block's fill)"});
+          }
+        }
+        at += page.size();
+      }
       for (float x : sn.scales) {
         if (!std::isfinite(x) || x < 0.0f)
           return where({StatusCode::kCorruptData, "a second-level scale is not finite"});

@@ -169,4 +169,8 @@ write("corpus", "sequence_state", "truncated_resealed.bin", seq_state(90, 7, res
 # A resealed edit of a staged K/V float's low mantissa bits: the load accepted a value the BF16
 # staging buffer cannot hold and saved back other bytes (now kCorruptData).
 write("regressions", "sequence_state", "staged_not_bf16.bin", bytes([9, 0, 21, 0, 7, 83, 3, 136, 90, 7, 3, 136, 7, 136, 7, 40, 6, 6, 2, 2]))
+# A resealed state with a nonzero byte in a slot past its block's fill (it loaded, and saved
+# back zeros there).
+write("regressions", "sequence_state", "unwritten_slot_bytes.bin",
+      bytes([0x3C, 0x04, 0x01, 0x00, 0x09, 0x00, 0x00, 0x80, 0xD0, 0x07, 0x00, 0x00, 0x07]))
 print("seeds written under", HERE)

@@ -243,6 +243,18 @@ struct CacheLayout {
     }
     for (std::size_t c = 0; c < v; ++c) page[2 * bs * r + i * v + c] = 0;
   }
+  /// Whether slot `slot`'s bytes (K row, V row, value scales) in a page at precision p are all zero,
+  /// as clear_slot leaves them.
+  [[nodiscard]] constexpr bool slot_is_clear(std::span<const std::uint8_t> page, Precision p, int slot) const noexcept {
+    const int row = row_bytes(p), vsb = value_scale_bytes(p);
+    if (row < 0 || vsb < 0 || slot < 0 || slot >= block_size) return false;
+    const std::size_t r = static_cast<unsigned>(row), v = static_cast<unsigned>(vsb), i = static_cast<unsigned>(slot),
+                      bs = static_cast<unsigned>(block_size);
+    std::uint8_t any = 0;
+    for (std::size_t c = 0; c < r; ++c) any |= page[i * r + c] | page[(bs + i) * r + c];
+    for (std::size_t c = 0; c < v; ++c) any |= page[2 * bs * r + i * v + c];
+    return any == 0;
+  }
   /// 64-bit words of a block's eviction mask.
   [[nodiscard]] constexpr int evict_mask_words() const noexcept { return (block_size + 63) / 64; }
   /// Metadata bytes of one block: header + eviction mask + per-slot metadata.
