@@ -231,28 +231,38 @@ struct CacheLayout {
   [[nodiscard]] constexpr std::int64_t page_bytes(Precision p) const noexcept {
     return std::int64_t{block_size} * slot_data_bytes(p);
   }
-  /// Zeroes slot `slot`'s bytes (its K row, V row and value scales) in a page at precision p.
-  constexpr void clear_slot(std::span<std::uint8_t> page, Precision p, int slot) const noexcept {
+  /// Where slot `slot`'s bytes lie in a page at precision p: its K row at k, its V row at v (each
+  /// `row` bytes) and its value scales at scales (`scale_bytes` bytes). `ok` is false for an
+  /// unknown precision or a slot outside the block.
+  struct SlotBytes {
+    std::size_t k = 0, v = 0, row = 0, scales = 0, scale_bytes = 0;
+    bool ok = false;
+  };
+  [[nodiscard]] constexpr SlotBytes slot_bytes(Precision p, int slot) const noexcept {
     const int row = row_bytes(p), vsb = value_scale_bytes(p);
-    if (row < 0 || vsb < 0 || slot < 0 || slot >= block_size) return;
+    if (row < 0 || vsb < 0 || slot < 0 || slot >= block_size) return {};
     const std::size_t r = static_cast<unsigned>(row), v = static_cast<unsigned>(vsb), i = static_cast<unsigned>(slot),
                       bs = static_cast<unsigned>(block_size);
-    for (std::size_t c = 0; c < r; ++c) {
-      page[i * r + c] = 0;
-      page[(bs + i) * r + c] = 0;
+    return {i * r, (bs + i) * r, r, 2 * bs * r + i * v, v, true};
+  }
+  /// Zeroes slot `slot`'s bytes (its K row, V row and value scales) in a page at precision p.
+  constexpr void clear_slot(std::span<std::uint8_t> page, Precision p, int slot) const noexcept {
+    const SlotBytes b = slot_bytes(p, slot);
+    if (!b.ok) return;
+    for (std::size_t c = 0; c < b.row; ++c) {
+      page[b.k + c] = 0;
+      page[b.v + c] = 0;
     }
-    for (std::size_t c = 0; c < v; ++c) page[2 * bs * r + i * v + c] = 0;
+    for (std::size_t c = 0; c < b.scale_bytes; ++c) page[b.scales + c] = 0;
   }
   /// Whether slot `slot`'s bytes (K row, V row, value scales) in a page at precision p are all zero,
   /// as clear_slot leaves them.
   [[nodiscard]] constexpr bool slot_is_clear(std::span<const std::uint8_t> page, Precision p, int slot) const noexcept {
-    const int row = row_bytes(p), vsb = value_scale_bytes(p);
-    if (row < 0 || vsb < 0 || slot < 0 || slot >= block_size) return false;
-    const std::size_t r = static_cast<unsigned>(row), v = static_cast<unsigned>(vsb), i = static_cast<unsigned>(slot),
-                      bs = static_cast<unsigned>(block_size);
+    const SlotBytes b = slot_bytes(p, slot);
+    if (!b.ok) return false;
     std::uint8_t any = 0;
-    for (std::size_t c = 0; c < r; ++c) any |= page[i * r + c] | page[(bs + i) * r + c];
-    for (std::size_t c = 0; c < v; ++c) any |= page[2 * bs * r + i * v + c];
+    for (std::size_t c = 0; c < b.row; ++c) any |= page[b.k + c] | page[b.v + c];
+    for (std::size_t c = 0; c < b.scale_bytes; ++c) any |= page[b.scales + c];
     return any == 0;
   }
   /// 64-bit words of a block's eviction mask.
