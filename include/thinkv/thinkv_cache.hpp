@@ -2467,8 +2467,8 @@ class BasicThinKvCache {
   /// `wait`, every one; otherwise also, waiting for them, those holding a sequence `need` names.
   Status collect_selections(bool wait, std::span<const int> need = {}) {
     if constexpr (kAsyncSelect) {
-      std::vector<SlotRef> victims;
-      std::vector<std::uint32_t> offsets;
+      std::vector<SlotRef>& victims = collect_victims_;  // reused: no allocation per step
+      std::vector<std::uint32_t>& offsets = collect_offsets_;
       std::size_t kept = 0;
       for (std::size_t i = 0; i < pending_.size(); ++i) {
         PendingSelection& pend = pending_[i];
@@ -2484,14 +2484,16 @@ class BasicThinKvCache {
           continue;
         }
         THINKV_RETURN_IF_ERROR(check_victims(pend.jobs, victims, offsets));
-        for (std::size_t j = 0; j < pend.jobs.size();) {  // one evict per stream (its jobs are adjacent)
+        // One evict per stream. A stream's jobs are adjacent and check_victims found each job's
+        // range [offsets[j], offsets[j + 1]) in order, so the stream's victims are one range of
+        // `victims`, evicted in place.
+        for (std::size_t j = 0; j < pend.jobs.size();) {
           const int st = pend.jobs[j].stream;
           const int seq = pend.job_seq[j];
-          evict_scratch_.clear();
-          for (; j < pend.jobs.size() && pend.jobs[j].stream == st; ++j) {
-            evict_scratch_.insert(evict_scratch_.end(), victims.begin() + offsets[j], victims.begin() + offsets[j + 1]);
-          }
-          THINKV_RETURN_IF_ERROR(evict_stream(seq, st, evict_scratch_));
+          const std::size_t first = offsets[j];
+          while (j < pend.jobs.size() && pend.jobs[j].stream == st) ++j;
+          const std::span<const SlotRef> run(victims.data() + first, offsets[j] - first);
+          THINKV_RETURN_IF_ERROR(evict_stream(seq, st, run));
         }
       }
       pending_.resize(kept);
@@ -2737,6 +2739,8 @@ class BasicThinKvCache {
   Step step_;
   bool capturable_ = false;
   std::vector<SlotRef> evict_scratch_;
+  std::vector<SlotRef> collect_victims_;  // collect_selections' answers from the backend
+  std::vector<std::uint32_t> collect_offsets_;
   mutable std::vector<SlotRef> ragged_slots_;  // selection_jobs: a ragged segment's slots in one stream
   std::vector<PendingSelection> pending_;      // launched selections, not yet collected
   std::vector<std::uint8_t> seq_pending_;      // [num_sequences] 1: a pending selection holds the sequence
