@@ -5,11 +5,13 @@
 /// Exactness. Every floating-point operation of the CPU code is reproduced with an IEEE
 /// round-to-nearest intrinsic (__fsub_rn, __fmul_rn, __fadd_rn, __fdiv_rn: nvcc never contracts
 /// them into FMAs) and every sum runs in the CPU's order:
-///  - squared distances: one thread per (point, centre) pair, channels 0..d-1 in order;
-///  - k-means++ D(x)^2 total and running sum: one chain in index order, run by every lane of
-///    warp 0 with the values shuffled in (each lane keeps the running sums of its own 4 points);
-///    the CPU's total and its running sum are the same chain of partial sums, so one pass gives
-///    both and the first index with run > target (and not chosen) is then found in parallel;
+///  - squared distances: one thread per (point, centre) pair, eight partial sums over channels
+///    j mod 8 (each in channel order) and the CPU's tree, so a distance is 8 short chains;
+///  - k-means++ prefix sums of D(x)^2: warp 0, lane l sums points 4l .. 4l+3 in order, a
+///    Hillis-Steele scan of the lane sums (shfl_up), then each point's prefix = the lanes
+///    before it + its in-lane sum, as kmeanspp_prefix_sums defines it (one 128-point tile); the
+///    total is the last point's prefix, and the first index with prefix > target (and not
+///    chosen) is then found in parallel;
 ///  - centre means: one thread per (centre, channel), the centre's points in index order, then
 ///    sum / float(count) as the CPU divides. The member lists are integer work (match_any ranks
 ///    per warp, per-warp counts, a warp scan for the offsets): exact by construction.
@@ -31,9 +33,9 @@
 /// P = 32, 64, 128 points: P bounds the loops over a segment's points (k-means++'s running sum,
 /// the selection's ballots) and sets __launch_bounds__'s minimum CTAs per SM (min_blocks), so the
 /// small variants are not capped by registers. The arithmetic is the same in every variant: the
-/// running sum only stops after fewer trailing +0 terms (exact: it is never -0), and the
-/// 32-point variant's distance tiles of 4 centres (its threads own at most 4) compute the same
-/// independent chains. A segment beyond the launch's layout gets the row of an invalid one.
+/// prefix sums see +0 past n either way (exact: no sum is ever -0), and the distance tiles (8
+/// centres per thread at P = 128, 2 at 64, 1 at 32, sized for the registers of each variant's
+/// occupancy) compute the same independent chains. A segment beyond the launch's layout gets the row of an invalid one.
 
 #include <cuda_runtime.h>
 
@@ -56,17 +58,17 @@ static_assert(kKmeansMaxPoints % 32 == 0 && kKmeansMaxPoints <= 128, "selection:
 /// Minimum CTAs per SM the kernel variant of head_dim D and point capacity P is compiled for
 /// (__launch_bounds__): about as many as the shared memory of a P-point segment keeping P/2 lets
 /// share an SM of 228 KiB (d = 128: ~105, ~53, ~27 KiB per CTA at P = 128, 64, 32; twice that at
-/// d = 256), so registers do not cap the occupancy first. ptxas (sm_90a, CUDA 13.0): 76-86
-/// registers at 2, no spill; 64 at 4 (P = 64, d <= 128: up to 40 bytes of spill stores; P = 32,
-/// d = 256: none); 32 at 8 (P = 32, d <= 128: 36-56 bytes of spill stores).
+/// d = 256), so registers do not cap the occupancy first (ptxas's counts: tile_for below).
 constexpr int min_blocks(int D, int P) {
   if (P > 64) return 2;
   if (P > 32) return D > 128 ? 2 : 4;
   return D > 128 ? 4 : 8;
 }
-/// Centres per register tile of the distance loop: 8, or 4 in the 32-point variant (n <= 32: 8
-/// point groups, so a thread owns at most 4 centres and a tile of 8 would only cost registers).
-constexpr int tile_for(int P) { return P > 32 ? 8 : 4; }
+/// Centres per register tile of the distance loop (8 partial sums each): 8 at P = 128, 2 at
+/// P = 64, 1 at P = 32, within the registers of min_blocks' occupancy (ptxas, sm_90a, CUDA 13.0:
+/// 128 registers, no spill at P = 128; 64 at P = 64, up to 4 bytes of spill stores at d = 64,
+/// 128; 32 at P = 32, up to 76 bytes at d = 8).
+constexpr int tile_for(int P) { return P > 64 ? 8 : P > 32 ? 2 : 1; }
 
 /// Byte offsets of the shared-memory regions of one CTA (host and device agree).
 struct Layout {
@@ -111,36 +113,50 @@ __device__ __forceinline__ float add_sq(float s, float a, float b) {
   return __fadd_rn(s, __fmul_rn(t, t));
 }
 
-/// Squared distances from point i to the T centres c0 .. c0+T-1, each summed over channels
-/// 0..D-1 in order (T independent chains); sink(c, dist) for c ascending.
+/// The tree that ends thinkv::squared_distance: ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)).
+__device__ __forceinline__ float combine8(const float (&q)[8]) {
+  const float r0 = __fadd_rn(__fadd_rn(q[0], q[4]), __fadd_rn(q[2], q[6]));
+  const float r1 = __fadd_rn(__fadd_rn(q[1], q[5]), __fadd_rn(q[3], q[7]));
+  return __fadd_rn(r0, r1);
+}
+
+/// Squared distances from point i to the T centres c0 .. c0+T-1, each as thinkv::squared_distance
+/// sums it (eight partial sums over channels j mod 8, 8 T independent chains, then the tree);
+/// sink(c, dist) for c ascending. D % 8 == 0.
 template <int D, int T, typename Sink>
 __device__ __forceinline__ void distance_tile(const float* __restrict__ pT, int S, int i, const float* __restrict__ cen,
                                               int c0, Sink& sink) {
-  float s[T];
+  static_assert(D % 8 == 0, "eight partial sums per distance");
+  float s[T][8];
 #pragma unroll
-  for (int t = 0; t < T; ++t) s[t] = 0.0f;
+  for (int t = 0; t < T; ++t) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) s[t][u] = 0.0f;
+  }
   const float* row = cen + c0 * D;
-#pragma unroll 4
-  for (int j = 0; j < D; j += 4) {
+#pragma unroll 2
+  for (int j = 0; j < D; j += 8) {
     const float* col = pT + j * S;
-    const int sw = j & 31;  // j % 4 == 0, so (j + u) & 31 == sw + u for u < 4
-    const float x0 = col[i ^ sw];
-    const float x1 = col[S + (i ^ (sw + 1))];
-    const float x2 = col[2 * S + (i ^ (sw + 2))];
-    const float x3 = col[3 * S + (i ^ (sw + 3))];
+    const int sw = j & 31;  // j % 8 == 0, so (j + u) & 31 == sw + u for u < 8
+    float x[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) x[u] = col[u * S + (i ^ (sw + u))];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const float4 cv = *reinterpret_cast<const float4*>(row + t * D + j);
-      float a = s[t];
-      a = add_sq(a, x0, cv.x);
-      a = add_sq(a, x1, cv.y);
-      a = add_sq(a, x2, cv.z);
-      a = add_sq(a, x3, cv.w);
-      s[t] = a;
+      const float4 ca = *reinterpret_cast<const float4*>(row + t * D + j);
+      const float4 cb = *reinterpret_cast<const float4*>(row + t * D + j + 4);
+      s[t][0] = add_sq(s[t][0], x[0], ca.x);
+      s[t][1] = add_sq(s[t][1], x[1], ca.y);
+      s[t][2] = add_sq(s[t][2], x[2], ca.z);
+      s[t][3] = add_sq(s[t][3], x[3], ca.w);
+      s[t][4] = add_sq(s[t][4], x[4], cb.x);
+      s[t][5] = add_sq(s[t][5], x[5], cb.y);
+      s[t][6] = add_sq(s[t][6], x[6], cb.z);
+      s[t][7] = add_sq(s[t][7], x[7], cb.w);
     }
   }
 #pragma unroll
-  for (int t = 0; t < T; ++t) sink(c0 + t, s[t]);
+  for (int t = 0; t < T; ++t) sink(c0 + t, combine8(s[t]));
 }
 
 /// Squared distances from point i to centres [cb, ce), c ascending: tiles of T centres, then one
@@ -149,20 +165,24 @@ __device__ __forceinline__ void distance_tile(const float* __restrict__ pT, int 
 template <int D, int T, typename Sink>
 __device__ __forceinline__ void centre_distances(const float* __restrict__ pT, int S, int i,
                                                  const float* __restrict__ cen, int cb, int ce, Sink&& sink) {
-  static_assert(T == 8 || T == 4, "the tail below covers fewer than T centres");
+  static_assert(T == 8 || T == 4 || T == 2 || T == 1, "the tail below covers fewer than T centres");
   int c0 = cb;
   for (; c0 + T <= ce; c0 += T) distance_tile<D, T>(pT, S, i, cen, c0, sink);
-  if constexpr (T == 8) {
+  if constexpr (T > 4) {
     if (c0 + 4 <= ce) {
       distance_tile<D, 4>(pT, S, i, cen, c0, sink);
       c0 += 4;
     }
   }
-  if (c0 + 2 <= ce) {
-    distance_tile<D, 2>(pT, S, i, cen, c0, sink);
-    c0 += 2;
+  if constexpr (T > 2) {
+    if (c0 + 2 <= ce) {
+      distance_tile<D, 2>(pT, S, i, cen, c0, sink);
+      c0 += 2;
+    }
   }
-  if (c0 < ce) distance_tile<D, 1>(pT, S, i, cen, c0, sink);
+  if constexpr (T > 1) {
+    if (c0 < ce) distance_tile<D, 1>(pT, S, i, cen, c0, sink);
+  }
 }
 
 /// D: head_dim; P: the variant's point capacity (32, 64 or 128), >= p.layout_points: the loops
@@ -242,30 +262,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
       if (c == 0) {
         pick = static_cast<int>(splitmix64(state) % static_cast<std::uint64_t>(n));
       } else {
-        // total = sum of D(x)^2 in index order; the CPU's running sum is the same chain. Lane l
-        // holds D(x)^2 of points 4l .. 4l+3 (0 past n: x + 0 == x for every sum here, which is
-        // never -0, so the chain may run on to P); every lane runs the whole chain (the values
-        // shuffled in, the adds in index order) and keeps the running sums of its own points.
+        // The prefix sums R_i of D(x)^2 as thinkv::kmeanspp_prefix_sums defines them (one tile:
+        // P <= 128): lane l holds points 4l .. 4l+3 (0 past n, which changes no sum: every term
+        // is >= +0), sums them in order, and the lanes' sums are scanned Hillis-Steele style.
         const float4 dv = *reinterpret_cast<const float4*>(dist + 4 * lane);
-        float run = 0.0f;
-        float pre[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // running sums at points 4 lane .. 4 lane + 3
-#pragma unroll 8
-        for (int q = 0; q < P / 4; ++q) {
-          const float x0 = __shfl_sync(kFull, dv.x, q);
-          const float x1 = __shfl_sync(kFull, dv.y, q);
-          const float x2 = __shfl_sync(kFull, dv.z, q);
-          const float x3 = __shfl_sync(kFull, dv.w, q);
-          const float r0 = __fadd_rn(run, x0);
-          const float r1 = __fadd_rn(r0, x1);
-          const float r2 = __fadd_rn(r1, x2);
-          run = __fadd_rn(r2, x3);
-          if (lane == q) {
-            pre[0] = r0;
-            pre[1] = r1;
-            pre[2] = r2;
-            pre[3] = run;
-          }
+        float pre[4];
+        pre[0] = dv.x;
+        pre[1] = __fadd_rn(pre[0], dv.y);
+        pre[2] = __fadd_rn(pre[1], dv.z);
+        pre[3] = __fadd_rn(pre[2], dv.w);
+        float x = pre[3];
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const float y = __shfl_up_sync(kFull, x, off);
+          if (lane >= off) x = __fadd_rn(y, x);
         }
+        float e = __shfl_up_sync(kFull, x, 1);
+        e = lane > 0 ? e : 0.0f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) pre[t] = __fadd_rn(e, pre[t]);
+        const int last = n - 1;  // R_{n-1} is the total
+        const int lt = last & 3;
+        const float mine_last = lt == 0 ? pre[0] : lt == 1 ? pre[1] : lt == 2 ? pre[2] : pre[3];
+        const float run = __shfl_sync(kFull, mine_last, last >> 2);
         const bool pos = run > 0.0f;
         float target = 0.0f;
         if (pos) {  // the same draw in every lane
@@ -293,17 +312,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
     if (c + 1 < k && tid < n) {  // unused after the last centre
       const int i = tid;
       const float* __restrict__ crow = cen + c * D;
-      float s = 0.0f;
-#pragma unroll 8
-      for (int j = 0; j < D; j += 4) {
+      float q[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // channels j mod 8
+#pragma unroll 4
+      for (int j = 0; j < D; j += 8) {
         const float* col = pT + j * S;
-        const int sw = j & 31;  // j % 4 == 0, so (j + u) & 31 == sw + u for u < 4
-        const float4 cv = *reinterpret_cast<const float4*>(crow + j);
-        s = add_sq(s, col[i ^ sw], cv.x);
-        s = add_sq(s, col[S + (i ^ (sw + 1))], cv.y);
-        s = add_sq(s, col[2 * S + (i ^ (sw + 2))], cv.z);
-        s = add_sq(s, col[3 * S + (i ^ (sw + 3))], cv.w);
+        const int sw = j & 31;  // j % 8 == 0, so (j + u) & 31 == sw + u for u < 8
+        const float4 c0 = *reinterpret_cast<const float4*>(crow + j);
+        const float4 c1 = *reinterpret_cast<const float4*>(crow + j + 4);
+        q[0] = add_sq(q[0], col[i ^ sw], c0.x);
+        q[1] = add_sq(q[1], col[S + (i ^ (sw + 1))], c0.y);
+        q[2] = add_sq(q[2], col[2 * S + (i ^ (sw + 2))], c0.z);
+        q[3] = add_sq(q[3], col[3 * S + (i ^ (sw + 3))], c0.w);
+        q[4] = add_sq(q[4], col[4 * S + (i ^ (sw + 4))], c1.x);
+        q[5] = add_sq(q[5], col[5 * S + (i ^ (sw + 5))], c1.y);
+        q[6] = add_sq(q[6], col[6 * S + (i ^ (sw + 6))], c1.z);
+        q[7] = add_sq(q[7], col[7 * S + (i ^ (sw + 7))], c1.w);
       }
+      const float s = combine8(q);
       const float old = dist[i];
       dist[i] = s < old ? s : old;  // std::min(old, s)
     }
