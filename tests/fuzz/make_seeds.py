@@ -173,4 +173,8 @@ write("regressions", "sequence_state", "staged_not_bf16.bin", bytes([9, 0, 21, 0
 # back zeros there).
 write("regressions", "sequence_state", "unwritten_slot_bytes.bin",
       bytes([0x3C, 0x04, 0x01, 0x00, 0x09, 0x00, 0x00, 0x80, 0xD0, 0x07, 0x00, 0x00, 0x07]))
+# A resealed state whose unwritten slot says position -2 (a save writes segment 0, position -1
+# there; it loaded, and saved back -1).
+write("regressions", "sequence_state", "unwritten_slot_metadata.bin",
+      bytes([0x3C, 0x04, 0x01, 0x00, 0x00, 0xD8, 0xFF, 0xFF, 0xFF, 0x04, 0x00, 0x01, 0x2C, 0x00, 0x01, 0x70]))
 print("seeds written under", HERE)

@@ -924,7 +924,9 @@ class BlockTable {
   /// Checks that an image (from a saved state: any bytes) describes blocks this table could hold:
   /// sizes, thought types, fills, masks (no hole past fill, a live slot in every block), records
   /// (a live quantized slot names one, each is named, a group's g slots share one at most), the
-  /// fill order plan_commit relies on (only a thought type's last block is partly written).
+  /// fill order plan_commit relies on (only a thought type's last block is partly written), and
+  /// unwritten slots and mask bits as a save writes them (segment 0, position -1, no bit past
+  /// block_size), so a state that loads saves back to the same bytes.
   /// kCorruptData names what is wrong.
   [[nodiscard]] Status check_image(const StreamImage& image) const {
     const int bs = config_.block_size;
@@ -950,9 +952,18 @@ class BlockTable {
       partial[t] = bi.fill < bs;
       const Precision p = config_.precision.precision_of(bi.thought);
       int live = 0;
+      if (bs % 64 != 0 && (bi.mask[words - 1] >> (bs % 64)) != 0) return bad("eviction mask bits past block_size");
       for (int i = 0; i < bs; ++i) {
         const bool hole = ((bi.mask[static_cast<std::size_t>(i / 64)] >> (i % 64)) & 1u) != 0;
         if (hole && i >= bi.fill) return bad("hole at unwritten slot " + std::to_string(i));
+        if (i >= bi.fill && (bi.slot_segment[static_cast<std::size_t>(i)] != 0 ||
+                             bi.slot_position[static_cast<std::size_t>(i)] != -1)) {
+          // A save writes segment 0, position -1 there (export_stream): anything else would
+          // load and save back other bytes.
+          return bad("unwritten slot " + std::to_string(i) + " carries segment " +
+                     std::to_string(bi.slot_segment[static_cast<std::size_t>(i)]) + ", position " +
+                     std::to_string(bi.slot_position[static_cast<std::size_t>(i)]) + " (a save writes 0, -1)");
+        }
         const bool is_live = i < bi.fill && !hole;
         live += is_live ? 1 : 0;
         const std::uint32_t rec = bi.slot_record[static_cast<std::size_t>(i)];
