@@ -310,11 +310,8 @@ TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states ar
         const auto b0 = tt::snapshot_cache(a.paged());  // loads before changed the table's counters
         const Status s = a.load_sequence(2, bad);
         INFO("byte " << at << ": " << s);
-        if (s.is_ok()) {  // then it saves back to the same bytes, and goes as any sequence does
+        if (s.is_ok()) {  // then it goes as any sequence does
           ++loaded;
-          std::vector<std::uint8_t> back;
-          REQUIRE(a.save_sequence(2, back).is_ok());
-          REQUIRE(back == bad);
           REQUIRE(a.reset_sequence(2).is_ok());
           REQUIRE(a.memory(2) == empty);
         } else {
