@@ -310,8 +310,11 @@ TEST_CASE("Sequence state: truncated, damaged, inconsistent or foreign states ar
         const auto b0 = tt::snapshot_cache(a.paged());  // loads before changed the table's counters
         const Status s = a.load_sequence(2, bad);
         INFO("byte " << at << ": " << s);
-        if (s.is_ok()) {  // then it goes as any sequence does
+        if (s.is_ok()) {  // then it saves back to its own bytes, and goes as any sequence does
           ++loaded;
+          std::vector<std::uint8_t> back;
+          REQUIRE(a.save_sequence(2, back).is_ok());
+          REQUIRE(back == bad);
           REQUIRE(a.reset_sequence(2).is_ok());
           REQUIRE(a.memory(2) == empty);
         } else {
@@ -763,6 +766,23 @@ TEST_CASE("Sequence state: the block table refuses a stream image it could not h
              return;
            }
            FAIL("no block to edit");
+         }},
+        {"a mask bit past block_size",
+         [&](auto& m) {
+           REQUIRE(cfg.block_size % 64 != 0);
+           m.blocks[0].mask.back() |= std::uint64_t{1} << (cfg.block_size % 64);
+         }},
+        {"records 0 and 1 named the other way round (a save numbers them by first use)",
+         [](auto& m) {
+           for (auto& bi : m.blocks) {
+             for (auto& r : bi.slot_record) r = r == 0 ? 1 : r == 1 ? 0 : r;
+           }
+         }},
+        {"a segment range that misses a written slot's segment",
+         [](auto& m) {
+           auto& bi = m.blocks[0];
+           const auto hi = *std::max_element(bi.slot_segment.begin(), bi.slot_segment.begin() + bi.fill);
+           bi.seg_lo = bi.seg_hi = hi + 1;
          }},
         {"one record for more than a group",
          [&](auto& m) {

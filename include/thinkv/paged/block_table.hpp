@@ -924,14 +924,16 @@ class BlockTable {
   /// Checks that an image (from a saved state: any bytes) describes blocks this table could hold:
   /// sizes, thought types, fills, masks (no hole past fill, a live slot in every block), records
   /// (a live quantized slot names one, each is named, a group's g slots share one at most), the
-  /// fill order plan_commit relies on (only a thought type's last block is partly written), and
-  /// unwritten slots and mask bits as a save writes them (segment 0, position -1, no bit past
-  /// block_size), so a state that loads saves back to the same bytes.
+  /// fill order plan_commit relies on (only a thought type's last block is partly written), a
+  /// segment range that holds every written slot's segment, and what a save writes canonically
+  /// (unwritten slots at segment 0, position -1; no mask bit past block_size; records numbered in
+  /// the order live slots first name them), so a state that loads saves back to the same bytes.
   /// kCorruptData names what is wrong.
   [[nodiscard]] Status check_image(const StreamImage& image) const {
     const int bs = config_.block_size;
     const auto words = static_cast<std::size_t>(layout_.evict_mask_words());
     std::vector<int> uses(image.records, 0);
+    std::uint32_t next_record = 0;  // records are numbered in the order live slots first name them
     bool partial[kNumThoughtTypes] = {};
     for (std::size_t k = 0; k < image.blocks.size(); ++k) {
       const BlockImage& bi = image.blocks[k];
@@ -974,6 +976,15 @@ class BlockTable {
         if (rec >= image.records)
           return bad("slot " + std::to_string(i) + " names record " + std::to_string(rec) + " of " +
                      std::to_string(image.records));
+        if (uses[rec] == 0) {
+          // export_stream numbers records by first use: another numbering would load and save
+          // back renumbered.
+          if (rec != next_record) {
+            return bad("slot " + std::to_string(i) + " names record " + std::to_string(rec) +
+                       " first, where a save names " + std::to_string(next_record));
+          }
+          ++next_record;
+        }
         if (++uses[rec] > config_.group_size) {
           return bad("record " + std::to_string(rec) + " serves more than group_size slots");
         }
@@ -981,6 +992,14 @@ class BlockTable {
       if (live == 0) return bad("no live slot (a held block has one)");
       if (bi.seg_lo > bi.seg_hi)
         return bad("segment range " + std::to_string(bi.seg_lo) + ".." + std::to_string(bi.seg_hi));
+      // The range holds every segment written into the block (live_segment_slots skips a block
+      // whose range misses the segment it looks for).
+      const auto written = std::span<const std::uint32_t>(bi.slot_segment).first(bi.fill);
+      const auto [lo, hi] = std::minmax_element(written.begin(), written.end());
+      if (*lo < bi.seg_lo || *hi > bi.seg_hi) {
+        return bad("segment range " + std::to_string(bi.seg_lo) + ".." + std::to_string(bi.seg_hi) +
+                   " misses the written slots' segments " + std::to_string(*lo) + ".." + std::to_string(*hi));
+      }
     }
     for (std::uint32_t r = 0; r < image.records; ++r) {
       if (uses[r] == 0) return {StatusCode::kCorruptData, "record " + std::to_string(r) + " of the stream is unused"};
