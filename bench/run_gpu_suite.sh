@@ -11,7 +11,8 @@
 # .git/info/exclude); copy the checkout with .gpu-deps/ to the GPU machine. There, from the repo root:
 #   bash bench/run_gpu_suite.sh
 # Environment: THINKV_CUDA_ARCHITECTURES (default 90a), THINKV_GPU_BUILD_DIR (build-gpu-suite),
-# THINKV_TEST_SEED (pins the random tests' seed), THINKV_COMMIT (the commit to print when the copy
+# THINKV_TEST_SEED (pins the random tests' seed), THINKV_GPU_SANITIZE (a regex: only the GPU tests
+# it matches run under compute-sanitizer), THINKV_COMMIT (the commit to print when the copy
 # has no or stale git metadata, as a copied work tree may: pass $(git rev-parse --short HEAD)),
 # THINKV_GPU_TAR=1 (pack every log and JSON into one $LOGS/gpu-suite.tgz at the end, for
 # copying the results back in one file).
@@ -174,15 +175,21 @@ else
   note "SKIP cli_generate_smoke (no stories260K.bin in $MODELS: run --prepare where ../shared/models exists)"
 fi
 
-# Every GPU test executable under compute-sanitizer (smaller inputs: THINKV_TEST_SMALL).
+# Every GPU test executable under compute-sanitizer (smaller inputs: THINKV_TEST_SMALL), or those
+# whose name matches the extended regex $THINKV_GPU_SANITIZE (e.g. 'kmeans|batched'; 'none' for
+# none). racecheck is the slow one: test_cuda_batched takes about 7 minutes under it on an NVIDIA
+# H100, so it gets 15 minutes, memcheck 4.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for exe in "$BUILD"/tests/kernels/test_*; do
   [[ -x $exe && -f $exe ]] || continue
   name=$(basename "$exe")
+  [[ -z ${THINKV_GPU_SANITIZE:-} || $name =~ ${THINKV_GPU_SANITIZE} ]] || continue
   for tool in memcheck racecheck; do
     extra=()
+    limit=240
     [[ $tool == memcheck ]] && extra=(--leak-check full)
-    step "${name}_${tool}" env THINKV_TEST_SMALL=1 THINKV_UNDER_SANITIZER=1 timeout 240 "$SAN" --tool "$tool" \
+    [[ $tool == racecheck ]] && limit=900
+    step "${name}_${tool}" env THINKV_TEST_SMALL=1 THINKV_UNDER_SANITIZER=1 timeout $limit "$SAN" --tool "$tool" \
       --error-exitcode 3 "${extra[@]}" "$exe"
   done
 done
