@@ -177,4 +177,8 @@ write("regressions", "sequence_state", "unwritten_slot_bytes.bin",
 # there; it loaded, and saved back -1).
 write("regressions", "sequence_state", "unwritten_slot_metadata.bin",
       bytes([0x3C, 0x04, 0x01, 0x00, 0x00, 0xD8, 0xFF, 0xFF, 0xFF, 0x04, 0x00, 0x01, 0x2C, 0x00, 0x01, 0x70]))
+# A resealed state in which one slot names another record of its stream (an XOR of 2 at byte
+# 337 of 200 decoded tokens' state): the names no longer in the order a save numbers records
+# (first use), it loaded and saved back renumbered (now kCorruptData).
+write("regressions", "sequence_state", "record_numbering.bin", bytes([100, 1, 1, 0, 0, 0x51, 0x01, 0x00, 0x00, 0x02]))
 print("seeds written under", HERE)
