@@ -6,7 +6,8 @@
 /// round-to-nearest intrinsic (__fsub_rn, __fmul_rn, __fadd_rn, __fdiv_rn: nvcc never contracts
 /// them into FMAs) and every sum runs in the CPU's order:
 ///  - squared distances: one thread per (point, centre) pair, eight partial sums over channels
-///    j mod 8 (each in channel order) and the CPU's tree, so a distance is 8 short chains;
+///    j mod 8 (each in channel order) and the CPU's tree, so a distance is 8 short chains
+///    (k-means++: two threads per point, four chains and one half of the tree each);
 ///  - k-means++ prefix sums of D(x)^2: warp 0, lane l sums points 4l .. 4l+3 in order, a
 ///    Hillis-Steele scan of the lane sums (shfl_up), then each point's prefix = the lanes
 ///    before it + its in-lane sum, as kmeanspp_prefix_sums defines it (one 128-point tile); the
@@ -20,12 +21,15 @@
 /// the lowest-index minimum over the non-NaN values. Lloyd's assignment splits the centres of a
 /// point over G thread groups (partial non-NaN argmins combined in group order, the NaN rule
 /// applied with centre 0's distance); the selection step orders (value bits, index) keys, which
-/// is exact because distances are +0 .. +inf or NaN (never negative, never -0).
+/// is exact because distances are +0 .. +inf or NaN (never negative, never -0). It finds each
+/// centre's nearest point of all in parallel first and scans the untaken points only for a
+/// centre whose nearest is already taken or whose distances hold a NaN.
 ///
 /// Shared memory (dynamic, see Layout): the segment's points transposed (pT[j][i], point index
 /// XOR-swizzled by (j & 31) so both per-point columns and per-channel rows are conflict-free),
-/// the centres [layout_k, d], a scratch area (k-means++ D(x)^2; Lloyd's partial
-/// argmins; a 16-centre tile of selection distances) and small index arrays.
+/// the centres [layout_k, d], a scratch area (k-means++: the two halves of each point's newest
+/// distance and D(x)^2; Lloyd's partial argmins; a 16-centre tile of
+/// selection distances) and small index arrays.
 ///
 /// Size classes. The layout is the launch's (layout_points, layout_k; by default max_points,
 /// max_k), so a caller splitting mixed segments into launches by size (kmeans_size_class, with
@@ -66,8 +70,8 @@ constexpr int min_blocks(int D, int P) {
 }
 /// Centres per register tile of the distance loop (8 partial sums each): 8 at P = 128, 2 at
 /// P = 64, 1 at P = 32, within the registers of min_blocks' occupancy (ptxas, sm_90a, CUDA 13.0:
-/// 128 registers, no spill at P = 128; 64 at P = 64, up to 4 bytes of spill stores at d = 64,
-/// 128; 32 at P = 32, up to 76 bytes at d = 8).
+/// 128 registers, no spill at P = 128; 64 at P = 64, no spill except 16 bytes of spill stores at
+/// d = 32; 32 at P = 32, none at d = 256, 60 bytes of spill stores at d = 32 .. 128, 112 at d = 8).
 constexpr int tile_for(int P) { return P > 64 ? 8 : P > 32 ? 2 : 1; }
 
 /// Byte offsets of the shared-memory regions of one CTA (host and device agree).
@@ -220,7 +224,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
   int* const counts = reinterpret_cast<int*>(smem + L.counts);
   int* const offsets = reinterpret_cast<int*>(smem + L.offsets);
   int* const wcount = reinterpret_cast<int*>(smem + L.wcount);
-  float* const dist = scratch;  // k-means++: D(x)^2 [S]
+  // k-means++: the two halves of the tree of each point's distance to the newest centre
+  // ([2][kKmeansMaxPoints]; combine8's r0 and r1), which warp 0 folds into D(x)^2 (after them).
+  float* const half_sum = scratch;
+  float* const dist = scratch + 2 * kKmeansMaxPoints;  // scratch holds >= 2 kThreads floats
 
   std::uint64_t state = p.seeds != nullptr ? p.seeds[seg] : p.seed;  // warp 0's lanes draw alike
 
@@ -245,16 +252,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
       pT[j * S + (i ^ (j & 31))] = src[e];
     }
   }
-  for (int i = tid; i < kKmeansMaxPoints; i += kThreads) {  // scratch holds >= 2 kThreads floats
-    dist[i] = i < n ? __int_as_float(0x7F800000) : 0.0f;    // +inf; past n 0 (adds nothing below)
-  }
   for (int i = tid; i < S; i += kThreads) assign[i] = -1;
   for (int t = tid; t < P / 32 * k; t += kThreads) wcount[t] = 0;
+  for (int i = tid; i < kKmeansMaxPoints; i += kThreads) {
+    dist[i] = i < n ? __int_as_float(0x7F800000) : 0.0f;  // +inf; past n 0 (adds nothing below)
+  }
   __syncthreads();
 
   // ---- 1. k-means++ initialisation ---------------------------------------------------------
-  // Round c: warp 0 picks centre c and copies that point into cen[c]; then D(x)^2 = min(D(x)^2,
-  // |x - cen[c]|^2) for every point (one thread each).
+  // Round c: warp 0 folds centre c - 1's distances into D(x)^2, picks centre c and copies that
+  // point into cen[c]; then every point's distance to cen[c] is computed by two threads, one half
+  // of its eight chains each, on all 8 warps (one thread per point left 4 warps idle; the part
+  // took ~1,800 cycles per round at n = 128 on an NVIDIA H100, ~1,500 this way).
   unsigned mine_chosen = 0;  // warp 0: bit t = point 4 lane + t is a centre
   for (int c = 0; c < k; ++c) {
     if (warp == 0) {
@@ -262,15 +271,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
       if (c == 0) {
         pick = static_cast<int>(splitmix64(state) % static_cast<std::uint64_t>(n));
       } else {
+        // D(x)^2 = min(D(x)^2, |x - cen[c - 1]|^2) (std::min(old, s)), s = r0 + r1 as combine8.
+        const float4 ra = *reinterpret_cast<const float4*>(half_sum + 4 * lane);
+        const float4 rb = *reinterpret_cast<const float4*>(half_sum + kKmeansMaxPoints + 4 * lane);
+        const float4 old = *reinterpret_cast<const float4*>(dist + 4 * lane);
+        const float sv[4] = {__fadd_rn(ra.x, rb.x), __fadd_rn(ra.y, rb.y), __fadd_rn(ra.z, rb.z),
+                             __fadd_rn(ra.w, rb.w)};
+        float dsq[4] = {old.x, old.y, old.z, old.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          if (4 * lane + t < n) dsq[t] = sv[t] < dsq[t] ? sv[t] : dsq[t];
+        }
+        *reinterpret_cast<float4*>(dist + 4 * lane) = make_float4(dsq[0], dsq[1], dsq[2], dsq[3]);
         // The prefix sums R_i of D(x)^2 as thinkv::kmeanspp_prefix_sums defines them (one tile:
         // P <= 128): lane l holds points 4l .. 4l+3 (0 past n, which changes no sum: every term
         // is >= +0), sums them in order, and the lanes' sums are scanned Hillis-Steele style.
-        const float4 dv = *reinterpret_cast<const float4*>(dist + 4 * lane);
         float pre[4];
-        pre[0] = dv.x;
-        pre[1] = __fadd_rn(pre[0], dv.y);
-        pre[2] = __fadd_rn(pre[1], dv.z);
-        pre[3] = __fadd_rn(pre[2], dv.w);
+        pre[0] = dsq[0];
+        pre[1] = __fadd_rn(pre[0], dsq[1]);
+        pre[2] = __fadd_rn(pre[1], dsq[2]);
+        pre[3] = __fadd_rn(pre[2], dsq[3]);
         float x = pre[3];
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
@@ -309,28 +329,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
       for (int j = lane; j < D; j += 32) cen[c * D + j] = pT[j * S + (pick ^ (j & 31))];
     }
     __syncthreads();
-    if (c + 1 < k && tid < n) {  // unused after the last centre
-      const int i = tid;
-      const float* __restrict__ crow = cen + c * D;
-      float q[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // channels j mod 8
-#pragma unroll 4
+    // Thread (h, i): point i's chains u = h, h + 2, h + 4, h + 6 (channels j + u, j mod 8 == 0, in
+    // channel order), then its half of combine8's tree: h = 0 r0 = (P0 + P4) + (P2 + P6), h = 1
+    // r1 = (P1 + P5) + (P3 + P7). Warps 0-3 h = 0, warps 4-7 h = 1 (kThreads = 2 points' worth).
+    const int h = tid / kKmeansMaxPoints;
+    const int i = tid - h * kKmeansMaxPoints;
+    if (c + 1 < k && h < 2 && i < n) {  // unused after the last centre
+      const float* __restrict__ crow = cen + c * D + h;
+      float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // chains h, h + 2, h + 4, h + 6
+#pragma unroll(P > 32 ? 4 : 2)
       for (int j = 0; j < D; j += 8) {
-        const float* col = pT + j * S;
-        const int sw = j & 31;  // j % 8 == 0, so (j + u) & 31 == sw + u for u < 8
-        const float4 c0 = *reinterpret_cast<const float4*>(crow + j);
-        const float4 c1 = *reinterpret_cast<const float4*>(crow + j + 4);
-        q[0] = add_sq(q[0], col[i ^ sw], c0.x);
-        q[1] = add_sq(q[1], col[S + (i ^ (sw + 1))], c0.y);
-        q[2] = add_sq(q[2], col[2 * S + (i ^ (sw + 2))], c0.z);
-        q[3] = add_sq(q[3], col[3 * S + (i ^ (sw + 3))], c0.w);
-        q[4] = add_sq(q[4], col[4 * S + (i ^ (sw + 4))], c1.x);
-        q[5] = add_sq(q[5], col[5 * S + (i ^ (sw + 5))], c1.y);
-        q[6] = add_sq(q[6], col[6 * S + (i ^ (sw + 6))], c1.z);
-        q[7] = add_sq(q[7], col[7 * S + (i ^ (sw + 7))], c1.w);
+        const float* col = pT + (j + h) * S;
+        const int sw = (j & 31) + h;  // (j + u) & 31 == (j & 31) + u for u < 8
+        q[0] = add_sq(q[0], col[i ^ sw], crow[j]);
+        q[1] = add_sq(q[1], col[2 * S + (i ^ (sw + 2))], crow[j + 2]);
+        q[2] = add_sq(q[2], col[4 * S + (i ^ (sw + 4))], crow[j + 4]);
+        q[3] = add_sq(q[3], col[6 * S + (i ^ (sw + 6))], crow[j + 6]);
       }
-      const float s = combine8(q);
-      const float old = dist[i];
-      dist[i] = s < old ? s : old;  // std::min(old, s)
+      half_sum[h * kKmeansMaxPoints + i] = __fadd_rn(__fadd_rn(q[0], q[2]), __fadd_rn(q[1], q[3]));
     }
     __syncthreads();
   }
@@ -453,8 +469,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
   }
 
   // ---- 3. selection: for c = 0..k-1, the untaken point nearest to centre c ------------------
-  float* const tile = scratch;  // [kSelTile][S] distances of the round's centres
-  unsigned taken = 0;           // warp 0: bit q = point lane + 32 q is kept
+  float* const tile = scratch;   // [kSelTile][S] distances of the round's centres
+  int* const nearest = members;  // [kSelTile] each centre's nearest point of all, -1 if one is NaN
+  unsigned taken = 0;            // warp 0: bit q = point lane + 32 q is kept
   for (int c0 = 0; c0 < k; c0 += kSelTile) {
     const int tn = k - c0 < kSelTile ? k - c0 : kSelTile;
     if (active) {
@@ -464,8 +481,41 @@ __global__ void __launch_bounds__(kThreads, min_blocks(D, P)) kmeans_select_kern
       centre_distances<D, tile_for(P)>(pT, S, i, cen, sb, se, [&](int c, float v) { tile[(c - c0) * S + i] = v; });
     }
     __syncthreads();
+    // Each centre's nearest point among all n, warps in parallel: the (value bits, index) minimum
+    // when no distance of the centre is NaN. When that point is still untaken it is also the
+    // nearest untaken one (a minimum over a subset that holds the overall minimum), so warp 0's
+    // serial round below takes it without a scan; otherwise (taken, or a NaN, where the CPU's
+    // first-candidate rule depends on what is taken) it scans the untaken points.
+    for (int t = warp; t < tn; t += kThreads / 32) {
+      unsigned long long best = ~0ull;
+      bool nan = false;
+#pragma unroll
+      for (int q = 0; q < P / 32; ++q) {
+        const int pi = lane + 32 * q;
+        if (pi < n) {
+          const float v = tile[t * S + pi];
+          nan = nan || is_nan(v);
+          const unsigned long long key =
+              (static_cast<unsigned long long>(__float_as_uint(v)) << 32) | static_cast<unsigned>(pi);
+          best = key < best ? key : best;
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long o = __shfl_xor_sync(kFull, best, off);
+        best = o < best ? o : best;
+      }
+      nan = __any_sync(kFull, nan) != 0;
+      if (lane == 0) nearest[t] = nan ? -1 : static_cast<int>(best & 0xFFFFFFFFull);
+    }
+    __syncthreads();
     if (warp == 0) {
       for (int t = 0; t < tn; ++t) {
+        const int near = nearest[t];
+        if (near >= 0 && ((__shfl_sync(kFull, taken, near & 31) >> (near >> 5)) & 1u) == 0) {
+          if ((near & 31) == lane) taken |= 1u << (near >> 5);
+          continue;
+        }
         int first = INT_MAX;  // the CPU's first candidate: lowest untaken index
 #pragma unroll
         for (int q = 0; q < P / 32; ++q) {
