@@ -23,6 +23,11 @@
 ///   h2d_B, d2h_B  bytes the cache copied host to device / device to host per step
 ///   evictions     sequences whose segments stepped down, per step
 ///   end_ms, end_ms_max  host time of end_step (classification and TBE), mean and largest
+///   reallocs      storage reallocations per step (BackendStats::storage_reallocations: a pool
+///                 or the records grew or shrank; each waits for the stream inside begin_step)
+///   meta_full     whole uploads of the pools' metadata per step (BackendStats::
+///                 metadata_full_uploads: a change log that no longer reached back, or storage
+///                 that moved; each waits for the stream)
 ///   captures      CUDA graphs captured in the run (graph modes: the first, and again whenever the
 ///                 cache's graph_epoch changed)
 /// "staggered": sequences started 2 positions apart (segment boundaries spread over the steps);
@@ -334,6 +339,8 @@ void BM_BatchedDecodeStep(benchmark::State& state) {
   state.counters["end_ms_max"] = end_max;
   state.counters["h2d_B"] = static_cast<double>(h2d) / dn;
   state.counters["d2h_B"] = static_cast<double>(d2h) / dn;
+  state.counters["meta_full"] = static_cast<double>(b1.metadata_full_uploads - b0.metadata_full_uploads) / dn;
+  state.counters["reallocs"] = static_cast<double>(b1.storage_reallocations - b0.storage_reallocations) / dn;
   state.counters["evictions"] = static_cast<double>(evictions) / dn;
   const ThinKvStats st1 = s->cache->stats();
   state.counters["transitions"] = static_cast<double>(st1.transition_events - st0.transition_events) / dn;

@@ -1305,6 +1305,7 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
     THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
     ++m.epoch;
+    ++m.stats.storage_reallocations;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();
@@ -1322,6 +1323,7 @@ Status CudaKvBackend::reserve_storage() {
     THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
     ++m.epoch;
+    ++m.stats.storage_reallocations;
   }
   const auto limit = static_cast<std::uint32_t>(effective_record_capacity(m.config));
   if (limit != m.num_records) {
@@ -1330,6 +1332,7 @@ Status CudaKvBackend::reserve_storage() {
         Impl::realloc_keep(&m.records, std::min(limit, m.num_records) * d, limit * d, "key-scale records"));
     m.num_records = limit;
     ++m.epoch;
+    ++m.stats.storage_reallocations;
   }
   m.reserved = true;
   m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
@@ -1352,6 +1355,7 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
         Impl::realloc_keep(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
     m.num_records = cap;
     ++m.epoch;
+    ++m.stats.storage_reallocations;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();

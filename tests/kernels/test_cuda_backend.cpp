@@ -506,6 +506,35 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
   }
 }
 
+TEST_CASE("CudaKvBackend counts the reallocations of its storage; none once it is reserved", "[cuda_backend]") {
+  CacheConfig cfg;
+  cfg.num_streams = 2;
+  cfg.head_dim = 64;
+  cfg.group_size = 16;
+  cfg.block_size = 16;
+  cfg.precision = precision_map("R4E4T2");
+  cfg.pool_blocks[static_cast<int>(Precision::kNvfp4)] = 256;
+  CudaKvBackend b;
+  REQUIRE(b.init(cfg).is_ok());
+  CHECK(b.stats().storage_reallocations == 0);
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 8).is_ok());  // grows
+  CHECK(b.stats().storage_reallocations == 1);
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 8).is_ok());  // same size: nothing moves
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 5).is_ok());  // within the capacity (shrinks at half)
+  CHECK(b.stats().storage_reallocations == 1);
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 40).is_ok());  // grows
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 4).is_ok());   // shrinks
+  REQUIRE(b.resize_records(3).is_ok());                   // the records grow
+  CHECK(b.stats().storage_reallocations == 4);
+  REQUIRE(b.reserve_storage().is_ok());  // every range whole: the pools and records that differ move once
+  const std::int64_t reserved = b.stats().storage_reallocations;
+  CHECK(reserved > 4);
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 200).is_ok());
+  REQUIRE(b.resize_pool(Precision::kNvfp4, 1).is_ok());
+  REQUIRE(b.resize_records(1).is_ok());
+  CHECK(b.stats().storage_reallocations == reserved);
+}
+
 namespace {
 
 /// A CPU and a GPU cache decoding the same random tokens: after every layer the GPU's attention

@@ -54,6 +54,12 @@ struct BackendStats {
   /// to host (sparsity, faults, kept indices). The tensors are the caller's, already on the device.
   std::int64_t host_to_device_bytes = 0;
   std::int64_t device_to_host_bytes = 0;
+  /// Times a backend moved its storage to a buffer of another size (a pool's pages or the
+  /// key-scale records grew or shrank: resize_pool / resize_records). The CUDA backend waits for
+  /// its stream for each, inside the call that needed the room (a step's begin_step), so a
+  /// runtime whose steps must never wait reserves its storage (CudaKvBackend::reserve_storage)
+  /// and sees 0 after that. The CPU backend adds and frees chunks that never move: 0.
+  std::int64_t storage_reallocations = 0;
 };
 
 /// A KV backend. `stage`/`read_*` pointers are in the backend's memory space; the CPU backend's
