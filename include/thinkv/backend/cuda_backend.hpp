@@ -21,7 +21,10 @@
 ///    the per-layer calls then only launch (a captured CUDA graph can replay them: graph_epoch).
 ///    Staged counts are kept on the device. The host waits only in wait_sparsity (the last
 ///    sparsity layer's copy, on refresh steps), select_segments (TBE's victims), poll_faults
-///    (wait = true), stats(), and when storage grows or shrinks. K/V values are checked on the
+///    (wait = true), stats(), when storage grows or shrinks (BackendStats::
+///    storage_reallocations; none once reserve_storage), when the metadata is copied whole
+///    (metadata_full_uploads), and when a device area of its own (the metadata mirror, the
+///    block-list rows, the step's tables, an upload slot) must grow. K/V values are checked on the
 ///    device: a row holding NaN, Inf or a value beyond 2^64 is staged as zeros and raises a fault
 ///    for its sequence, copied back asynchronously and reported by poll_faults.
 ///  - the one-token calls of kv_backend (stage, commit, attend, read_token), with HOST pointers,
