@@ -184,13 +184,10 @@ void print(const char* what, const Agreement& a, double tol) {
       what, a.steps, a.worst_rel, tol, a.over_tol, a.greedy_same, a.greedy_checked, a.greedy_required_mismatch);
 }
 
-/// THINKV_TEST_SMALL (set by bench/run_gpu_suite.sh under compute-sanitizer): fewer steps.
-bool small_run() { return std::getenv("THINKV_TEST_SMALL") != nullptr; }
-
 void full_kv_case(const char* name, int prompt_len, int steps, int lo, int hi) {
   Model m;
   if (!load_or_skip(name, m)) return;
-  if (small_run()) steps = std::max(steps / 4, 20);
+  if (tt::small_run()) steps = std::max(steps / 4, 20);
   std::mt19937 rng(tt::base_seed() ^ 0x6770u);
   const int sequences = 5;
   const ThinKvSpec spec = spec_for(m, CacheMode::kFull, steps + 1, 0, sequences);
@@ -231,7 +228,7 @@ TEST_CASE("GPU decoder: the testbed model under ThinKV (R4E4T2, TBE at budget 12
   Model m;
   if (!load_or_skip("testbed.bin", m)) return;
   std::mt19937 rng(tt::base_seed() ^ 0x7468u);
-  const int sequences = 4, steps = small_run() ? 250 : 500, budget = 128;
+  const int sequences = 4, steps = tt::small_run() ? 250 : 500, budget = 128;
   const ThinKvSpec spec = spec_for(m, CacheMode::kThinKv, steps + 1, budget, sequences);
   std::unique_ptr<GpuTransformer> g;
   const Status s = GpuTransformer::create(m, spec, GpuDecoderOptions{GpuWeightType::kF32}, g);

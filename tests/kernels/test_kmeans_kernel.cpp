@@ -34,8 +34,6 @@ namespace {
 
 namespace tk = thinkv::kernels;
 
-bool small_run() { return std::getenv("THINKV_TEST_SMALL") != nullptr; }
-
 template <typename T>
 struct DeviceArray {
   T* ptr = nullptr;
@@ -309,7 +307,7 @@ const std::vector<int> kAllK = {1, 4, 8, 16, 32, 64};
 
 TEST_CASE("kmeans kernel equals kmeans_select: Gaussian points, (n, K) edges, every head_dim", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   for (int d : {8, 32, 64, 128, 256}) {
     Batch b;
     b.d = d;
@@ -337,7 +335,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: points not 16-byte aligned (read 
 
 TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, grid ties", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   for (Data data : {Data::kDuplicates, Data::kIdentical, Data::kGrid}) {
     for (int d : {8, 32, 64, 128}) {
       if (small && d == 128) continue;
@@ -352,7 +350,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: duplicates, identical points, gri
 
 TEST_CASE("kmeans kernel equals kmeans_select: key-like points with large channels", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   for (int d : {64, 128, 256}) {
     Batch b;
     b.d = d;
@@ -372,7 +370,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: key-like points with large channe
 
 TEST_CASE("kmeans kernel equals kmeans_select: overflowing and non-finite inputs", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   for (int d : {8, 64}) {
     Batch b;
     b.d = d;
@@ -384,7 +382,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: overflowing and non-finite inputs
 
 TEST_CASE("kmeans kernel equals kmeans_select: row capacity, max_k, iterations, shared seed", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   struct Shape {
     int d, max_points, max_k, iterations;
     bool shared_seed;
@@ -413,7 +411,7 @@ TEST_CASE("kmeans kernel equals kmeans_select: row capacity, max_k, iterations, 
 
 TEST_CASE("kmeans kernel: many segments in one launch", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   Batch b;
   b.d = 128;
   const int segments = small ? 24 : 192;
@@ -429,7 +427,7 @@ TEST_CASE("kmeans kernel: many segments in one launch", "[gpu][kmeans]") {
 
 TEST_CASE("kmeans kernel: size-class launches (segment_ids, small layouts) equal kmeans_select", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   const Data kinds[] = {Data::kGauss, Data::kHeavy, Data::kGrid, Data::kDuplicates, Data::kExtreme};
   for (int d : {128, 8, 64, 256}) {
     if (small && d >= 128) continue;
@@ -460,7 +458,7 @@ TEST_CASE("kmeans kernel: size-class launches (segment_ids, small layouts) equal
 
 TEST_CASE("kmeans kernel: segment_ids as a permutation, in one launch or two", "[gpu][kmeans]") {
   TT_SEEDED_RNG();
-  const bool small = small_run();
+  const bool small = tt::small_run();
   Batch b;
   b.d = small ? 32 : 128;
   b.max_points = 100;  // rows of 100 points, output rows of 40

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "../unit/test_util.hpp"
 #include "cuda_check.hpp"
 #include "quantize_append_jobs.hpp"
 #include "thinkv/kernels/quantize_append.hpp"
@@ -53,8 +54,6 @@ std::mt19937_64 case_rng(const char* name) {
   for (const char* c = name; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
   return std::mt19937_64(seed ^ h);
 }
-
-bool small_run() { return std::getenv("THINKV_TEST_SMALL") != nullptr; }
 
 const PrecisionMap kR16E8T2{Precision::kBf16, Precision::kFp8E4M3, Precision::kTernary};
 
@@ -247,7 +246,7 @@ std::vector<PrecisionMap> all_maps() { return {kR4E4T2, kR8E4T2, kR16E8T2, kR8E8
 TEST_CASE("quantize-append: Llama-3-8B shape (D 128 g 16 B 16) with many streams in one launch",
           "[gpu][quantize_append]") {
   auto rng = case_rng("llama");
-  const int div = small_run() ? 4 : 1;
+  const int div = tt::small_run() ? 4 : 1;
   for (const PrecisionMap& map : all_maps()) {
     run_flush({"Llama-3-8B D=128 g=16 B=16", 256 / div, 128, 16, 16, map, 300 / div, 0.75}, rng);
   }
@@ -257,7 +256,7 @@ TEST_CASE("quantize-append: Llama-3-8B shape (D 128 g 16 B 16) with many streams
 
 TEST_CASE("quantize-append: small and odd and extreme shapes", "[gpu][quantize_append]") {
   auto rng = case_rng("shapes");
-  const int div = small_run() ? 4 : 1;
+  const int div = tt::small_run() ? 4 : 1;
   for (const PrecisionMap& map : all_maps()) {
     run_flush({"stories260K D=8 g=8 B=16", 48 / div, 8, 8, 16, map, 300 / div, 0.75}, rng);
     run_flush({"D=64 g=32 B=32", 24 / div, 64, 32, 32, map, 300 / div, 0.8}, rng);
@@ -270,7 +269,7 @@ TEST_CASE("quantize-append: small and odd and extreme shapes", "[gpu][quantize_a
 
 TEST_CASE("quantize-append: refused jobs write nothing and the others still flush exactly", "[gpu][quantize_append]") {
   auto rng = case_rng("refused");
-  const int streams = small_run() ? 16 : 48;
+  const int streams = tt::small_run() ? 16 : 48;
   // Built twice from the same generator state: once to learn the scenario's layout (which streams
   // are not flushed, a valid job to copy), then the real run with the refused jobs appended.
   const test::ScenarioSpec spec{"refused jobs, R8E4T2 D=64 g=16 B=16", streams, 64, 16, 16, kR8E4T2, 120, 0.5};

@@ -56,6 +56,10 @@ inline std::uint64_t base_seed() {
   return seed;
 }
 
+/// THINKV_TEST_SMALL (bench/run_gpu_suite.sh sets it under compute-sanitizer): a test shrinks its
+/// runs so the sanitizers finish.
+inline bool small_run() { return std::getenv("THINKV_TEST_SMALL") != nullptr; }
+
 /// A generator for one test case: the base seed mixed with the test's name (so test cases draw
 /// independent streams, and each stays reproducible when run alone).
 inline std::mt19937_64 make_rng(std::string_view name) {
