@@ -1141,6 +1141,15 @@ struct CudaKvBackend::Impl {
     return Status::ok();
   }
 
+  /// realloc_keep for the storage (a pool's pages, the key-scale records): moving it changes the
+  /// device numbering (epoch) and counts in BackendStats::storage_reallocations.
+  Status move_storage(std::uint8_t** buf, std::size_t keep, std::size_t new_bytes, const char* what) {
+    THINKV_RETURN_IF_ERROR(realloc_keep(buf, keep, new_bytes, what));
+    ++epoch;
+    ++stats.storage_reallocations;
+    return Status::ok();
+  }
+
   /// New capacity for `want` items when `cap` are held: at least want, doubling on growth (up to
   /// `limit`), down to want when want is half of cap or less.
   static std::uint32_t next_capacity(std::uint32_t cap, std::uint32_t want, std::uint32_t limit) {
@@ -1302,10 +1311,8 @@ Status CudaKvBackend::resize_pool(Precision p, std::uint32_t blocks) {
   if (cap != m.cap[i]) {
     THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));  // batched work still reading or writing pages
     const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
-    THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
+    THINKV_RETURN_IF_ERROR(m.move_storage(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
-    ++m.epoch;
-    ++m.stats.storage_reallocations;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();
@@ -1320,19 +1327,15 @@ Status CudaKvBackend::reserve_storage() {
     const std::uint32_t cap = m.pools.count[i];
     if (cap == m.cap[i]) continue;
     const auto page = static_cast<std::size_t>(m.layout.page_bytes(p));
-    THINKV_RETURN_IF_ERROR(Impl::realloc_keep(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
+    THINKV_RETURN_IF_ERROR(m.move_storage(&m.pages[i], std::min(cap, m.cap[i]) * page, cap * page, "pages"));
     m.cap[i] = cap;
-    ++m.epoch;
-    ++m.stats.storage_reallocations;
   }
   const auto limit = static_cast<std::uint32_t>(effective_record_capacity(m.config));
   if (limit != m.num_records) {
     const auto d = static_cast<std::size_t>(m.config.head_dim);
     THINKV_RETURN_IF_ERROR(
-        Impl::realloc_keep(&m.records, std::min(limit, m.num_records) * d, limit * d, "key-scale records"));
+        m.move_storage(&m.records, std::min(limit, m.num_records) * d, limit * d, "key-scale records"));
     m.num_records = limit;
-    ++m.epoch;
-    ++m.stats.storage_reallocations;
   }
   m.reserved = true;
   m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
@@ -1351,11 +1354,8 @@ Status CudaKvBackend::resize_records(std::uint32_t records) {
   if (cap != m.num_records) {
     THINKV_CUDA_TRY(cudaStreamSynchronize(m.stream));
     const auto d = static_cast<std::size_t>(m.config.head_dim);
-    THINKV_RETURN_IF_ERROR(
-        Impl::realloc_keep(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
+    THINKV_RETURN_IF_ERROR(m.move_storage(&m.records, std::min(cap, m.num_records) * d, cap * d, "key-scale records"));
     m.num_records = cap;
-    ++m.epoch;
-    ++m.stats.storage_reallocations;
     m.stats.bytes_allocated = m.fixed_bytes + m.storage_bytes();
   }
   return Status::ok();
