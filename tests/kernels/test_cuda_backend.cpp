@@ -507,13 +507,7 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
 }
 
 TEST_CASE("CudaKvBackend counts the reallocations of its storage; none once it is reserved", "[cuda_backend]") {
-  CacheConfig cfg;
-  cfg.num_streams = 2;
-  cfg.head_dim = 64;
-  cfg.group_size = 16;
-  cfg.block_size = 16;
-  cfg.precision = precision_map("R4E4T2");
-  cfg.pool_blocks[static_cast<int>(Precision::kNvfp4)] = 256;
+  const CacheConfig cfg = make_config(Shape{"D=64", 64, 16, 16, precision_map("R4E4T2")}, 2, 512);  // 208 blocks
   CudaKvBackend b;
   REQUIRE(b.init(cfg).is_ok());
   CHECK(b.stats().storage_reallocations == 0);
