@@ -198,7 +198,7 @@ void compare_attention(const PagedKvCache<CpuKvBackend>& cpu, const PagedKvCache
 
 TEST_CASE("CudaKvBackend stores, reads back and attends exactly as CpuKvBackend", "[cuda_backend]") {
   TT_SEEDED_RNG();
-  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const bool small = tt::small_run();
   const Shape shapes[] = {
       {"Llama D=128 g=16 B=16 R4E4T2", 128, 16, 16, thinkv::kR4E4T2},
       {"D=128 g=16 B=128 R8E4T2", 128, 16, 128, precision_map("R8E4T2")},
@@ -276,7 +276,7 @@ TEST_CASE("ThinKvCache over CudaKvBackend takes the CPU backend's decisions", "[
   thinkv::ThinKvCache<CpuKvBackend> cpu(c, p);
   thinkv::ThinKvCache<CudaKvBackend> gpu(c, p);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  const int steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 700;
+  const int steps = tt::small_run() ? 200 : 700;
   std::vector<float> k(static_cast<std::size_t>(c.num_kv_heads * c.head_dim)), v(k.size());
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads * c.head_dim)), o1(q.size()), o2(q.size());
   float sharp = 1.0f;

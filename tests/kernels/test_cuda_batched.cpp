@@ -90,7 +90,7 @@ bt::TensorMemory device_memory(cudaStream_t stream = nullptr) {
 
 TEST_CASE("Batched decode on the GPU takes the CPU reference's decisions, every element type", "[cuda_batched]") {
   TT_SEEDED_RNG();
-  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const bool small = tt::small_run();
   const ElementType types[] = {ElementType::kF32, ElementType::kF16, ElementType::kBf16};
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);  // no implicit order
@@ -137,7 +137,7 @@ TEST_CASE("Batched decode on the GPU with K-means launched per size class takes 
   // set_kmeans_split_jobs(1): every selection goes through the class launches (segment ids,
   // small shared-memory layouts), which a decode step this small never reaches by default.
   TT_SEEDED_RNG();
-  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const bool small = tt::small_run();
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   ThinKvCache<CudaKvBackend> gpu(config(), policy());
@@ -163,7 +163,7 @@ TEST_CASE("Batched decode on the GPU: a NaN or Inf in one sequence's K/V faults 
   ThinKvCache<CudaKvBackend> gpu(config(), policy());
   BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
   bt::RunOptions o;
-  o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 150 : 400;
+  o.steps = tt::small_run() ? 150 : 400;
   o.poison = 0.05;
   o.wait_faults = true;
   o.kv_type = ElementType::kF16;
@@ -189,7 +189,7 @@ TEST_CASE("Batched decode on the GPU with seq_rm between steps takes the CPU ref
     REQUIRE(gpu.backend().set_stream(stream).is_ok());
     BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
     bt::RunOptions o;
-    o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 600;
+    o.steps = tt::small_run() ? 200 : 600;
     o.finish = 0.004;
     o.remove = 0.05;
     o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
@@ -210,7 +210,7 @@ TEST_CASE("Batched decode on the GPU with seq_rm between steps takes the CPU ref
 TEST_CASE("Prefill on the GPU stores what the CPU reference stores token by token, attends causally",
           "[cuda_batched][prefill]") {
   TT_SEEDED_RNG();
-  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const bool small = tt::small_run();
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   const ElementType types[] = {ElementType::kF32, ElementType::kF16, ElementType::kBf16};
@@ -248,7 +248,7 @@ TEST_CASE(
   // against float64 over the tokens read back from the cache; every later decode step against
   // the CPU reference, as above.
   TT_SEEDED_RNG();
-  const bool small = std::getenv("THINKV_TEST_SMALL") != nullptr;
+  const bool small = tt::small_run();
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   const ElementType types[] = {ElementType::kF32, ElementType::kBf16};
@@ -286,7 +286,7 @@ TEST_CASE("Capturable steps launched directly take the CPU reference's decisions
   BasicThinKvCache<bt::HostKmeansPolicy> cpu(config(), host_policy());
   REQUIRE(gpu.set_capturable_steps(true).is_ok());
   bt::RunOptions o;
-  o.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 150 : 500;
+  o.steps = tt::small_run() ? 150 : 500;
   o.finish = 0.004;
   o.tolerance = [](double max_ref, std::int64_t n) { return tolerance(ElementType::kF32, max_ref, n); };
   const bt::TensorMemory mem = device_memory();
@@ -302,7 +302,7 @@ TEST_CASE("A step captured in a CUDA graph and replayed gives the direct launche
   TT_SEEDED_RNG();
   const ThinKvConfig c = config();
   const int n = c.num_sequences, L = c.num_layers, hkv = c.num_kv_heads, hq = c.num_q_heads, d = c.head_dim;
-  const int steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 450;
+  const int steps = tt::small_run() ? 200 : 450;
   ThinKvCache<CudaKvBackend> direct(c, policy()), graphed(c, policy());
   REQUIRE(direct.set_capturable_steps(true).is_ok());
   REQUIRE(graphed.set_capturable_steps(true).is_ok());

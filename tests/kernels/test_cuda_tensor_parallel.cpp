@@ -161,7 +161,7 @@ TEST_CASE("Tensor parallelism on the GPU: two ranks' device caches, the signal a
   TT_SEEDED_RNG();
   const int ranks = 2;
   Inputs in;
-  in.steps = std::getenv("THINKV_TEST_SMALL") != nullptr ? 200 : 420;
+  in.steps = tt::small_run() ? 200 : 420;
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> scale(0.2f, 4.0f);
   const std::size_t n = static_cast<std::size_t>(in.steps) * kSeqs * kLayers;
