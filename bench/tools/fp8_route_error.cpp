@@ -11,11 +11,12 @@
 //
 // Per case: G = 4 query heads of one KV head, head_dim 128, `tokens` live tokens, keys and
 // values drawn N(0, 1) (keys with small per-channel offsets, N(0, 0.25), and every 17th channel
-// x4, as post-RoPE keys have outlier channels), quantized to NVFP4 by the library's quantize_group (keys per channel,
-// values per token, g = 16, the stream scale by choose_stream_scale). Queries N(0, qscale^2): qscale 1 gives flat
-// attention, 4 peaked. Errors are max |out - ref| / max |ref| over the heads' outputs, ref the float64 attention over
-// the same dequantized K/V; "storage" is the NVFP4 cache's own error (the float64 attention over the unquantized K/V
-// against ref), the error a user already accepts.
+// x4, as post-RoPE keys have outlier channels), quantized to NVFP4 by the library's
+// quantize_group (keys per channel, values per token, g = 16, the stream scale by
+// choose_stream_scale). Queries N(0, qscale^2): qscale 1 gives flat attention, 4 peaked. Errors
+// are max |out - ref| / max |ref| over the heads' outputs, ref the float64 attention over the
+// same dequantized K/V; "storage" is the NVFP4 cache's own error (the float64 attention over the
+// unquantized K/V against ref), the error a user already accepts.
 //
 //   fp8_route_error [cases per row, default 20] [seed]
 
@@ -121,21 +122,23 @@ std::vector<double> attention_fp8(const std::vector<float>& q, int tokens, const
   std::vector<double> out(static_cast<std::size_t>(kG) * kD);
   std::vector<float> s(static_cast<std::size_t>(tokens)), bk(static_cast<std::size_t>(kD));
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(kD));
+  // The largest key and value scales (the work item's powers of two below are fitted to them).
+  float ka = 0.0f, va = 0.0f;
+  for (float sc : k.scale) ka = std::max(ka, sc);
+  for (float sc : v.scale) va = std::max(va, sc);
+  const float pv = fit_pow2(va);  // P <= 1
   for (int h = 0; h < kG; ++h) {
     const float* qh = q.data() + static_cast<std::size_t>(h) * kD;
     // One power of two per work item (head): the largest |Q x key scale| fits.
-    float qa = 0.0f, ka = 0.0f;
+    float qa = 0.0f;
     for (int c = 0; c < kD; ++c) qa = std::max(qa, std::fabs(f16(qh[c])));
-    for (float sc : k.scale) ka = std::max(ka, sc);
     const float pk = fit_pow2(f16(qa * ka));
     float m = -INFINITY;
     for (int t = 0; t < tokens; ++t) {
       if (t % kGroup == 0) {  // a new key group: B = split(f16(Q x scale))
         for (int c = 0; c < kD; ++c) {
-          const float x = f16(f16(qh[c]) * k.scale[static_cast<std::size_t>(t) * kD + static_cast<std::size_t>(c)]);
-          bk[static_cast<std::size_t>(c)] =
-              tk == 0 ? qh[c] * k.scale[static_cast<std::size_t>(t) * kD + static_cast<std::size_t>(c)]
-                      : split(x, pk, tk);
+          const float sc = k.scale[static_cast<std::size_t>(t) * kD + static_cast<std::size_t>(c)];
+          bk[static_cast<std::size_t>(c)] = tk == 0 ? qh[c] * sc : split(f16(f16(qh[c]) * sc), pk, tk);
         }
       }
       float acc = 0.0f;
@@ -147,9 +150,6 @@ std::vector<double> attention_fp8(const std::vector<float>& q, int tokens, const
     }
     float l = 0.0f;
     for (float& e : s) l += (e = std::exp(e - m));
-    float va = 0.0f;
-    for (float sc : v.scale) va = std::max(va, sc);
-    const float pv = fit_pow2(va);  // P <= 1
     for (int c = 0; c < kD; ++c) {
       float acc = 0.0f;
       for (int t = 0; t < tokens; ++t) {
