@@ -162,7 +162,7 @@ note "targets: thinkv_kernels thinkv ${TARGETS[*]}"
 step build cmake --build "$BUILD" --target thinkv_kernels thinkv "${TARGETS[@]}" || { cat "$SUMMARY"; exit 1; }
 
 # -V: the GPU tests print their measured errors per case; keep them in the log.
-step ctest ctest --test-dir "$BUILD" -L 'gpu|oracle' -V --timeout 300
+step ctest env THINKV_MODELS="${THINKV_MODELS:-$DEPS/models}" ctest --test-dir "$BUILD" -L 'gpu|oracle' -V --timeout 300
 
 # The CLI on the real model with --backend cuda: same text as the CPU backend
 # (tests/cli/generate_smoke.sh; models from --prepare's copy or $THINKV_MODELS).

@@ -506,7 +506,7 @@ TEST_CASE("CudaKvBackend refuses what it cannot do, with a message", "[cuda_back
   }
 }
 
-TEST_CASE("CudaKvBackend counts the reallocations of its storage; none once it is reserved", "[cuda_backend]") {
+TEST_CASE("CudaKvBackend counts the reallocations of its storage, and none once it is reserved", "[cuda_backend]") {
   const CacheConfig cfg = make_config(Shape{"D=64", 64, 16, 16, precision_map("R4E4T2")}, 2, 512);  // 208 blocks
   CudaKvBackend b;
   REQUIRE(b.init(cfg).is_ok());
