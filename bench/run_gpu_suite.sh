@@ -18,8 +18,9 @@
 # copying the results back in one file).
 #
 # The full round ends with the GPU benchmarks (every bench/bench_*.cu, Google Benchmark; JSON in
-# $LOGS/<name>.json) and PyTorch SDPA's numbers on the same BF16 decode shapes
-# (bench/torch_sdpa_decode.py); THINKV_GPU_SKIP_BENCH=1 leaves them out.
+# $LOGS/<name>.json), the decode-attention main pass's instructions per token-head for each
+# precision (bench/tools/ncu_instructions.py, when ncu is installed) and PyTorch SDPA's numbers on
+# the same BF16 decode shapes (bench/torch_sdpa_decode.py); THINKV_GPU_SKIP_BENCH=1 leaves them out.
 #   bash bench/run_gpu_suite.sh --bench
 # runs only the benchmarks (their own build dir, $THINKV_GPU_BUILD_DIR-bench); extra arguments
 # after --bench go to every benchmark (e.g. --benchmark_filter=...).
@@ -129,6 +130,16 @@ run_bench() {
     # The median rows, short, for the end of the output.
     grep -E '_median' "$LOGS/$b.log" | sed -E 's/^BM_//' | tee "$LOGS/${b}_median.txt"
   done
+  # Instructions per token-head of each precision's main pass (Nsight Compute, when installed).
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  if [[ -x $ncu ]]; then
+    step ncu_instructions python3 bench/tools/ncu_instructions.py --ncu "$ncu" \
+      --bench "$bbuild/bench/bench_paged_attention" --tokens 4096 --batch 64 --json "$LOGS/ncu_instructions.json"
+    cat "$LOGS/ncu_instructions.log"
+  else
+    note "SKIP ncu_instructions (no Nsight Compute: $ncu)"
+  fi
   if python3 -c 'import torch' >/dev/null 2>&1; then
     step torch_sdpa_decode python3 bench/torch_sdpa_decode.py --out "$LOGS/torch_sdpa_decode.json"
     tail -n 40 "$LOGS/torch_sdpa_decode.log"
