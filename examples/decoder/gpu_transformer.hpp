@@ -132,7 +132,8 @@ class GpuTransformer {
   /// For benchmarks: gives a fresh sequence a prompt of `tokens` random keys and values (drawn
   /// from `seed` on the device), stored without attention and without running the model
   /// (BasicThinKvCache::prefill, store only), to reach a context length without decoding it.
-  /// The prompt is pinned like any prompt (never evicted). Waits for it.
+  /// The prompt is pinned like any prompt (never evicted). Waits for it. A sequence that is not at
+  /// position 0 is refused (kInvalidArgument): reset_sequence it first.
   [[nodiscard]] Status fill(int seq, int tokens, std::uint64_t seed);
   /// The cache (its state, its statistics).
   [[nodiscard]] GpuCache& cache() noexcept;
