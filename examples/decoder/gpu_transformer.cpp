@@ -563,10 +563,11 @@ struct GpuTransformer::Impl {
   Status fill(int seq, int tokens, std::uint64_t seed) {
     const ModelConfig& c = cfg;
     if (tokens < 1) return {StatusCode::kInvalidArgument, "GPU decoder: fill of " + std::to_string(tokens) + " tokens"};
-    if (seq >= 0 && seq < max_batch && cache->position(seq) != 0) {
+    // (An out-of-range seq is begin_prompt's to refuse; position() does not check the range.)
+    if (const std::int32_t at = seq >= 0 && seq < max_batch ? cache->position(seq) : 0; at != 0) {
       return {StatusCode::kInvalidArgument, "GPU decoder: fill gives a fresh sequence its prompt; sequence " +
-                                                std::to_string(seq) + " is at position " +
-                                                std::to_string(cache->position(seq)) + " (reset_sequence it first)"};
+                                                std::to_string(seq) + " is at position " + std::to_string(at) +
+                                                " (reset_sequence it first)"};
     }
     const std::size_t n = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(kvd);
     void* kv = nullptr;
