@@ -1,13 +1,15 @@
 /// \file paged_attention_tc.cu
 /// Decode attention main pass on the tensor cores (head_dim 64, 128, 256).
 ///
-/// Same work split as the CUDA-core pass (paged_attention.cu): grid (splits, Hkv), 4 warps per CTA
-/// taking the chunk's 32-slot tiles round robin, partial (m, l, acc) per chunk into the
-/// workspace, then the merge kernel. A warp's walk: each lane owns one slot of a tile (its block
-/// and slot advanced by the tile stride, no division), loads the next tile's eviction-mask word
-/// and key-scale record before this tile's windows run, and computes its slot's row addresses;
-/// ballots compact the live slots per precision into a per-warp queue that runs in full 16-token
-/// windows across tiles (a partial window only when the precision changes or the walk ends).
+/// Same work split as the CUDA-core pass (paged_attention.cu): grid (splits, Hkv), 4 warps per CTA,
+/// partial (m, l, acc) per chunk into the workspace, then the merge kernel. The walk goes by
+/// units, not slots: a unit is one 64-bit word of a block's eviction mask (the whole block when
+/// B <= 64) or the chunk's staging rows. Each warp takes a contiguous quarter of the chunk's
+/// units, 32 at a time (one lane loads a unit's block id, fill, pool and mask word and forms its
+/// live-slot mask); the live slots of each precision group are written into a per-warp queue by
+/// all lanes at once (an inclusive scan of the units' counts places each entry) and the queue
+/// runs in full 16-token windows (a partial window only when the group changes or the walk
+/// ends). Evicted slots cost a mask bit, not a lane.
 /// The math of a window is two mma.sync.m16n8k16 products with FP32 accumulation:
 ///
 ///   scores  S[16 tokens x 8 heads]  = K'[16 x D] . Q^T[D x 8]     (A = K', B = Q)
@@ -76,10 +78,56 @@ namespace {
 
 constexpr int kN = 8;  // mma N: the query heads of one KV head, zero-padded
 static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 query heads per KV head");
-constexpr int kWin = 16;                       // tokens per window (mma M of the scores, K of P.V)
-constexpr int kTileSlots = 32;                 // slot positions per warp tile (one lane each)
-constexpr int kStagedGroup = kNumPrecisions;   // precision group of the staged (BF16) rows
-constexpr int kQueue = kWin - 1 + kTileSlots;  // live slots a warp's queue can hold
+constexpr int kWin = 16;                      // tokens per window (mma M of the scores, K of P.V)
+constexpr int kChunkAlign = 128;              // chunks are whole pieces of this many slot positions
+constexpr int kStagedGroup = kNumPrecisions;  // precision group of the staged (BF16) rows
+
+/// Bits [a, e) of a 64-bit word (0 <= a; e clamped to 64; empty when e <= a).
+__device__ __forceinline__ unsigned long long bit_range(long long a, long long e) {
+  if (e > 64) e = 64;
+  if (e <= a) return 0ull;
+  const unsigned long long below_e = e == 64 ? ~0ull : (1ull << e) - 1ull;
+  return below_e & (~0ull << a);
+}
+
+/// 2^x by the hardware's ex2.approx (what exp2f compiles to, within 2 ulp), results below 2^-126
+/// flushed to 0 (exp2f scales those into the subnormals at three more instructions per call): a
+/// probability under 2^-126 of the row's max adds nothing an FP32 sum of it can hold.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// The position of set bit k (0-based, k < popc) of the 64-bit word hi:lo.
+__device__ __forceinline__ unsigned nth_set_bit(unsigned lo, unsigned hi, int k) {
+  unsigned pos = 0u;
+  unsigned w = lo;
+  int p = __popc(lo);
+  if (k >= p) {
+    k -= p;
+    w = hi;
+    pos = 32u;
+  }
+#pragma unroll
+  for (int n = 16; n >= 1; n >>= 1) {
+    p = __popc(w & ((1u << n) - 1u));
+    if (k >= p) {
+      k -= p;
+      w >>= n;
+      pos += static_cast<unsigned>(n);
+    }
+  }
+  return pos;
+}
+
+/// 4 bytes global -> shared without a register (cp.async, sm_80+); cp_async_wait_all makes the
+/// thread's copies complete (a warp barrier after it publishes them to the warp).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 template <int D>
 struct TcShape {
@@ -96,6 +144,11 @@ struct TcShape {
   // spills). Measured on the H200 (2026-11-29, bench_paged_attention): forcing 4 CTAs at D = 128
   // (then 204 bytes of spills) was no faster once the number of waves is accounted for.
   static constexpr int kMinBlocks = D == 64 ? 4 : D == 128 ? 3 : 2;
+  // Live slots a warp's queue holds: under 16 carried over plus at least one unit (<= 64 slots);
+  // more lets a round of the walk take more units at once. D = 256 keeps the CTA's static shared
+  // memory under 48 KB.
+  static constexpr int kQueue = D == 256 ? 80 : 128;
+  static_assert(kQueue >= kWin - 1 + 64, "the queue must take one whole unit after a partial window");
 };
 
 template <int D>
@@ -112,17 +165,17 @@ struct TcShared {
   float l[kWarps][kN];
   int ntok[kWarps];
   float pt[kWarps][kWin][kN + 1];     // P transpose (padded row)
-  float rows_f[kStagedGroup + 1][3];  // TcRows (fk, u, pm) of each precision group
+  float rows_f[kStagedGroup + 1][4];  // TcRows (fk, u, pm, inv_u) of each precision group
   // Per warp, per pool: (pages - pool_base x page bytes, page bytes), so a block's page is one
   // multiply-add (modulo 2^64) after one shared load; written by the warp before its walk.
   ulonglong2 pool_tab[kWarps][kNumPrecisions];
-  // The warp's queue of live slots of one precision group (< 16 carried over + one tile of 32):
+  // The warp's queue of live slots of one precision group (TcShape::kQueue):
   // each slot's K row, V row and value scales (computed once per slot by its lane, not by every
   // lane of a window that reads it) and key-scale record.
-  const std::uint8_t* krow[kWarps][kQueue];
-  const std::uint8_t* vrow[kWarps][kQueue];
-  const std::uint8_t* vscale[kWarps][kQueue];
-  std::uint32_t record[kWarps][kQueue];
+  const std::uint8_t* krow[kWarps][TcShape<D>::kQueue];
+  const std::uint8_t* vrow[kWarps][TcShape<D>::kQueue];
+  const std::uint8_t* vscale[kWarps][TcShape<D>::kQueue];
+  std::uint32_t record[kWarps][TcShape<D>::kQueue];
 };
 
 /// Two E4M3 codes (bytes 0 and 1 of w) -> FP16x2 of their exact values (hardware
@@ -200,9 +253,10 @@ struct TcState {
 
 /// The factors of one precision group.
 struct TcRows {
-  float fk;  // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
-  float u;   // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
-  float pm;  // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
+  float fk;     // factor applied to the scores' products (s2k, the codes' 2^14, Q's 2^-eq)
+  float u;      // unit of the output for this group (s2v; 1 for BF16 rows, or s2v not usable)
+  float pm;     // factor applied to the probabilities before the split (s2v / u, x 2^14 for FP16)
+  float inv_u;  // 1 / u (exact: u is a power of two)
 };
 
 __device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
@@ -474,7 +528,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : v * kf;
   }
   float f[2] = {1.0f, 1.0f};
-  const float ratio = st.u / rs.u;  // a power of two; 1 within a precision group
+  const float ratio = st.u * rs.inv_u;  // a power of two; 1 within a precision group
   st.u = rs.u;
 #pragma unroll
   for (int hh = 0; hh < kHL; ++hh) {
@@ -483,10 +537,10 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
     mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
     const float m_new = fmaxf(st.m[hh], mx);
-    f[hh] = exp2f(st.m[hh] - m_new);  // first window: exp2(-inf) = 0
+    f[hh] = fast_exp2(st.m[hh] - m_new);  // first window: exp2(-inf) = 0
     st.m[hh] = m_new;
-    p[hh] = exp2f(p[hh] - m_new);  // -inf (no token) -> 0
-    p[2 + hh] = exp2f(p[2 + hh] - m_new);
+    p[hh] = fast_exp2(p[hh] - m_new);  // -inf (no token) -> 0
+    p[2 + hh] = fast_exp2(p[2 + hh] - m_new);
     st.l[hh] = st.l[hh] * f[hh] + (p[hh] + p[2 + hh]);
     f[hh] *= ratio;
   }
@@ -726,6 +780,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       sh.rows_f[pr][0] = fk;
       sh.rows_f[pr][1] = u;
       sh.rows_f[pr][2] = pm;
+      sh.rows_f[pr][3] = 1.0f / u;
     }
     __syncthreads();
   };
@@ -743,194 +798,232 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int lg = g == 8 ? 3 : g == 16 ? 4 : 5;           // check_paged_decode_attention: g is 8, 16 or 32
     constexpr int kLogD = D == 64 ? 6 : D == 128 ? 7 : 8;  // value scales per row: D >> lg
     const int bs = prm.block_size;
-    // This chunk's slot positions (blocks in list order, then the staging rows), as the CUDA-core
-    // pass cuts them (whole 128-position pieces), in 32-position tiles dealt round robin to the
-    // warps. A tile may span several blocks: the live slots of its 32 positions are compacted per
-    // precision (one group per precision present, usually one) and processed 16 at a time, so
-    // evicted slots and partly filled blocks cost no mma work.
-    const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kTileSlots * kWarps);
-    const int j_begin = cr.j_begin;
-    const int nb = static_cast<int>(cr.nb);  // a difference of two int32 block_indptr entries
+    // This chunk's slot positions (blocks in list order, then the staging rows; whole 128-position
+    // pieces, as the CUDA-core pass cuts them) are walked in units: a unit is one 64-slot word of
+    // a block's eviction mask (the whole block when B <= 64), or the chunk's staging rows (at most
+    // 2g <= 64). The chunk's units are cut into kWarps contiguous ranges, one per warp, and a warp
+    // takes 32 units at a time, one per lane: the lane loads its unit's block id, then its fill,
+    // pool and eviction-mask word, and forms the 64-bit mask of the unit's live slots in the
+    // chunk. Live slots enter the warp's queue unit by unit, in unit order (an inclusive scan of
+    // the lanes' counts gives each lane its place), each lane writing its own unit's entries, and
+    // the queue runs in 16-token windows. The walk's cost is per unit and per live slot, not per
+    // slot position: an evicted slot costs no load and no instruction beyond its mask bit.
+    // Precision groups (one per pool, plus the staged rows) are queued one at a time; a partial
+    // window runs only when the group changes or the warp's units end.
+    const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kChunkAlign);
     const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
-    const int words = (bs + 63) / 64;
-    const std::uint8_t* staging =
-        reinterpret_cast<const std::uint8_t*>(view.staging) + static_cast<std::size_t>(stream) * 2 * g * D * 2;
-    int jb = -1;  // first block of the metadata batch held by the lanes (block indices of the
-                  // stream are int: block_indptr is int32)
-    std::uint32_t lane_block = 0;
-    int lane_fill = 0;
-    // This lane's position of a tile: where its row is, and the loads (eviction-mask word, key-scale
-    // record) that decide whether it is live. The next tile's are issued before this tile's windows
-    // run, so their latency hides behind the windows' work instead of stalling the ballots.
-    struct LaneMeta {
-      const std::uint8_t* page;
-      int slot;
-      int pr;
-      bool maybe;          // in range, a filled block slot or a staging row
-      std::uint32_t mask;  // the 32-bit half of the eviction-mask word holding the slot's bit
-      std::uint32_t rec;
-    };
-    const std::uint32_t* evict32 = reinterpret_cast<const std::uint32_t*>(view.evict_mask);  // little-endian halves
-    // The walk tracks each lane's position as (block j, slot) and advances it by the tile stride
-    // (step = q blocks + r slots), so no tile divides by the block size; the page size of each
-    // pool is computed once.
-    constexpr int kStep = kTileSlots * kWarps;
-    const int step_blocks = kStep / bs;
-    const int step_slots = kStep % bs;
+    const long long bend = hi < block_pos ? hi : block_pos;  // end of the chunk's block slots
+    const int words = (bs + 63) >> 6;                        // mask words (units) per block
+    // Block units: unit (j, w) = word w of block j of the stream; the chunk's first is (j0, w0).
+    int j0 = 0, w0 = 0, n_block_units = 0;
+    if (lo < bend) {
+      const long long jl = lo / bs;
+      const long long jh = (bend - 1) / bs;
+      j0 = static_cast<int>(jl);  // block list positions are int (block_indptr is int32)
+      w0 = static_cast<int>((lo - jl * bs) >> 6);
+      const int wh = static_cast<int>((bend - 1 - jh * bs) >> 6);
+      n_block_units = static_cast<int>(jh - jl) * words + wh - w0 + 1;
+    }
+    const long long staged_lo = lo > block_pos ? lo : block_pos;
+    const int n_units = n_block_units + (hi > staged_lo ? 1 : 0);  // the staging unit last
+    const int u_end = n_units * (warp + 1) / kWarps;               // this warp's units: [.., u_end)
+    int u_next = n_units * warp / kWarps;
     if (lane < kNumPrecisions) {
       const std::uint64_t pb = page_bytes_of(static_cast<Precision>(lane), D, bs, g);
       sh.pool_tab[warp][lane] = make_ulonglong2(pool_origin(view, lane, pb), pb);
     }
     __syncwarp();
-    const long long t_first = lo + static_cast<long long>(warp) * kTileSlots;
-    const long long j_first = (t_first + lane) / bs;
-    int lane_j = static_cast<int>(j_first);  // block of position t0 + lane (valid below block_pos)
-    int lane_slot = static_cast<int>(t_first + lane - j_first * bs);
-    auto fetch = [&](long long t0) {
-      LaneMeta mt{staging, 0, kStagedGroup, false, 0u, kNoRecordId};
-      const long long vp = t0 + lane;
-      const bool in = vp < hi;
-      const bool staged = vp >= block_pos;
-      const int my_j = lane_j;
-      const int my_slot = lane_slot;
-      lane_slot += step_slots;  // position t0 + kStep + lane for the next call
-      lane_j += step_blocks;
-      if (lane_slot >= bs) {
-        lane_slot -= bs;
-        ++lane_j;
-      }
-      // Block ids and fills of 32 blocks at a time, one per lane, shuffled to the tile's lanes.
-      if (t0 < block_pos) {
-        const int jf = __shfl_sync(0xFFFFFFFFu, my_j, 0);
-        const int j31 = __shfl_sync(0xFFFFFFFFu, my_j, 31);
-        const int jl = t0 + kTileSlots <= block_pos ? j31 : nb - 1;  // block of the tile's last slot
-        if (jb < 0 || jf < jb || jl >= jb + 32) {
-          jb = jf;
-          lane_block = 0;
-          lane_fill = 0;
-          if (jb + lane < nb) {
-            lane_block = view.block_indices[j_begin + jb + lane];
-            lane_fill = view.block_fill[lane_block];
-          }
-        }
-      }
-      const int j = staged ? jb : my_j;
-      const int src_lane = (j - jb) & 31;
-      const std::uint32_t b = __shfl_sync(0xFFFFFFFFu, lane_block, src_lane);
-      const int fill = __shfl_sync(0xFFFFFFFFu, lane_fill, src_lane);
-      mt.maybe = in;
-      if (in && !staged) {
-        mt.slot = my_slot;
-        mt.pr = block_pool(view, b);
-        const ulonglong2 tab = sh.pool_tab[warp][mt.pr];  // = pool_page(view, b, pr, page bytes)
-        mt.page = reinterpret_cast<const std::uint8_t*>(tab.x + static_cast<std::uint64_t>(b) * tab.y);
-        mt.maybe = mt.slot < fill;
-        if (mt.maybe) {
-          const unsigned us = static_cast<unsigned>(mt.slot);
-          mt.mask = evict32[(static_cast<std::size_t>(b) * words + (us >> 6)) * 2 + ((us >> 5) & 1u)];
-          if (mt.pr != 0) mt.rec = view.slot_record[static_cast<std::size_t>(b) * bs + mt.slot];
-        }
-      } else if (in) {
-        mt.slot = static_cast<int>(vp - block_pos);  // staging row
-      }
-      return mt;
+    const std::uint8_t* staging =
+        reinterpret_cast<const std::uint8_t*>(view.staging) + static_cast<std::size_t>(stream) * 2 * g * D * 2;
+    // This lane's unit of the warp's current 32.
+    struct Unit {
+      const std::uint8_t* page;  // the block's page (K rows, V rows, value scales) or the staging rows
+      std::uint32_t block;
+      int pr;                   // precision group (kStagedGroup: the staging rows)
+      int s0;                   // slot (staging row) of mask bit 0
+      unsigned long long live;  // live slots of the unit in this chunk
     };
-    LaneMeta next = fetch(t_first);
-    prologue();
-    // Live slots are queued per warp and run in full 16-token windows across tiles (with holes a
-    // tile rarely has a multiple of 16 live slots); a partial window runs only when the precision
-    // group changes or the walk ends. The walk's last iteration (t0 >= hi) adds nothing and
-    // flushes the queue, so the windows have one call site.
-    int qn = 0;              // queued slots (warp-uniform)
-    int qpr = kStagedGroup;  // their precision group
-    for (long long t0 = t_first;; t0 += kTileSlots * kWarps) {
-      const bool last = t0 >= hi;
-      const LaneMeta cur = next;
-      if (t0 + kTileSlots * kWarps < hi) next = fetch(t0 + kTileSlots * kWarps);
-      const int slot = cur.slot;
-      const int pr = cur.pr;
-      const std::uint32_t rec = cur.rec;
-      const std::uint8_t* page = cur.page;
-      const bool valid = !last && cur.maybe && (pr == kStagedGroup || ((cur.mask >> (slot % 32)) & 1u) == 0);
-      // This slot's rows: a block page holds B K rows, B V rows, then the value scales (D / g per
-      // row); the staging rows g K rows, then g V rows (BF16, no scales).
-      // Offsets in 32 bits: a page is at most 2 x 4096 rows of 512 bytes plus scales.
-      const unsigned rb = pr >= kStagedGroup ? 2u * D : (2u * D) >> pr;  // D x bits / 8
-      const unsigned rows = pr == kStagedGroup ? static_cast<unsigned>(g) : static_cast<unsigned>(bs);
-      const unsigned us = static_cast<unsigned>(slot);
-      const std::uint8_t* krow = page + us * rb;
-      const std::uint8_t* vrow = page + (rows + us) * rb;
-      const std::uint8_t* vscale = page + 2u * rows * rb + (us << (kLogD - lg));
-      unsigned todo = __ballot_sync(0xFFFFFFFFu, valid);
-      while (todo != 0u || (last && qn > 0)) {
-        int group_pr = qpr;
-        unsigned m = 0u;
-        if (todo != 0u) {
-          group_pr = __shfl_sync(0xFFFFFFFFu, pr, __ffs(todo) - 1);
-          m = __ballot_sync(0xFFFFFFFFu, valid && pr == group_pr);
-        }
-        int count;  // queued slots to run now, from the front
-        if (qn > 0 && (todo == 0u || group_pr != qpr)) {
-          count = qn;  // the group changes or the walk ends: run what is queued
+    auto load_unit = [&](int i0) {
+      Unit un{staging, 0u, kStagedGroup, 0, 0ull};
+      const int i = i0 + lane;
+      if (i < u_end) {
+        if (i >= n_block_units) {  // the staging rows [staged_lo, hi) - block_pos (at most 2g)
+          un.live = bit_range(staged_lo - block_pos, hi - block_pos);
         } else {
-          if ((m >> lane) & 1u) {
-            const int r = qn + __popc(m & ((1u << lane) - 1u));
-            sh.krow[warp][r] = krow;
-            sh.vrow[warp][r] = vrow;
-            sh.vscale[warp][r] = vscale;
-            sh.record[warp][r] = rec;
+          const int q = w0 + i;
+          const int dj = words == 1 ? q : q / words;
+          const int w = q - dj * words;
+          const int j = j0 + dj;
+          const std::uint32_t b = view.block_indices[cr.j_begin + j];
+          const int fill = view.block_fill[b];
+          const std::uint64_t ev = view.evict_mask[static_cast<std::size_t>(b) * words + w];
+          un.pr = block_pool(view, b);
+          const ulonglong2 tab = sh.pool_tab[warp][un.pr];  // = pool_page(view, b, pr, page bytes)
+          un.page = reinterpret_cast<const std::uint8_t*>(tab.x + static_cast<std::uint64_t>(b) * tab.y);
+          un.block = b;
+          un.s0 = 64 * w;
+          const long long p0 = static_cast<long long>(j) * bs + un.s0;  // position of mask bit 0
+          long long e = bend - p0;
+          if (e > fill - un.s0) e = fill - un.s0;
+          un.live = bit_range(lo > p0 ? lo - p0 : 0, e) & ~ev;
+          // The unit's key-scale records are copied into the queue after the scan (a dependent
+          // load): their first line is asked for now.
+          if (un.pr != 0 && un.live != 0ull) {
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(view.slot_record + static_cast<std::size_t>(b) * bs + un.s0));
           }
+        }
+      }
+      return un;
+    };
+    Unit un = load_unit(u_next);  // issued before the prologue, whose work covers the loads' latency
+    u_next += 32;
+    prologue();
+    unsigned pend = __ballot_sync(0xFFFFFFFFu, un.live != 0ull);  // lanes whose unit has slots to queue
+    int qn = 0;                                                   // queued slots (warp-uniform)
+    int qpr = kStagedGroup;                                       // their precision group
+    for (;;) {
+      if (pend == 0u && u_next < u_end) {  // the warp's next 32 units
+        un = load_unit(u_next);
+        u_next += 32;
+        pend = __ballot_sync(0xFFFFFFFFu, un.live != 0ull);
+        continue;
+      }
+      int count;  // queued slots to run now, from the front
+      if (pend == 0u) {
+        if (qn == 0) break;
+        count = qn;  // the warp's units are done: run what is queued
+      } else {
+        const bool mine = ((pend >> lane) & 1u) != 0u;
+        // The queued group goes on while a pending unit has it; else the first pending unit's.
+        const unsigned same = __ballot_sync(0xFFFFFFFFu, mine && un.pr == qpr);
+        const int gp = same != 0u ? qpr : __shfl_sync(0xFFFFFFFFu, un.pr, __ffs(pend) - 1);
+        if (qn > 0 && gp != qpr) {
+          count = qn;  // the group changes: run what is queued first
+        } else {
+          qpr = gp;
+          // The group's pending units, in lane order, as many as the queue holds (qn < 16 here,
+          // a unit has at most 64 live slots: the first always fits).
+          const bool cand = mine && un.pr == gp;
+          const int c = cand ? __popcll(un.live) : 0;
+          int inc = c;  // inclusive scan of c over the lanes
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+            if (lane >= o) inc += v;
+          }
+          const bool take = cand && inc <= S::kQueue - qn;
+          const unsigned taken = __ballot_sync(0xFFFFFFFFu, take);
+          const int n_new = __shfl_sync(0xFFFFFFFFu, inc, 31 - __clz(taken));  // the taken units' slots
+          const bool quant = gp != kStagedGroup && gp != 0;                    // rows with key-scale records
+          // A block page holds B K rows, B V rows, then the value scales (D / g per row); the staging
+          // rows g K rows, then g V rows (BF16, no scales). Offsets fit 32 bits: a page is at most
+          // 2 x 4096 rows of 512 bytes plus scales.
+          const bool stg = gp == kStagedGroup;
+          const unsigned rb = stg ? 2u * D : (2u * D) >> gp;  // D x bits / 8
+          const unsigned rows = stg ? static_cast<unsigned>(g) : static_cast<unsigned>(bs);
+          const unsigned v_off = rows * rb;
+          const unsigned s_off = 2u * rows * rb;
+          // The new entries qn + e, 32 at a time, one per lane: entry e is live slot k of the first
+          // unit (lane) whose inclusive count exceeds e, k = e - its exclusive count. When every
+          // taken unit's live slots form one run (no evicted slot among them: the common case),
+          // slot k is the run's start + k, else the k-th set bit of the unit's mask.
+          int run0 = -1;  // the unit's first live slot when its live slots are one run
+          if (take) {
+            const int f = __ffsll(static_cast<long long>(un.live)) - 1;
+            const unsigned long long x = un.live >> f;
+            if ((x & (x + 1ull)) == 0ull) run0 = f;
+          }
+          const bool runs = __all_sync(0xFFFFFFFFu, !take || run0 >= 0);
+          // Per unit, the addresses of live slot 0 (runs) or of slot s0 (else: an entry's index is
+          // then the position of its set bit): K row, value scales, key-scale record.
+          const unsigned base = static_cast<unsigned>(un.s0 + (runs && run0 > 0 ? run0 : 0));
+          const std::uint8_t* k_base = un.page + base * rb;
+          const std::uint8_t* s_base = un.page + s_off + (base << (kLogD - lg));
+          const std::uint32_t* r_base = view.slot_record + static_cast<std::size_t>(un.block) * bs + base;
+          for (int e0 = 0; e0 < n_new; e0 += 32) {
+            const int e = e0 + lane;
+            int u = 0;
+#pragma unroll
+            for (int st2 = 16; st2 >= 1; st2 >>= 1) {
+              if (__shfl_sync(0xFFFFFFFFu, inc, u + st2 - 1) <= e) u += st2;
+            }
+            unsigned idx = static_cast<unsigned>(e - __shfl_sync(0xFFFFFFFFu, inc - c, u));  // live slot k
+            if (!runs) {  // k -> the position of the unit's k-th set bit
+              const unsigned m_lo = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned>(un.live), u);
+              const unsigned m_hi = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned>(un.live >> 32), u);
+              idx = nth_set_bit(m_lo, m_hi, static_cast<int>(idx));
+            }
+            const std::uint8_t* krow = reinterpret_cast<const std::uint8_t*>(
+                                           __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(k_base), u)) +
+                                       idx * rb;
+            const std::uint8_t* vscale = reinterpret_cast<const std::uint8_t*>(__shfl_sync(
+                                             0xFFFFFFFFu, reinterpret_cast<unsigned long long>(s_base), u)) +
+                                         (idx << (kLogD - lg));
+            const std::uint32_t* rec = nullptr;
+            if (quant) {
+              rec = reinterpret_cast<const std::uint32_t*>(
+                        __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(r_base), u)) +
+                    idx;
+            }
+            if (e < n_new) {
+              const int r = qn + e;
+              sh.krow[warp][r] = krow;
+              sh.vrow[warp][r] = krow + v_off;
+              sh.vscale[warp][r] = vscale;
+              if (quant) cp_async_4(&sh.record[warp][r], rec);  // waited for below
+            }
+          }
+          if (quant) cp_async_wait_all();
           __syncwarp();
-          qn += __popc(m);
-          qpr = group_pr;
-          todo &= ~m;
+          qn += n_new;
+          pend &= ~taken;
           count = qn & ~(kWin - 1);  // whole windows
         }
-        if (count > 0) {
-          TcRows rs;
-          rs.fk = sh.rows_f[qpr][0];
-          rs.u = sh.rows_f[qpr][1];
-          rs.pm = sh.rows_f[qpr][2];
-          float(*pt)[kN + 1] = sh.pt[warp];
-          for (int k0 = 0; k0 < count; k0 += kWin) {
-            const int nk = count - k0 < kWin ? count - k0 : kWin;
-            const std::uint8_t* const* kr = sh.krow[warp] + k0;
-            const std::uint8_t* const* vr = sh.vrow[warp] + k0;
-            const std::uint8_t* const* vs = sh.vscale[warp] + k0;
-            const std::uint32_t* rc = sh.record[warp] + k0;
-            switch (qpr == kStagedGroup ? 0 : qpr) {
-              case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-              case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-              case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-              default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
-            }
+      }
+      if (count > 0) {
+        TcRows rs;
+        rs.fk = sh.rows_f[qpr][0];
+        rs.u = sh.rows_f[qpr][1];
+        rs.pm = sh.rows_f[qpr][2];
+        rs.inv_u = sh.rows_f[qpr][3];
+        float(*pt)[kN + 1] = sh.pt[warp];
+        for (int k0 = 0; k0 < count; k0 += kWin) {
+          const int nk = count - k0 < kWin ? count - k0 : kWin;
+          const std::uint8_t* const* kr = sh.krow[warp] + k0;
+          const std::uint8_t* const* vr = sh.vrow[warp] + k0;
+          const std::uint8_t* const* vs = sh.vscale[warp] + k0;
+          const std::uint32_t* rc = sh.record[warp] + k0;
+          switch (qpr == kStagedGroup ? 0 : qpr) {
+            case 0: tc_window<D, 0, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            case 1: tc_window<D, 1, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            case 2: tc_window<D, 2, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
+            default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
           }
-          // The rest (< 16) moves to the front of the queue.
-          const int rem = qn - count;
-          if (rem > 0) {
-            const std::uint8_t* ekr = nullptr;
-            const std::uint8_t* evr = nullptr;
-            const std::uint8_t* evs = nullptr;
-            std::uint32_t erc = 0u;
-            if (lane < rem) {
-              ekr = sh.krow[warp][count + lane];
-              evr = sh.vrow[warp][count + lane];
-              evs = sh.vscale[warp][count + lane];
-              erc = sh.record[warp][count + lane];
-            }
-            __syncwarp();
-            if (lane < rem) {
-              sh.krow[warp][lane] = ekr;
-              sh.vrow[warp][lane] = evr;
-              sh.vscale[warp][lane] = evs;
-              sh.record[warp][lane] = erc;
-            }
+        }
+        // The rest (< 16) moves to the front of the queue.
+        const int rem = qn - count;
+        if (rem > 0) {
+          const std::uint8_t* ekr = nullptr;
+          const std::uint8_t* evr = nullptr;
+          const std::uint8_t* evs = nullptr;
+          std::uint32_t erc = 0u;
+          if (lane < rem) {
+            ekr = sh.krow[warp][count + lane];
+            evr = sh.vrow[warp][count + lane];
+            evs = sh.vscale[warp][count + lane];
+            erc = sh.record[warp][count + lane];
           }
           __syncwarp();
-          qn = rem;
+          if (lane < rem) {
+            sh.krow[warp][lane] = ekr;
+            sh.vrow[warp][lane] = evr;
+            sh.vscale[warp][lane] = evs;
+            sh.record[warp][lane] = erc;
+          }
         }
+        __syncwarp();
+        qn = rem;
       }
-      if (last) break;
     }
   }
   // An invalid stream (CTA-uniform) skips the prologue: nothing below reads the Q fragments or
