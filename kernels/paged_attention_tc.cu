@@ -99,6 +99,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/// Where entry e (0..15, in the walk's order: consecutive live slots of a unit) of a window sits
+/// among the window's 16 token slots: entries 2i and 2i + 1 in slots i and i + 8, the two tokens a
+/// lane pairs in Q.K^T (gq, gq + 8). Consecutive live slots usually share a key-scale record, so
+/// each lane's two tokens do, and the window takes the one-record path (one load and conversion
+/// of the key scales per lane) also when its 16 tokens come from several units (a partly evicted
+/// cache). window_entry is the inverse.
+__host__ __device__ constexpr int window_slot(int e) { return ((e & 1) << 3) | (e >> 1); }
+__host__ __device__ constexpr int window_entry(int x) { return ((x & 7) << 1) | (x >> 3); }
+static_assert(window_entry(window_slot(5)) == 5 && window_entry(window_slot(14)) == 14, "inverse");
+
 /// The position of set bit k (0-based, k < popc) of the 64-bit word hi:lo.
 __device__ __forceinline__ unsigned nth_set_bit(unsigned lo, unsigned hi, int k) {
   unsigned pos = 0u;
@@ -376,16 +386,20 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   const int gq = lane >> 2;
   const int t = lane & 3;
 
-  // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9. A
-  // token past n reads token 0's rows (finite data: K and V were checked at append), so every
-  // row load is unconditional; its score is -inf and its probability 0, so it adds nothing.
+  // Token slots of this lane: K side tokens gq, gq + 8; V side tokens 2t, 2t+1, 2t+8, 2t+9. The
+  // window's queue entries sit in slot order (window_slot): entry e of the window in slot
+  // window_slot(e), so token slot x holds entry window_entry(x), live when that is below n. A
+  // token past n reads slot 0's rows (entry 0; finite data: K and V were checked at append), so
+  // every row load is unconditional; its score is -inf and its probability 0, so it adds nothing.
   const int kt[2] = {gq, gq + 8};
   const int vt[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  const int ke[2] = {window_entry(kt[0]), window_entry(kt[1])};
+  const int ve[4] = {window_entry(vt[0]), window_entry(vt[1]), window_entry(vt[2]), window_entry(vt[3])};
   const std::uint8_t* krow[2];
   std::uint32_t krec[2];
 #pragma unroll
   for (int a = 0; a < 2; ++a) {
-    const int k = kt[a] < n ? kt[a] : 0;
+    const int k = ke[a] < n ? kt[a] : 0;
     krow[a] = krows[k];
     krec[a] = P != 0 ? records[k] : kNoRecordId;
   }
@@ -393,7 +407,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   const std::uint8_t* vsrow[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int k = vt[i] < n ? vt[i] : 0;
+    const int k = ve[i] < n ? vt[i] : 0;
     vrow[i] = vrows[k];
     vsrow[i] = vscales[k];
   }
@@ -508,7 +522,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
   };
   if constexpr (P == 0) {
     scores(std::false_type{});
-  } else if (__all_sync(0xFFFFFFFFu, kt[1] >= n || krec[1] == krec[0])) {
+  } else if (__all_sync(0xFFFFFFFFu, ke[1] >= n || krec[1] == krec[0])) {
     scores(std::true_type{});
   } else {
     scores(std::false_type{});
@@ -525,7 +539,7 @@ __device__ __forceinline__ void tc_window(const PagedKvView& view, const TcRows&
     const int a = i / 2;
     const float v = kPk ? sc[2 * a] + sc[2 * a + 1] : sc[i];
     // A quantized slot without a key-scale record (the CPU reads NaN keys there) scores NaN.
-    p[i] = kt[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : v * kf;
+    p[i] = ke[a] >= n ? -INFINITY : (P != 0 && krec[a] == kNoRecordId) ? NAN : v * kf;
   }
   float f[2] = {1.0f, 1.0f};
   const float ratio = st.u * rs.inv_u;  // a power of two; 1 within a precision group
@@ -966,7 +980,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                     idx;
             }
             if (e < n_new) {
-              const int r = qn + e;
+              const int r = ((qn + e) & ~(kWin - 1)) | window_slot((qn + e) & (kWin - 1));
               sh.krow[warp][r] = krow;
               sh.vrow[warp][r] = krow + v_off;
               sh.vscale[warp][r] = vscale;
@@ -1000,21 +1014,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             default: tc_window<D, 3, kVec, kPk>(view, rs, lg, nk, kr, vr, vs, rc, scale_log2, sh, pt, st); break;
           }
         }
-        // The rest (< 16) moves to the front of the queue.
+        // The rest (< 16 entries, a partial window in slot order) moves to the front of the queue:
+        // the window's 16 slots, whether filled or not.
         const int rem = qn - count;
         if (rem > 0) {
           const std::uint8_t* ekr = nullptr;
           const std::uint8_t* evr = nullptr;
           const std::uint8_t* evs = nullptr;
           std::uint32_t erc = 0u;
-          if (lane < rem) {
+          if (lane < kWin) {
             ekr = sh.krow[warp][count + lane];
             evr = sh.vrow[warp][count + lane];
             evs = sh.vscale[warp][count + lane];
             erc = sh.record[warp][count + lane];
           }
           __syncwarp();
-          if (lane < rem) {
+          if (lane < kWin) {
             sh.krow[warp][lane] = ekr;
             sh.vrow[warp][lane] = evr;
             sh.vscale[warp][lane] = evs;
