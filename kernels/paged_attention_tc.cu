@@ -814,16 +814,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int bs = prm.block_size;
     // This chunk's slot positions (blocks in list order, then the staging rows; whole 128-position
     // pieces, as the CUDA-core pass cuts them) are walked in units: a unit is one 64-slot word of
-    // a block's eviction mask (the whole block when B <= 64), or the chunk's staging rows (at most
-    // 2g <= 64). The chunk's units are cut into kWarps contiguous ranges, one per warp, and a warp
+    // a block's eviction mask (the whole block when B <= 64), or the chunk's staging rows (under
+    // g <= 32). The chunk's units are cut into kWarps contiguous ranges, one per warp, and a warp
     // takes 32 units at a time, one per lane: the lane loads its unit's block id, then its fill,
     // pool and eviction-mask word, and forms the 64-bit mask of the unit's live slots in the
-    // chunk. Live slots enter the warp's queue unit by unit, in unit order (an inclusive scan of
-    // the lanes' counts gives each lane its place), each lane writing its own unit's entries, and
-    // the queue runs in 16-token windows. The walk's cost is per unit and per live slot, not per
-    // slot position: an evicted slot costs no load and no instruction beyond its mask bit.
-    // Precision groups (one per pool, plus the staged rows) are queued one at a time; a partial
-    // window runs only when the group changes or the warp's units end.
+    // chunk. Live slots enter the warp's queue in unit order: an inclusive scan of the units'
+    // counts places each entry, and all 32 lanes write entries at once (below). The queue runs in
+    // 16-token windows. The walk's cost is per unit and per live slot, not per slot position: an
+    // evicted slot costs no load and no instruction beyond its mask bit. Precision groups (one per
+    // pool, plus the staged rows) are queued one at a time; a partial window runs only when the
+    // group changes or the warp's units end.
     const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kChunkAlign);
     const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
     const long long bend = hi < block_pos ? hi : block_pos;  // end of the chunk's block slots
@@ -861,7 +861,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       Unit un{staging, 0u, kStagedGroup, 0, 0ull};
       const int i = i0 + lane;
       if (i < u_end) {
-        if (i >= n_block_units) {  // the staging rows [staged_lo, hi) - block_pos (at most 2g)
+        if (i >= n_block_units) {  // the staging rows [staged_lo, hi) - block_pos (under g)
           un.live = bit_range(staged_lo - block_pos, hi - block_pos);
         } else {
           const int q = w0 + i;
