@@ -798,10 +798,10 @@ int paged_decode_attention_splits(const DecodeAttentionParams& p) noexcept {
   if (per_sm < 1) per_sm = 4;
   const long long resident = static_cast<long long>(per_sm) * sms;
   // With the longest stream known (tensor-core pass): waves x (CTA start-up + chunk length), the
-  // chunks cut in whole 128-position pieces (the tensor-core pass's kChunkAlign; launch_plan.hpp).
+  // chunks cut in whole kTcChunkPiece-position pieces (launch_plan.hpp).
   if (p.max_positions > 0 && p.head_dim >= 64) {
     // Without sparsity one chunk needs no merge kernel (the main pass writes the output).
-    return plan_decode_splits_for_length(hkv, resident, kMaxSplits, p.max_positions, 32 * kWarps,
+    return plan_decode_splits_for_length(hkv, resident, kMaxSplits, p.max_positions, kTcChunkPiece,
                                          p.sparsity == nullptr ? kSplitMergeHalfPieces : 0);
   }
   // The fewest chunks whose CTAs fill the last wave of resident ones to >= 90% (launch_plan.hpp).

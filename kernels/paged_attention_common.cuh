@@ -22,6 +22,10 @@ namespace thinkv::kernels::detail {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+/// The tensor-core main pass cuts a stream's positions into chunks of whole pieces of this many
+/// slot positions; the split plan (plan_decode_splits_for_length) counts its cost in the same
+/// pieces, so both read this one constant.
+constexpr int kTcChunkPiece = 128;
 constexpr std::uint32_t kNoRecordId = 0xFFFFFFFFu;
 
 /// Where one tile's slots come from: a block (slot = base + t) or the staging buffer (row).

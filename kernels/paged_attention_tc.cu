@@ -79,7 +79,6 @@ namespace {
 constexpr int kN = 8;  // mma N: the query heads of one KV head, zero-padded
 static_assert(kMaxQueryHeadsPerKv <= kN, "the tensor-core pass holds at most 8 query heads per KV head");
 constexpr int kWin = 16;                      // tokens per window (mma M of the scores, K of P.V)
-constexpr int kChunkAlign = 128;              // chunks are whole pieces of this many slot positions
 constexpr int kStagedGroup = kNumPrecisions;  // precision group of the staged (BF16) rows
 
 /// Bits [a, e) of a 64-bit word (0 <= a; e clamped to 64; empty when e <= a).
@@ -824,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // evicted slot costs no load and no instruction beyond its mask bit. Precision groups (one per
     // pool, plus the staged rows) are queued one at a time; a partial window runs only when the
     // group changes or the warp's units end.
-    const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kChunkAlign);
+    const ChunkRange cr = chunk_range(view, stream, bs, split, splits, kTcChunkPiece);
     const long long block_pos = cr.block_pos, lo = cr.lo, hi = cr.hi;
     const long long bend = hi < block_pos ? hi : block_pos;  // end of the chunk's block slots
     const int words = (bs + 63) >> 6;                        // mask words (units) per block
