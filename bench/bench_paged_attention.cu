@@ -23,7 +23,9 @@
 /// GBps = bytes / median event time of the repetition, frac_4p3TBs = GBps / 4300.
 /// Split-K: the automatic number of chunks per KV head (paged_decode_attention_splits), workspace
 /// allocated once per configuration; the partial (m, l, acc) traffic through the workspace and the
-/// merge kernel are inside the timed region but not counted in `bytes`.
+/// merge kernel are inside the timed region but not counted in `bytes`. THINKV_BENCH_SPLITS=N
+/// (1..kMaxSplits) sets the number of chunks instead, to measure the plan's choice against its
+/// neighbours; THINKV_BENCH_SPLIT_HINT=0 plans without the length hint (waves only).
 /// Exits 77 (skip) when no CUDA device is present.
 
 #include <benchmark/benchmark.h>
@@ -262,7 +264,18 @@ struct Setup : thinkv::bench::DeviceAllocs {
     if (hint == nullptr || std::strcmp(hint, "0") != 0) {
       prm.max_positions = static_cast<long long>(blocks_per_stream) * kB;
     }
-    // Split-K workspace (automatic number of splits), allocated once per configuration.
+    // A fixed number of chunks (THINKV_BENCH_SPLITS), else the launch's automatic plan.
+    if (const char* fixed = std::getenv("THINKV_BENCH_SPLITS"); fixed != nullptr && *fixed != '\0') {
+      char* end = nullptr;
+      const long n = std::strtol(fixed, &end, 10);
+      if (*end != '\0' || n < 1 || n > tk::kMaxSplits) {
+        std::fprintf(stderr, "bench_paged_attention: THINKV_BENCH_SPLITS=%s is not a number in 1..%d\n", fixed,
+                     tk::kMaxSplits);
+        return cudaErrorInvalidValue;
+      }
+      prm.num_splits = static_cast<int>(n);
+    }
+    // Split-K workspace, allocated once per configuration.
     std::uint8_t* ws = nullptr;
     BENCH_CUDA(alloc(ws, tk::paged_decode_attention_workspace_size(prm)));
     prm.workspace = ws;
