@@ -475,6 +475,12 @@ int main() {
     // (B = 100 and 128 with 16-slot tiles; B = 16 with 32-slot tiles at D = 64), many chunks
     // (most empty for these short streams), and staged-only streams split many ways.
     run_case({"split=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 1}, rng);
+    // Long chunks: one chunk of ~300-500 blocks per KV head, so each warp of the tensor-core pass
+    // walks more than 32 units (its next 32 are loaded with a partial window of one precision
+    // group still queued, and a group can come back after another ran). D = 256 has the shorter
+    // queue (80 entries).
+    run_case({"split=1 long D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 3000, 5000, 1.0f, 0.0f, 1}, rng);
+    run_case({"split=1 long D=256 8q/8kv B=16", 256, 16, 16, 8, 8, 1, map, 2500, 4000, 1.0f, 0.0f, 1}, rng);
     run_case({"split=3 D=128 g=8 8q/1kv B=100", 128, 8, 100, 8, 1, 1, map, 500, 2000, 1.5f, 0.0f, 3}, rng);
     run_case({"split=7 D=128 32q/8kv B=128", 128, 16, 128, 32, 8, 1, map, 300, 900, 2.0f, 0.0f, 7}, rng);
     run_case({"split=5 D=64 g=16 8q/4kv B=16", 64, 16, 16, 8, 4, 1, map, 100, 600, 1.0f, 0.0f, 5}, rng);
