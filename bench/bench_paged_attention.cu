@@ -20,7 +20,9 @@
 /// region, a 2 x L2 (120 MiB) buffer is written with cudaMemsetAsync so every launch reads the
 /// cache from HBM. Repetitions(5) + ReportAggregatesOnly: use the *_median rows.
 /// Counters: bytes = bytes the kernel reads + writes (see bytes_moved() and docs/perf.md),
-/// GBps = bytes / median event time of the repetition, frac_4p3TBs = GBps / 4300.
+/// GBps = bytes / median event time of the repetition, frac_4p3TBs = GBps / 4300; splits (chunks per
+/// KV head), kv_heads (per launch) and positions (slot positions per stream, the split plan's length
+/// hint): the inputs and the choice of the split plan, for bench/tools/split_sweep.py.
 /// Split-K: the automatic number of chunks per KV head (paged_decode_attention_splits), workspace
 /// allocated once per configuration; the partial (m, l, acc) traffic through the workspace and the
 /// merge kernel are inside the timed region but not counted in `bytes`. THINKV_BENCH_SPLITS=N
@@ -122,6 +124,7 @@ __global__ void fill_bytes_sane_e4m3(std::uint8_t* p, std::size_t n, std::uint64
 /// The synthetic cache, the launch parameters and the byte count of one configuration.
 struct Setup : thinkv::bench::DeviceAllocs {
   long tokens = 0, batch = 0, mode = 0, evict_pct = 0;
+  long long positions = 0;  // slot positions per stream (the split plan's length hint)
   tk::PagedKvView view{};
   tk::DecodeAttentionParams prm{};
   double bytes_read = 0, bytes_written = 0;
@@ -258,6 +261,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
     prm.out = out;
     bytes_read += static_cast<double>(Hq) * kD * 4;    // q
     bytes_written = static_cast<double>(Hq) * kD * 4;  // out
+    positions = static_cast<long long>(blocks_per_stream) * kB;
     // The split plan's hint (the longest stream's slot positions), as CudaKvBackend passes it;
     // THINKV_BENCH_SPLIT_HINT=0 plans without it (waves only), for comparison.
     const char* hint = std::getenv("THINKV_BENCH_SPLIT_HINT");
@@ -315,6 +319,8 @@ void BM_PagedDecodeAttention(benchmark::State& state) {
   thinkv::bench::bandwidth_counters(state, su.bytes_read + su.bytes_written, med_s);
   state.counters["ctas"] = static_cast<double>(su.prm.num_kv_heads) * su.splits;
   state.counters["splits"] = static_cast<double>(su.splits);
+  state.counters["kv_heads"] = static_cast<double>(su.prm.num_kv_heads);
+  state.counters["positions"] = static_cast<double>(su.positions);
   state.SetLabel(kModeName[mode] + std::string(ev ? " evict50" : " evict0"));
 }
 
@@ -406,6 +412,8 @@ void BM_ModelStep(benchmark::State& state) {
   thinkv::bench::bandwidth_counters(state, bytes, med_s);
   state.counters["roofline_us"] = bytes / (kCeilingGBps * 1e9) * 1e6;
   state.counters["splits"] = static_cast<double>(tk::paged_decode_attention_splits(layer[0]));
+  state.counters["kv_heads"] = static_cast<double>(hkv);  // per launch (layer)
+  state.counters["positions"] = static_cast<double>(su.positions);
   state.SetLabel(std::string("32 layers R4E4T2 batch 64 budget 1024") + (layout ? " segments" : " per-block") +
                  (ev ? " evict50" : " evict0") + (graph ? " graph" : " launches"));
 }
