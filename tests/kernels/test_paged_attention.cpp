@@ -475,7 +475,7 @@ int main() {
     // (B = 100 and 128 with 16-slot tiles; B = 16 with 32-slot tiles at D = 64), many chunks
     // (most empty for these short streams), and staged-only streams split many ways.
     run_case({"split=1 D=128 32q/8kv B=16", 128, 16, 16, 32, 8, 1, map, 300, 1200, 1.0f, 0.0f, 1}, rng);
-    // Long chunks: one chunk of ~300-500 blocks per KV head, so each warp of the tensor-core pass
+    // Long chunks: one chunk of ~150-380 blocks per KV head, so each warp of the tensor-core pass
     // walks more than 32 units (its next 32 are loaded with a partial window of one precision
     // group still queued, and a group can come back after another ran). D = 256 has the shorter
     // queue (80 entries).
