@@ -16,6 +16,14 @@ head, against millions in the main pass).
   python3 bench/tools/ncu_instructions.py --bench build-bench/bench/bench_paged_attention \\
       --tokens 4096 --batch 64 --json instructions.json > instructions.md
 
+--stalls also asks for every warp-stall reason of the WarpStateStats section (the metrics
+smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio: warps stalled for that reason per
+cycle in which the scheduler issued) and prints them in a second table, the reasons that weigh most
+over all rows first; --modes picks precision modes (0-4, default all), e.g. to set the per-block
+R4E4T2 mix (4) beside NVFP4 (2) and ternary (3) at 50% evicted:
+
+  python3 bench/tools/ncu_instructions.py --bench ... --modes 2 3 4 --evict 50 --stalls
+
 Needs a GPU, Nsight Compute (ncu, or --ncu PATH) and the Release benchmark build. Exit status 1
 when a configuration could not be profiled (its row says why).
 """
@@ -36,11 +44,15 @@ METRICS = [
     "launch__grid_size",
     "launch__registers_per_thread",
 ]
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+STALL_METRICS = "regex:" + STALL_PREFIX + ".*" + STALL_SUFFIX.replace(".", "\\.")
 
 
-def profile(ncu, bench, tokens, batch, mode, evict, timeout):
+def profile(ncu, bench, tokens, batch, mode, evict, timeout, stalls=False):
     flt = f"^BM_PagedDecodeAttention/tokens:{tokens}/batch:{batch}/mode:{mode}/evict:{evict}/"
-    cmd = [ncu, "--clock-control", "none", "--csv", "--metrics", ",".join(METRICS), "-k",
+    metrics = METRICS + ([STALL_METRICS] if stalls else [])
+    cmd = [ncu, "--clock-control", "none", "--csv", "--metrics", ",".join(metrics), "-k",
            "regex:paged_decode_partial", "--launch-count", "1", bench, f"--benchmark_filter={flt}"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -61,6 +73,27 @@ def profile(ncu, bench, tokens, batch, mode, evict, timeout):
     return vals, ""
 
 
+def print_stalls(rows, top=10):
+    """The stall reasons of every profiled row, the heaviest over all rows first."""
+    if not rows:
+        return
+    total = {}
+    for r in rows:
+        for k, v in r.get("stalls", {}).items():
+            total[k] = total.get(k, 0.0) + v
+    if not total:
+        print("\nNo warp-stall metric came back (ncu matched none of " + STALL_METRICS + ").")
+        return
+    keys = sorted(total, key=lambda k: -total[k])[:top]
+    print("\nWarps stalled per issue-active cycle, by reason (Nsight Compute WarpStateStats; the "
+          f"{len(keys)} heaviest of {len(total)} reasons):\n")
+    print("| precision | evicted | " + " | ".join(keys) + " |")
+    print("|---|---:|" + "---:|" * len(keys))
+    for r in rows:
+        st = r.get("stalls", {})
+        print(f"| {r['precision']} | {r['evict_pct']}% | " + " | ".join(f"{st.get(k, 0.0):.2f}" for k in keys) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", required=True, help="path of the bench_paged_attention executable")
@@ -69,8 +102,14 @@ def main():
     ap.add_argument("--batch", type=int, default=64, help="sequences (1, 8, 32, 64, 256)")
     ap.add_argument("--evict", type=int, nargs="+", default=[0, 50], help="evicted shares (0, 50)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
+    ap.add_argument("--modes", type=int, nargs="+", default=list(range(len(MODES))),
+                    help="precision modes: 0 BF16, 1 FP8, 2 NVFP4, 3 ternary, 4 R4E4T2 per block (default all)")
+    ap.add_argument("--stalls", action="store_true", help="also report the warp-stall reasons")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
+    bad = [m for m in a.modes if not 0 <= m < len(MODES)]
+    if bad:
+        ap.error(f"--modes {bad}: each must be 0..{len(MODES) - 1}")
 
     token_heads = a.tokens * a.batch * KV_HEADS_PER_SEQ
     print(f"Main pass, {a.tokens} live tokens x batch {a.batch} ({token_heads:,} token-heads), "
@@ -80,8 +119,9 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     out, failed = [], 0
     for ev in a.evict:
-        for mode, name in enumerate(MODES):
-            vals, why = profile(a.ncu, a.bench, a.tokens, a.batch, mode, ev, a.timeout)
+        for mode in a.modes:
+            name = MODES[mode]
+            vals, why = profile(a.ncu, a.bench, a.tokens, a.batch, mode, ev, a.timeout, a.stalls)
             if vals is None:
                 failed += 1
                 print(f"| {name} | {ev}% | not profiled: {why} | | | | | | |")
@@ -96,9 +136,15 @@ def main():
                    "warp_instructions": inst, "per_token_head": inst / token_heads,
                    "per_window": 16 * inst / token_heads, "issue_per_active_cycle": ipc,
                    "registers": regs, "ctas": grid, "us_under_ncu": us}
+            if a.stalls:
+                row["stalls"] = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: float(v[0])
+                                 for k, v in vals.items()
+                                 if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)}
             out.append(row)
             print(f"| {name} | {ev}% | {inst:,.0f} | {row['per_token_head']:.1f} | {row['per_window']:.0f} | "
                   f"{ipc:.2f} | {regs} | {grid} | {us:.1f} |", flush=True)
+    if a.stalls:
+        print_stalls(out)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
