@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -518,9 +520,19 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
       std::vector<float> k(static_cast<std::size_t>(cfg.num_kv_heads * d)), v(k.size());
       std::vector<float> q(static_cast<std::size_t>(cfg.num_q_heads * d)), out(q.size());
       std::int64_t unreachable_before = 0, refreshes_before = 0, flagged_steps = 0;
-      float sharp = 1.0f;
+      // Query sharpness sets how sparse attention is, so which thought a refresh (every tau = 64
+      // positions) sees: 0 flat (E), 1.5 (R), 6 peaky (T). It changes every 64 steps, halfway
+      // between refreshes, cycling through a fresh shuffle of the three: every three refreshes see
+      // each once, so a transition (TBE case 1) follows another thought for every seed. (Drawn
+      // independently, all ten refreshes missed T for about one seed in a hundred.)
+      std::array<float, 3> regimes{0.0f, 1.5f, 6.0f};
+      float sharp = regimes[rng() % 3];
       for (int t = 0; t < 700; ++t) {
-        if (t % 32 == 0) sharp = std::vector<float>{0.0f, 1.5f, 6.0f}[rng() % 3];
+        if (t % 64 == 32) {
+          const int r = ((t - 32) / 64) % 3;
+          if (r == 0) std::shuffle(regimes.begin(), regimes.end(), rng);
+          sharp = regimes[static_cast<std::size_t>(r)];
+        }
         for (int seq = 0; seq < cfg.num_sequences; ++seq) {
           INFO("t " << t << " seq " << seq);
           tt::Diff diff;
