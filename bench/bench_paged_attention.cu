@@ -265,9 +265,7 @@ struct Setup : thinkv::bench::DeviceAllocs {
     // The split plan's hint (the longest stream's slot positions), as CudaKvBackend passes it;
     // THINKV_BENCH_SPLIT_HINT=0 plans without it (waves only), for comparison.
     const char* hint = std::getenv("THINKV_BENCH_SPLIT_HINT");
-    if (hint == nullptr || std::strcmp(hint, "0") != 0) {
-      prm.max_positions = static_cast<long long>(blocks_per_stream) * kB;
-    }
+    if (hint == nullptr || std::strcmp(hint, "0") != 0) { prm.max_positions = positions; }
     // A fixed number of chunks (THINKV_BENCH_SPLITS), else the launch's automatic plan.
     if (const char* fixed = std::getenv("THINKV_BENCH_SPLITS"); fixed != nullptr && *fixed != '\0') {
       char* end = nullptr;

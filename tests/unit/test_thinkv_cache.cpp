@@ -524,7 +524,7 @@ TEST_CASE("ThinKV cache against an independent model of the CT cache, every step
       // positions) sees: 0 flat (E), 1.5 (R), 6 peaky (T). It changes every 64 steps, halfway
       // between refreshes, cycling through a fresh shuffle of the three: every three refreshes see
       // each once, so a transition (TBE case 1) follows another thought for every seed. (Drawn
-      // independently, no refresh of a run saw T for some seeds: 646137325117905826.)
+      // independently every 32 steps, seed 646137325117905826 gave no transition event.)
       std::array<float, 3> regimes{0.0f, 1.5f, 6.0f};
       float sharp = regimes[rng() % 3];
       for (int t = 0; t < 700; ++t) {
