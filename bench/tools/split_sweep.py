@@ -34,7 +34,22 @@ import re
 import subprocess
 import sys
 
-PIECE = 128  # kTcChunkPiece: the positions of one chunk piece
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cpp_constant(rel_path, name):
+    """An integer constant of the C++ sources (the plan's own values, not copies of them)."""
+    path = os.path.join(ROOT, rel_path)
+    with open(path) as f:
+        m = re.search(r"constexpr\s+(?:long\s+long|int)\s+" + name + r"\s*=\s*(\d+)\s*;", f.read())
+    if not m:
+        sys.exit(f"split_sweep: no integer constant {name} in {path}")
+    return int(m.group(1))
+
+
+PIECE = cpp_constant("kernels/paged_attention_common.cuh", "kTcChunkPiece")  # positions of one chunk piece
+STARTUP = cpp_constant("include/thinkv/kernels/launch_plan.hpp", "kSplitStartupHalfPieces")
+MERGE = cpp_constant("include/thinkv/kernels/launch_plan.hpp", "kSplitMergeHalfPieces")
 
 
 def run_bench(bench, out, splits, bfilter):
@@ -135,8 +150,8 @@ def fit(rows, sms, k):
         print("fit: no row carries kv_heads and positions (a bench_paged_attention built before those counters)")
         return
     results = []
-    for startup in range(0, 11):
-        for merge in range(0, 5):
+    for startup in range(0, max(11, STARTUP + 1)):
+        for merge in range(0, max(5, MERGE + 1)):
             for c0 in range(1, k + 1):
                 lost = total = 0.0
                 for r in rows:
@@ -148,10 +163,10 @@ def fit(rows, sms, k):
                     total += tb
                 results.append((lost / total if total else 0.0, startup, merge, c0))
     # Equal regret: the parameter set nearest the plan's own comes first.
-    results.sort(key=lambda x: (round(x[0], 6), abs(x[1] - 3) + abs(x[2] - 2) + abs(x[3] - k)))
-    cur = next(x for x in results if x[1:] == (3, 2, k))
+    results.sort(key=lambda x: (round(x[0], 6), abs(x[1] - STARTUP) + abs(x[2] - MERGE) + abs(x[3] - k)))
+    cur = next(x for x in results if x[1:] == (STARTUP, MERGE, k))
     print(f"fit over {len(rows)} rows ({sms} SMs x {k} CTAs): time lost against the best measured split")
-    print(f"  the plan's model (start-up 3, merge 2, whole waves c0 = {k}): {100 * cur[0]:.2f}%")
+    print(f"  the plan's model (start-up {STARTUP}, merge {MERGE}, whole waves c0 = {k}): {100 * cur[0]:.2f}%")
     for lost, startup, merge, c0 in results[:8]:
         print(f"  start-up {startup:2d}  merge {merge}  c0 {c0}: {100 * lost:.2f}%")
 
