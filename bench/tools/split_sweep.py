@@ -150,8 +150,8 @@ def fit(rows, sms, k):
         print("fit: no row carries kv_heads and positions (a bench_paged_attention built before those counters)")
         return
     results = []
-    for startup in range(0, max(11, STARTUP + 1)):
-        for merge in range(0, max(5, MERGE + 1)):
+    for startup in range(0, max(25, 2 * STARTUP + 1)):
+        for merge in range(0, max(9, 2 * MERGE + 1)):
             for c0 in range(1, k + 1):
                 lost = total = 0.0
                 for r in rows:

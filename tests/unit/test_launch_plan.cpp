@@ -82,49 +82,53 @@ TEST_CASE("plan_decode_splits: the fewest splits reaching 90%, else the best, wi
 }
 
 TEST_CASE("plan_decode_splits_for_length: waves x (start-up + chunk), hand-computed H200 plans", "[launch_plan]") {
-  // The 32-layer step's layer: batch 64 (512 KV heads), 1,024 positions = 8 pieces of 128, 396
-  // resident CTAs. Cost in half-pieces, ceil(waves) x (3 + 2 ceil(8 / s)): s = 1: 2 x 19 = 38,
-  // s = 2: 3 x 11 = 33, s = 3: 4 x 9 = 36, s = 4: 6 x 7 = 42 -> 2 (the waves-only plan says 3).
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128) == 2);
+  // Costs in half-pieces, ceil(Hkv s / 396) x (12 + 2 ceil(pieces / s)) (start-up 12).
+  REQUIRE(thinkv::kernels::kSplitStartupHalfPieces == 12);
+  // The 32-layer step's layer: batch 64 (512 KV heads), 1,024 positions = 8 pieces of 128:
+  // s = 1: 2 x 28 = 56, s = 2: 3 x 20 = 60, s = 3: 4 x 18 = 72, s = 4: 6 x 16 = 96 -> 1 (the
+  // waves-only plan says 3). Measured on an H100: 1 split 4-8% faster than 2.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128) == 1);
   CHECK(plan_decode_splits(512, 396, 256) == 3);
-  // Batch 64 x 512 positions (4 pieces): s = 1: 2 x 11 = 22, s = 2: 3 x 7 = 21, s = 3: 4 x 7 = 28.
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 512, 128) == 2);
-  // Batch 32 x 4,096 (32 pieces): s = 2: 2 x 35 = 70, s = 3: 2 x 25 = 50, s = 4: 3 x 19 = 57 -> 3,
-  // the same as the waves-only plan; likewise batch 32 x 32K (256 pieces).
+  // Batch 64 x 512 positions (4 pieces): s = 1: 2 x 20 = 40, s = 2: 3 x 16 = 48 -> 1.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 512, 128) == 1);
+  // Batch 64 x 2,048 (16 pieces): s = 1: 2 x 44 = 88, s = 2: 3 x 28 = 84 (88 > 84 x 33/32) -> 2.
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 2048, 128) == 2);
+  // Batch 32 x 4,096 (32 pieces): s = 1: 76, s = 2: 2 x 44 = 88, s = 3: 2 x 34 = 68, s = 4: 3 x 28
+  // = 84 -> 3, the same as the waves-only plan; likewise batch 32 x 32K (256 pieces: s = 3: 2 x 184
+  // = 368, s = 6: 4 x 98 = 392, s = 1: 524).
   CHECK(plan_decode_splits_for_length(256, 396, 256, 4096, 128) == 3);
   CHECK(plan_decode_splits_for_length(256, 396, 256, 32768, 128) == 3);
-  // Batch 1 x 512 (8 KV heads, 4 pieces): one wave at any s <= 4; 4 chunks of one piece (the
-  // waves-only plan cuts 45 chunks, 41 of them empty).
+  // Batch 1 x 512 (8 KV heads, 4 pieces): one wave at any s <= 4: 20, 16, 16, 14 -> 4 chunks of
+  // one piece (the waves-only plan cuts 45 chunks, 41 of them empty).
   CHECK(plan_decode_splits_for_length(8, 396, 256, 512, 128) == 4);
   CHECK(plan_decode_splits(8, 396, 256) == 45);
   // Batch 1 x 32K: one wave up to s = 49; ceil(256 / s) = 6 from s = 43 on -> 43.
   CHECK(plan_decode_splits_for_length(8, 396, 256, 32768, 128) == 43);
-  // Batch 256 x 8,192 positions (64 pieces): s = 1: 6 x 131 = 786, s = 2: 11 x 67 = 737,
-  // s = 3: 16 x 47 = 752, s = 4: 21 x 35 = 735: 2 is within 1/32 of the least -> 2.
-  CHECK(plan_decode_splits_for_length(2048, 396, 256, 8192, 128) == 2);
-  // Batch 256 x 512 (2,048 KV heads, 4 pieces): s = 1: 6 x 11 = 66, s = 2: 11 x 7 = 77 -> 1.
+  // Batch 256 x 8,192 positions (64 pieces): s = 1: 6 x 140 = 840, s = 2: 11 x 76 = 836, s = 3:
+  // 16 x 56 = 896, s = 4: 21 x 44 = 924: 1 is within 1/32 of the least -> 1.
+  CHECK(plan_decode_splits_for_length(2048, 396, 256, 8192, 128) == 1);
+  // Batch 256 x 512 (2,048 KV heads, 4 pieces): s = 1: 6 x 20 = 120, s = 2: 11 x 16 = 176 -> 1.
   CHECK(plan_decode_splits_for_length(2048, 396, 256, 512, 128) == 1);
   // A partial last piece counts as a piece; one position is one piece and one split.
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 1025, 128) ==
-        plan_decode_splits_for_length(512, 396, 256, 1152, 128));
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 4097, 128) ==
+        plan_decode_splits_for_length(256, 396, 256, 4224, 128));
   CHECK(plan_decode_splits_for_length(512, 396, 256, 1, 128) == 1);
   // With the merge term (one chunk skips the merge kernel: + 2 half-pieces for s > 1): batch 64 x
-  // 512 positions: s = 1: 22, s = 2: 21 + 2 = 23 -> 1; batch 32 x 1,024 (8 pieces): s = 1: 19,
-  // s = 3: 18 + 2 = 20 -> 1; the step's layer keeps 2 (s = 1: 38, s = 2: 35); batch 1 x 512
-  // keeps 4 (s = 1: 11, s = 4: 5 + 2 = 7).
+  // 2,048 positions: s = 1: 88, s = 2: 84 + 2 = 86 (88 <= 86 x 33/32) -> 1 where it was 2; the
+  // step's layer keeps 1; batch 1 x 512 keeps 4 (s = 1: 20, s = 4: 14 + 2 = 16, s = 2 and 3: 18).
   using thinkv::kernels::kSplitMergeHalfPieces;
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 512, 128, kSplitMergeHalfPieces) == 1);
-  CHECK(plan_decode_splits_for_length(256, 396, 256, 1024, 128, kSplitMergeHalfPieces) == 1);
-  CHECK(plan_decode_splits_for_length(256, 396, 256, 1024, 128) == 3);
-  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128, kSplitMergeHalfPieces) == 2);
+  REQUIRE(kSplitMergeHalfPieces == 2);
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 2048, 128, kSplitMergeHalfPieces) == 1);
+  CHECK(plan_decode_splits_for_length(512, 396, 256, 1024, 128, kSplitMergeHalfPieces) == 1);
   CHECK(plan_decode_splits_for_length(8, 396, 256, 512, 128, kSplitMergeHalfPieces) == 4);
+  CHECK(plan_decode_splits_for_length(256, 396, 256, 4096, 128, kSplitMergeHalfPieces) == 3);
   // Unknown length (0 or negative): the waves-only plan.
   CHECK(plan_decode_splits_for_length(512, 396, 256, 0, 128) == plan_decode_splits(512, 396, 256));
   CHECK(plan_decode_splits_for_length(8, 396, 256, -5, 128) == plan_decode_splits(8, 396, 256));
 }
 
 TEST_CASE("plan_decode_splits_for_length: the cheapest plan by brute force, within bounds", "[launch_plan]") {
-  // The definition in doubles: cost(s) = ceil(H s / R) (1.5 + ceil(pieces / s)) + (s > 1 ? merge / 2 : 0)
+  // The definition in doubles: cost(s) = ceil(H s / R) (start-up / 2 + ceil(pieces / s)) + (s > 1 ? merge / 2 : 0)
   // over s = 1..min(max, pieces); the plan is the fewest splits within 1/32 of the least cost.
   auto check = [](int hkv, long long resident, int smax, long long positions, long long merge) {
     const int s = plan_decode_splits_for_length(hkv, resident, smax, positions, 128, merge);
@@ -136,7 +140,8 @@ TEST_CASE("plan_decode_splits_for_length: the cheapest plan by brute force, with
     REQUIRE(s <= pieces);
     auto cost = [&](long long k) {
       const double waves = std::ceil(static_cast<double>(hkv) * static_cast<double>(k) / static_cast<double>(resident));
-      return waves * (1.5 + std::ceil(static_cast<double>(pieces) / static_cast<double>(k))) +
+      return waves * (static_cast<double>(thinkv::kernels::kSplitStartupHalfPieces) / 2.0 +
+                      std::ceil(static_cast<double>(pieces) / static_cast<double>(k))) +
              (k > 1 ? static_cast<double>(merge) / 2.0 : 0.0);
     };
     const long long top = std::min<long long>(smax, pieces);

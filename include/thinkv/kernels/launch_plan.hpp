@@ -34,13 +34,16 @@ namespace thinkv::kernels {
   return best;
 }
 
-/// Start-up and wind-down of one main-pass CTA, in half-pieces of `piece` slot positions (3 = one
-/// and a half pieces of 128 positions): the stream-id, block-list, fill, mask and record loads
-/// that precede a CTA's first window, the Q fragments, and the write of its partial. Measured on
-/// the H200 (docs/perf-history.md, 2026-11-30 07:00 UTC section): the 32-layer step (batch 64,
-/// 1,024 positions) at 2 / 3 / 4 splits took 2,366 / 2,564 / 2,854 µs, which ceil(waves) x
-/// (start-up + pieces per chunk) fits with a start-up of 1.3-1.6 pieces.
-inline constexpr long long kSplitStartupHalfPieces = 3;
+/// Start-up and wind-down of one main-pass CTA, in half-pieces of `piece` slot positions (12 = six
+/// pieces of 128 positions): the stream-id, block-list, fill, mask and record loads that precede a
+/// CTA's first window, the Q fragments, the write of its partial, and what a wave's ragged end
+/// costs beyond them. Fitted to one sweep of forced split counts (1, 2, 3, 4, 6) over every
+/// bench_paged_attention shape and the 32-layer step on an NVIDIA H100 (docs/perf-history.md,
+/// 2026-12-07 split-plan section; bench/tools/split_sweep.py --fit): start-up 10-14 with a merge
+/// of 2-5 loses 0.14% of the measured total against each row's best count, the earlier start-up
+/// of 3 lost 1.65% (it cut the step's layers and batch 64 x 512 positions at 50% evicted into 2
+/// chunks where one is 4-15% faster).
+inline constexpr long long kSplitStartupHalfPieces = 12;
 
 /// The merge kernel a launch of more than one chunk per KV head needs, in the same half-piece
 /// units: a launch with one chunk and no sparsity skips it (the main pass writes the output).
@@ -57,12 +60,11 @@ inline constexpr long long kSplitMergeHalfPieces = 2;
 /// is within 1/32 of the least cost (merge_half_pieces: kSplitMergeHalfPieces when one chunk
 /// would skip the merge kernel, 0 when every plan needs it). Near-ties go to fewer, longer
 /// chunks, because at many waves ceil() overstates the tail (CTAs of the next wave start as soon
-/// as any ends). Measured on the H200: 256 streams x 8,192 positions cost 737 at 2 splits and 735
-/// at 4; 2 ran 4% faster.
+/// as any ends).
 /// Against plan_decode_splits (waves only) it cuts short streams into fewer, longer chunks: batch
-/// 64 x 1,024 positions gets 2 splits instead of 3 (7-10% faster), batch 32 x 512 one instead of
-/// 3 (14-22%), batch 1 x 512 four instead of 45 (25%). positions < 1 (unknown) falls back to
-/// plan_decode_splits. Integer arithmetic only.
+/// 64 x 1,024 positions (the step's layer) gets 1 split instead of 3, batch 32 x 512 one instead
+/// of 3, batch 1 x 512 four instead of 45; long streams on few KV heads still get many (batch 1 x
+/// 32K: 43). positions < 1 (unknown) falls back to plan_decode_splits. Integer arithmetic only.
 [[nodiscard]] constexpr int plan_decode_splits_for_length(int num_kv_heads, long long resident_ctas, int max_splits,
                                                           long long positions, long long piece,
                                                           long long merge_half_pieces = 0) noexcept {

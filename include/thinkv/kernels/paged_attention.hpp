@@ -83,7 +83,8 @@ struct DecodeAttentionParams {
   /// this launch (its blocks x block_size plus its staged tokens), when the caller knows it on the
   /// host (CudaKvBackend does); 0 = unknown. It only sets the number of chunks: any value gives the
   /// same results, a wrong one only costs time. Short streams then get fewer, longer chunks (the
-  /// 32-layer step at batch 64 x 1,024 tokens: 2 splits instead of 3, 8% faster on the H200).
+  /// 32-layer step at batch 64 x 1,024 tokens: 1 split instead of 3; launch_plan.hpp says what
+  /// was measured).
   long long max_positions = 0;
   /// Caller-provided device scratch of paged_decode_attention_workspace_size(p) bytes, 16-byte
   /// aligned; the kernels allocate nothing. Must not be shared by launches that may overlap.
