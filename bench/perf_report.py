@@ -6,23 +6,39 @@
         --sdpa docs/perf-data/2026-11-30-final/torch_sdpa_decode.json \
         --svg docs/perf_decode_attention.svg
 
---attention: Google Benchmark JSON of bench/bench_paged_attention.cu (the *_median rows are used).
+--attention: Google Benchmark JSON of bench/bench_paged_attention.cu (the *_median rows are used;
+.json.gz is read too).
 --sdpa: JSON of bench/torch_sdpa_decode.py (optional): PyTorch SDPA on dense BF16 KV, same shapes.
+--ceiling: the bandwidth the percentages and rooflines are of, in GB/s (default 4300, the H200's
+measured copy ceiling); --gpu: the device named in the plot's title (default H200). For another
+card pass both, e.g. --gpu H100 --ceiling 3350 (the H100 SXM's nominal HBM3 bandwidth).
 No third-party modules (the plot is plain SVG).
 """
 import argparse
+import gzip
 import json
 import re
 import sys
 
 MODES = ["BF16", "FP8", "NVFP4", "ternary", "R4E4T2"]
-CEILING = 4300.0
+CEILING = 4300.0  # GB/s; --ceiling sets it
+GPU = "H200"  # --gpu sets it
+
+
+def ceiling_label():
+    return f"{CEILING / 1000:g} TB/s"
+
+
+def load_json(path):
+    """A JSON file, gzipped when its name ends in .gz (the stored rounds under docs/perf-data/)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
 
 
 def load_attention(path):
     rows = {}
     step = {}
-    for b in json.load(open(path))["benchmarks"]:
+    for b in load_json(path)["benchmarks"]:
         if b.get("aggregate_name") != "median":
             continue
         m = re.match(r"BM_PagedDecodeAttention/tokens:(\d+)/batch:(\d+)/mode:(\d+)/evict:(\d+)/", b["name"])
@@ -41,7 +57,7 @@ def load_sdpa(path):
     out = {}
     if not path:
         return out
-    for r in json.load(open(path))["results"]:
+    for r in load_json(path)["results"]:
         out[(r["kv_len"], r["batch"])] = r
     return out
 
@@ -52,7 +68,7 @@ def fmt_us(x):
 
 def tables(rows, step, sdpa):
     keys = sorted({(t, b) for (t, b, _, _) in rows})
-    print("Median time (µs) / GB/s of the bytes read / % of 4.3 TB/s, 0% evicted; SDPA = PyTorch "
+    print(f"Median time (µs) / GB/s of the bytes read / % of {ceiling_label()}, 0% evicted; SDPA = PyTorch "
           "scaled_dot_product_attention (default backend) on dense BF16 KV of the same shape:\n")
     print("| live tokens | batch | " + " | ".join(MODES) + " | SDPA BF16 |")
     print("|---:|---:|" + "---|" * (len(MODES) + 1))
@@ -61,9 +77,9 @@ def tables(rows, step, sdpa):
         for mode in range(len(MODES)):
             r = rows.get((t, b, mode, 0))
             cells.append("-" if r is None else
-                         f"{fmt_us(r['med_us'])} / {r['GBps']:,.0f} / {100 * r['frac_4p3TBs']:.1f}%")
+                         f"{fmt_us(r['med_us'])} / {r['GBps']:,.0f} / {100 * r['GBps'] / CEILING:.1f}%")
         s = sdpa.get((t, b))
-        cells.append("-" if s is None else f"{fmt_us(s['median_us'])} / {s['gb_s']:,.0f} / {s['pct_of_4300']:.1f}%")
+        cells.append("-" if s is None else f"{fmt_us(s['median_us'])} / {s['gb_s']:,.0f} / {100 * s['gb_s'] / CEILING:.1f}%")
         print(f"| {t} | {b} | " + " | ".join(cells) + " |")
     print("\nSpeed-up over our BF16 path at equal live tokens (BF16 time / time), 0% evicted, and the "
           "cost of 50% evicted slots (time at 50% / time at 0%, same live tokens):\n")
@@ -83,12 +99,13 @@ def tables(rows, step, sdpa):
     if step:
         print("\nOne decode step's attention, 32 layers, batch 64, 1024 live tokens per stream, R4E4T2 "
               "(ternary: every third block, or every third 128-token thought segment):\n")
-        print("| ternary | evicted | launch | median µs | bytes | roofline µs (bytes / 4.3 TB/s) | % of 4.3 TB/s |")
+        print(f"| ternary | evicted | launch | median µs | bytes | roofline µs (bytes / {ceiling_label()}) "
+              f"| % of {ceiling_label()} |")
         print("|---|---:|---|---:|---:|---:|---:|")
         for (layout, ev, g), r in sorted(step.items()):
             print(f"| {'segments' if layout else 'blocks'} | {ev}% | {'CUDA graph' if g else '32 launches'} | "
                   f"{r['med_us']:,.0f} | {r['bytes'] / 1e9:.2f} GB | "
-                  f"{r['roofline_us']:.0f} | {100 * r['frac_4p3TBs']:.1f}% |")
+                  f"{r['bytes'] / (CEILING * 1e3):.0f} | {100 * r['bytes'] / (CEILING * 1e3) / r['med_us']:.1f}% |")
 
 
 def svg(rows, sdpa, path):
@@ -102,8 +119,8 @@ def svg(rows, sdpa, path):
     gw = plot_w / max(1, len(keys))
     bw = gw * 0.8 / len(series)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-           f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14">Decode attention on the H200: GB/s of bytes read '
-           f'(0% evicted), Llama-3-8B heads; top = 4.3 TB/s</text>']
+           f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="14">Decode attention on the {GPU}: GB/s of bytes read '
+           f'(0% evicted), Llama-3-8B heads; top = {ceiling_label()}</text>']
     for frac in (0.25, 0.5, 0.75, 1.0):
         y = top + plot_h * (1 - frac)
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{W - 20}" y2="{y:.1f}" stroke="#ddd"/>')
@@ -135,11 +152,17 @@ def svg(rows, sdpa, path):
 
 
 def main():
+    global CEILING, GPU
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attention", required=True)
     ap.add_argument("--sdpa")
     ap.add_argument("--svg")
+    ap.add_argument("--ceiling", type=float, default=CEILING, help="GB/s the percentages are of (default 4300)")
+    ap.add_argument("--gpu", default=GPU, help="device name for the plot's title (default H200)")
     a = ap.parse_args()
+    if not a.ceiling > 0:
+        ap.error(f"--ceiling {a.ceiling}: must be a positive bandwidth in GB/s")
+    CEILING, GPU = a.ceiling, a.gpu
     rows, step = load_attention(a.attention)
     if not rows:
         sys.exit("no *_median rows of BM_PagedDecodeAttention in " + a.attention)

@@ -27,6 +27,7 @@ head_dim 128 tensor-core pass on an NVIDIA H100 or H200).
 
 import argparse
 import glob
+import gzip
 import json
 import math
 import os
@@ -70,8 +71,8 @@ def run_bench(bench, out, splits, bfilter):
 
 
 def load(path):
-    """{row name: (median real time in us, counters)} of one Google Benchmark JSON file."""
-    with open(path) as f:
+    """{row name: (median real time in us, counters)} of one Google Benchmark JSON file (.json or .json.gz)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         data = json.load(f)
     rows = {}
     scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
@@ -85,12 +86,14 @@ def load(path):
 
 def collect(d):
     auto_path = os.path.join(d, "auto.json")
+    if not os.path.exists(auto_path) and os.path.exists(auto_path + ".gz"):
+        auto_path += ".gz"
     if not os.path.exists(auto_path):
         sys.exit(f"split_sweep: no {auto_path} (run with --bench first)")
     auto = load(auto_path)
     forced = {}
-    for p in glob.glob(os.path.join(d, "splits_*.json")):
-        m = re.search(r"splits_(\d+)\.json$", p)
+    for p in glob.glob(os.path.join(d, "splits_*.json")) + glob.glob(os.path.join(d, "splits_*.json.gz")):
+        m = re.search(r"splits_(\d+)\.json(\.gz)?$", p)
         if m:
             forced[int(m.group(1))] = load(p)
     if not forced:
