@@ -6,8 +6,9 @@
 # clang and libclang-rt-14-dev (libFuzzer, sanitizer runtimes) build the fuzz targets;
 # clang-format-14 checks the formatting (tests/lint/). ccache lets build-cpu/ reuse build/'s objects
 # (the CPU sources compile with the same flags in both), which saves about a quarter of a clean run.
+# python3 runs bench/tools/split_sweep.py's check against the C++ split plan (tests/tools/).
 THINKV_APT_PACKAGES=(cmake ninja-build ccache g++ catch2 libbenchmark-dev nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev
-                     clang-format-14)
+                     clang-format-14 python3)
 
 thinkv_log() { printf '\n==== %s\n' "$*" >&2; }
 

@@ -12,6 +12,9 @@ Run (on a machine with an NVIDIA GPU, from the repository root):
 runs bench_paged_attention once with the plan's choice (split-sweep/auto.json) and once per forced
 count (THINKV_BENCH_SPLITS=N: split-sweep/splits_N.json), then reports. Report only:
   python3 bench/tools/split_sweep.py --report split-sweep [--sms 132 --ctas-per-sm 3] [--fit]
+Self-check (a ctest, tools.split_sweep_model): the model with the plan's constants chooses what
+the C++ plan chooses over a grid of launches:
+  python3 bench/tools/split_sweep.py --check-plan build/tests/tools/plan_splits_dump
 
 The report lists, per benchmark row (median times): the plan's split count and time, the best
 measured count and time, and what the plan loses. --fit evaluates the plan's model over a grid of
@@ -137,14 +140,50 @@ def model_cost(s, hkv, pieces, sms, k, startup, merge, c0):
     return waves * (startup + 2 * -(-pieces // s)) + (merge if s > 1 else 0)
 
 
-def model_choice(r, sms, k, startup, merge, c0):
-    pieces = max(1, -(-r["positions"] // PIECE))
-    cands = sorted(s for s in r["times"] if s <= pieces)
+def model_plan(hkv, positions, sms, k, startup, merge, c0, cands):
+    """The model's split count among cands for hkv KV heads of `positions` slot positions: the
+    fewest chunks within 1/32 of the least cost (plan_decode_splits_for_length's rule); None when
+    no candidate is <= the pieces."""
+    pieces = max(1, -(-positions // PIECE))
+    cands = sorted(s for s in cands if s <= pieces)
     if not cands:
         return None
-    costs = {s: model_cost(s, r["kv_heads"], pieces, sms, k, startup, merge, c0) for s in cands}
+    costs = {s: model_cost(s, hkv, pieces, sms, k, startup, merge, c0) for s in cands}
     best = min(costs.values())
     return next(s for s in cands if 32 * costs[s] <= 33 * best)  # near-ties go to fewer chunks
+
+
+def model_choice(r, sms, k, startup, merge, c0):
+    return model_plan(r["kv_heads"], r["positions"], sms, k, startup, merge, c0, r["times"])
+
+
+def check_plan(exe):
+    """The model with the plan's constants and whole waves (c0 = ctas per SM) against the C++
+    plan over tests/tools/plan_splits_dump.cpp's grid; returns the number of disagreements."""
+    r = subprocess.run([exe, str(PIECE)], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"split_sweep: {exe} {PIECE} exited {r.returncode}: {r.stderr.strip()}")
+    lines = r.stdout.splitlines()
+    if not lines or not lines[0].startswith("constants "):
+        sys.exit(f"split_sweep: {exe}: no 'constants' line first")
+    startup, merge_const = (int(x) for x in lines[0].split()[1:3])
+    if (startup, merge_const) != (STARTUP, MERGE):
+        print(f"split_sweep: the C++ plan has start-up {startup}, merge {merge_const}; this tool read "
+              f"{STARTUP}, {MERGE} from launch_plan.hpp")
+        return 1
+    bad = n = 0
+    for line in lines[1:]:
+        sms, k, smax, hkv, positions, merge, s_cpp = (int(x) for x in line.split())
+        s_py = model_plan(hkv, positions, sms, k, STARTUP, merge, k, range(1, smax + 1))
+        n += 1
+        if s_py != s_cpp:
+            bad += 1
+            if bad <= 10:
+                print(f"split_sweep: {sms} SMs x {k}, max {smax}, {hkv} KV heads, {positions} positions, "
+                      f"merge {merge}: C++ plan {s_cpp}, model {s_py}")
+    print(f"split_sweep: the model (start-up {STARTUP}, merge {MERGE}, piece {PIECE}) agrees with the C++ "
+          f"plan on {n - bad} of {n} launches")
+    return bad
 
 
 def fit(rows, sms, k):
@@ -184,7 +223,11 @@ def main():
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--ctas-per-sm", type=int, default=3)
     ap.add_argument("--fit", action="store_true", help="also fit the plan's model parameters")
+    ap.add_argument("--check-plan", metavar="EXE",
+                    help="only check the model against the C++ plan (tests/tools/plan_splits_dump.cpp's executable)")
     a = ap.parse_args()
+    if a.check_plan:
+        sys.exit(1 if check_plan(a.check_plan) else 0)
     try:
         splits = sorted({int(x) for x in a.splits.split(",") if x.strip()})
     except ValueError:
